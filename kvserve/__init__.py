@@ -1,0 +1,32 @@
+"""kvserve: an LLM serving engine built around KV-cache memory management.
+
+Public API: :class:`LLM`, :class:`SamplingParams`, :class:`EngineConfig`, :class:`LLMEngine`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvserve.engine_config import EngineConfig
+from kvserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvserve.engine import LLMEngine
+    from kvserve.llm import LLM
+
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # NOTE: LLM and LLMEngine import torch; load them lazily so `import kvserve` (and core/)
+    # stays torch-free and fast.
+    if name == "LLM":
+        from kvserve.llm import LLM
+
+        return LLM
+    if name == "LLMEngine":
+        from kvserve.engine import LLMEngine
+
+        return LLMEngine
+    raise AttributeError(name)

@@ -1,0 +1,155 @@
+"""``kvserve`` command line: generate, chat, serve, bench, simulate."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Callable
+
+from kvserve.engine_config import EngineConfig
+
+
+def _sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--sampling-seed", dest="sample_seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def _sampling_params(args: argparse.Namespace):  # noqa: ANN202 - SamplingParams
+    from kvserve.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.sample_seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def _build_llm(args: argparse.Namespace):  # noqa: ANN202 - LLM
+    from kvserve.llm import LLM
+
+    config = EngineConfig.from_cli_args(args)
+    llm = LLM(**{k: v for k, v in vars(config).items()})
+    if not args.quiet:
+        for line in llm.memory_report():
+            print(f"[kvserve] {line}", file=sys.stderr)
+    return llm
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Generate a completion for one or more prompts and print it with its speed."""
+    llm = _build_llm(args)
+    params = _sampling_params(args)
+    prompts = args.prompt
+    t0 = time.perf_counter()
+    if args.raw:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    else:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    num_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    for o in outs:
+        for c in o.outputs:
+            print(c.text)
+    print(
+        f"[kvserve] {num_tokens} tokens in {dt:.2f} s = {num_tokens / dt:.1f} tokens/s "
+        f"(prompt {sum(len(o.prompt_token_ids) for o in outs)} tokens, incl. prefill)",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Interactive multi-turn chat on stdin/stdout; the prefix cache reuses the history."""
+    llm = _build_llm(args)
+    params = _sampling_params(args)
+    history: list[dict[str, str]] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    print("kvserve chat: empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        history.append({"role": "user", "content": line})
+        out = llm.chat(history, params, use_tqdm=False)[0]
+        reply = out.outputs[0].text
+        print(reply, flush=True)
+        history.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def _engine_parser(sub: argparse._SubParsersAction, name: str, help_: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help_, description=help_)
+    EngineConfig.add_cli_args(p)
+    p.add_argument("--quiet", action="store_true", help="do not print the memory report")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser (sub-commands register themselves here)."""
+    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = _engine_parser(sub, "generate", "generate a completion on the embedded (or given) model")
+    p.add_argument("prompt", nargs="+", help="prompt text (one or more)")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    _sampling_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = _engine_parser(sub, "chat", "interactive chat")
+    p.add_argument("--system", default=None, help="system prompt")
+    _sampling_args(p, max_tokens=256)
+    p.set_defaults(func=cmd_chat)
+
+    for register in _optional_commands():
+        register(sub, _engine_parser)
+    return parser
+
+
+def _optional_commands() -> list[Callable[..., None]]:
+    """Sub-commands that live in their own packages (serve, bench, simulate)."""
+    out: list[Callable[..., None]] = []
+    for mod_name in ("kvserve.server.cli", "kvserve.bench.cli", "kvserve.sim.cli"):
+        try:
+            mod = __import__(mod_name, fromlist=["register"])
+        except ModuleNotFoundError as e:
+            if e.name != mod_name:
+                raise
+            continue
+        out.append(mod.register)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="[%(name)s] %(message)s"
+    )
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as e:
+        print(f"kvserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

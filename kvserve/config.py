@@ -1,0 +1,105 @@
+"""Engine configuration: frozen dataclasses, validated at construction (ValueError)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+PreemptionMode = Literal["recompute", "swap"]
+KVCacheDType = Literal["auto", "int8", "fp8"]
+DTypeName = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    """Shapes of a Llama-family model, from GGUF metadata or an HF config.json."""
+
+    architecture: str  # "llama", "mistral", "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = field(default=None, hash=False, compare=False)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # qwen2: bias on q/k/v projections
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def kv_bytes_per_token(self, bytes_per_element: float) -> int:
+        """2 (K and V) x layers x kv_heads x head_dim x bytes: the seed's formula."""
+        return int(
+            2
+            * self.num_hidden_layers
+            * self.num_key_value_heads
+            * self.head_dim
+            * bytes_per_element
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Shape of the paged KV pool and its host tier."""
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # exact pool size; overrides kv_cache_memory
+    kv_cache_memory: int | None = None  # bytes for KV blocks; None = derived from the budget
+    memory_budget: int | None = None  # total bytes (weights + activations + headroom + KV)
+    kv_cache_dtype: KVCacheDType = "auto"
+    enable_prefix_caching: bool = True
+    swap_space: int | None = None  # bytes of host tier for swap preemption
+    num_host_blocks: int | None = None  # exact host tier size; overrides swap_space
+
+    def __post_init__(self) -> None:
+        _pos("block_size", self.block_size)
+        if self.block_size > 1024:
+            raise ValueError("block_size must be <= 1024")
+        for name in ("num_kv_blocks", "kv_cache_memory", "memory_budget", "swap_space"):
+            v = getattr(self, name)
+            if v is not None:
+                _pos(name, v)
+        if self.num_host_blocks is not None and self.num_host_blocks < 0:
+            raise ValueError("num_host_blocks must be >= 0")
+        if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
+            raise ValueError(
+                f"kv_cache_dtype must be 'auto', 'int8' or 'fp8', got {self.kv_cache_dtype!r}"
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous-batching limits and admission / preemption policy."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 8192  # resolved against the model at start-up
+    enable_chunked_prefill: bool = True
+    preemption_mode: PreemptionMode = "recompute"
+    # Admission keeps this fraction of the pool free (headroom for running decodes)...
+    admission_headroom: float = 0.02
+    # ...and after a preemption stays closed until this fraction is free (hysteresis).
+    resume_watermark: float = 0.10
+
+    def __post_init__(self) -> None:
+        _pos("max_num_seqs", self.max_num_seqs)
+        _pos("max_num_batched_tokens", self.max_num_batched_tokens)
+        _pos("max_model_len", self.max_model_len)
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(
+                f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
+            )
+        if not 0 <= self.admission_headroom < 1:
+            raise ValueError("admission_headroom must be in [0, 1)")
+        if not self.admission_headroom <= self.resume_watermark < 1:
+            raise ValueError("resume_watermark must be in [admission_headroom, 1)")
+
+
+def _pos(name: str, v: object) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"{name} must be a positive int, got {v!r}")

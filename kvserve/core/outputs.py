@@ -1,0 +1,83 @@
+"""The only types that cross from the scheduler (core/) to the model runner and back.
+
+Plain dataclasses of ints and lists: the runner never sees or mutates a Request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step.
+
+    The runner computes KV for ``token_ids`` at positions
+    ``[start_pos, start_pos + len(token_ids))`` and writes it through ``block_ids``.
+    If ``sample`` is true the step reaches the end of the known tokens, so the runner
+    samples one next token from the logits of the last scheduled position.
+    """
+
+    request_id: str
+    token_ids: list[int]  # the tokens whose KV this step computes
+    start_pos: int  # == request.num_computed_tokens before the step
+    block_ids: list[int]  # the whole block table (covers start_pos + len(token_ids) tokens)
+    sample: bool
+    sampling_params: SamplingParams
+    # Read-only views for penalties / seeded generators (the runner must not mutate them).
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    # Seed for this sample's generator: SamplingParams.seed + sample_index, or None.
+    seed: int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """Everything the runner needs for one step.
+
+    Order of execution in the runner: swap-out, swap-in, copy, then the forward pass.
+    (Blocks freed by a swap-out may be reused by a swap-in or a new allocation in the same
+    step, so swap-out must go first.)
+    """
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device
+    finished_req_ids: set[str] = field(default_factory=set)  # runner may drop their state
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.blocks_to_swap_out and not self.blocks_to_swap_in
+
+
+@dataclass(slots=True)
+class Logprob:
+    """Log-probability of one token, with its rank in the distribution (1 = most likely)."""
+
+    logprob: float
+    rank: int
+
+
+# token id -> Logprob; holds the sampled token plus the top-N.
+LogprobsEntry = dict[int, Logprob]
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """What the runner returns: one sampled token per request whose ``sample`` was true."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, LogprobsEntry] = field(default_factory=dict)
+    execute_time: float = 0.0  # seconds spent in the runner for this step

@@ -1,0 +1,191 @@
+"""EngineConfig: the flat set of engine options shared by ``LLM(...)``, the CLI and the server.
+
+Every field becomes a CLI flag (``max_num_seqs`` -> ``--max-num-seqs``), as in vLLM, so the
+Python API and the command line cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, fields
+from typing import Any, get_args
+
+from kvserve.config import CacheConfig, SchedulerConfig
+
+GiB = 1 << 30
+
+# NOTE: help texts live beside the fields so `kvserve --help` documents the same names as
+# the Python API.
+_HELP: dict[str, str] = {
+    "model": "GGUF file or HF directory; default: the embedded SmolLM2-135M-Instruct GGUF",
+    "dtype": "weight and activation dtype (float32 is the fast one on CPU)",
+    "device": "torch device, e.g. cpu or cuda",
+    "seed": "engine seed for unseeded sampling",
+    "block_size": "tokens per KV block",
+    "num_kv_blocks": "exact KV pool size in blocks (overrides --kv-cache-memory)",
+    "kv_cache_memory": "bytes for KV blocks (default: derived from the memory budget)",
+    "kv_cache_memory_fraction": "fraction of available memory given to KV blocks when no "
+    "size is set",
+    "memory_budget": "total bytes for weights + activations + headroom + KV blocks",
+    "max_num_seqs": "most requests running at once",
+    "max_num_batched_tokens": "token budget per step, shared by prefill chunks and decodes",
+    "max_model_len": "longest prompt + output (default: the model's context length)",
+    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes (radix cache)",
+    "preemption_mode": "what to do with a request preempted for memory",
+    "swap_space": "bytes of host memory for swapped-out KV blocks",
+    "kv_cache_dtype": "KV cache element type",
+    "num_threads": "torch CPU threads (default: all cores)",
+    "admission_headroom": "fraction of KV blocks kept free when admitting requests",
+    "resume_watermark": "after a preemption, admit again only above this free fraction",
+}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """All engine options. Validation happens in the nested configs (ValueError)."""
+
+    model: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    kv_cache_memory_fraction: float = 0.1
+    memory_budget: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    swap_space: int | None = None
+    kv_cache_dtype: str = "auto"
+    num_threads: int | None = None
+    admission_headroom: float = 0.02
+    resume_watermark: float = 0.10
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if not 0 < self.kv_cache_memory_fraction < 1:
+            raise ValueError("kv_cache_memory_fraction must be in (0, 1)")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError("num_threads must be >= 1")
+        # Build the nested configs once so their validation runs at construction.
+        self.cache_config()
+        self.scheduler_config(self.max_model_len or 1)
+
+    def cache_config(self) -> CacheConfig:
+        """The KV pool part of the options."""
+        return CacheConfig(
+            block_size=self.block_size,
+            num_kv_blocks=self.num_kv_blocks,
+            kv_cache_memory=self.kv_cache_memory,
+            memory_budget=self.memory_budget,
+            kv_cache_dtype=self.kv_cache_dtype,  # type: ignore[arg-type]
+            enable_prefix_caching=self.enable_prefix_caching,
+            swap_space=self.swap_space,
+        )
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        """The scheduling part, with the model length resolved against the model."""
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            preemption_mode=self.preemption_mode,  # type: ignore[arg-type]
+            admission_headroom=self.admission_headroom,
+            resume_watermark=self.resume_watermark,
+        )
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    # ---- command line ---------------------------------------------------------------------
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Add one ``--flag`` per field to ``parser``."""
+        group = parser.add_argument_group("engine")
+        for f in fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            default = f.default
+            kind = _field_type(f.type)
+            if kind is bool:
+                group.add_argument(
+                    flag, action=argparse.BooleanOptionalAction, default=default, help=_HELP[f.name]
+                )
+                continue
+            kwargs: dict[str, Any] = {"default": default, "help": _HELP[f.name]}
+            if f.name in ("kv_cache_memory", "memory_budget", "swap_space"):
+                kwargs["type"] = parse_bytes
+                kwargs["help"] += " (bytes; suffixes K, M, G, KiB, MiB, GiB accepted)"
+            else:
+                kwargs["type"] = kind
+            if f.name == "preemption_mode":
+                kwargs["choices"] = ["recompute", "swap"]
+            if f.name == "kv_cache_dtype":
+                kwargs["choices"] = ["auto", "int8", "fp8"]
+            if f.name == "dtype":
+                kwargs["choices"] = ["float32", "bfloat16", "float16"]
+            group.add_argument(flag, **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
+        """Build from a namespace filled by :meth:`add_cli_args`."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+def _field_type(annotation: object) -> type:
+    text = str(annotation)
+    for name, kind in (("bool", bool), ("int", int), ("float", float), ("str", str)):
+        if text.startswith(name):
+            return kind
+    args = get_args(annotation)
+    return args[0] if args else str
+
+
+_SUFFIXES = {
+    "": 1,
+    "B": 1,
+    "K": 1000,
+    "KB": 1000,
+    "M": 1000**2,
+    "MB": 1000**2,
+    "G": 1000**3,
+    "GB": 1000**3,
+    "KIB": 1 << 10,
+    "MIB": 1 << 20,
+    "GIB": 1 << 30,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """Parse ``"512MiB"``, ``"2G"`` or ``"1048576"`` into bytes (argparse type)."""
+    s = text.strip().upper().replace(" ", "")
+    num = s.rstrip("KMGIB")
+    suffix = s[len(num) :]
+    if suffix not in _SUFFIXES or not num:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 512MiB, 2G, 1048576)")
+    try:
+        value = float(num) * _SUFFIXES[suffix]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r}") from e
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"byte size must be positive: {text!r}")
+    return int(value)
+
+
+def available_memory_bytes() -> int:
+    """Memory the process could still use (MemAvailable on Linux, else total RAM)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

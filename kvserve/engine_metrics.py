@@ -1,0 +1,69 @@
+"""Per-request latency figures (TTFT, TPOT, ITL, e2e, queue time) kept by the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.request import Request
+
+
+def summarize(values: list[float]) -> dict[str, float]:
+    """mean / p50 / p90 / p99 / max of ``values`` (all 0.0 when empty)."""
+    if not values:
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0, "count": 0}
+    s = sorted(values)
+
+    def pct(q: float) -> float:
+        # Nearest-rank percentile: simple, exact on small samples.
+        return s[min(len(s) - 1, max(0, int(round(q * len(s) + 0.5)) - 1))]
+
+    return {
+        "mean": sum(s) / len(s),
+        "p50": pct(0.50),
+        "p90": pct(0.90),
+        "p99": pct(0.99),
+        "max": s[-1],
+        "count": len(s),
+    }
+
+
+@dataclass
+class LatencyStats:
+    """Latency samples of finished requests, plus inter-token gaps as they happen."""
+
+    ttft: list[float] = field(default_factory=list)
+    tpot: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    e2e: list[float] = field(default_factory=list)
+    queue_time: list[float] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+
+    def record_token(self, gap: float | None) -> None:
+        """One generated token; ``gap`` is the time since the request's previous token."""
+        self.num_generation_tokens += 1
+        if gap is not None:
+            self.itl.append(gap)
+
+    def record_finished(self, req: Request) -> None:
+        """Fold one finished request's timestamps into the figures."""
+        if req.first_scheduled_time is not None:
+            self.queue_time.append(req.first_scheduled_time - req.arrival_time)
+        if req.first_token_time is not None:
+            self.ttft.append(req.first_token_time - req.arrival_time)
+            if req.last_token_time is not None and req.num_output_tokens > 1:
+                self.tpot.append(
+                    (req.last_token_time - req.first_token_time) / (req.num_output_tokens - 1)
+                )
+        if req.finished_time is not None:
+            self.e2e.append(req.finished_time - req.arrival_time)
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        """``{"ttft": {...}, "tpot": {...}, ...}`` summaries in seconds."""
+        return {
+            "ttft": summarize(self.ttft),
+            "tpot": summarize(self.tpot),
+            "itl": summarize(self.itl),
+            "e2e": summarize(self.e2e),
+            "queue_time": summarize(self.queue_time),
+        }

@@ -1,0 +1,109 @@
+"""User-facing sampling parameters, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample the tokens of one request (OpenAI / vLLM semantics).
+
+    Invalid values raise ``ValueError`` naming the field.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0) disables top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None = up to the model's context length
+    min_tokens: int = 0
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # number of top logprobs per output token (0 = chosen only)
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    extra_stop: tuple[str, ...] = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", [self.stop])
+        _check(isinstance(self.n, int) and 1 <= self.n <= 128, "n", "must be an int in [1, 128]")
+        _check(_num(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
+        _check(_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "must be -1, 0 or >= 1")
+        _check(_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        _check(self.seed is None or isinstance(self.seed, int), "seed", "must be an int or None")
+        _check(
+            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            "max_tokens",
+            "must be an int >= 1 or None",
+        )
+        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "must be >= 0")
+        _check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            "must not exceed max_tokens",
+        )
+        _check(
+            _num(self.repetition_penalty) and self.repetition_penalty > 0,
+            "repetition_penalty",
+            "must be > 0",
+        )
+        _check(
+            _num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+            "presence_penalty",
+            "must be in [-2, 2]",
+        )
+        _check(
+            _num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+            "frequency_penalty",
+            "must be in [-2, 2]",
+        )
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            _check(
+                v is None or (isinstance(v, int) and 0 <= v <= MAX_LOGPROBS),
+                name,
+                f"must be None or an int in [0, {MAX_LOGPROBS}]",
+            )
+        if self.stop is not None:
+            _check(
+                isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
+                "stop",
+                "must be a list of non-empty strings",
+            )
+        if self.stop_token_ids is not None:
+            _check(
+                all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                "stop_token_ids",
+                "must be non-negative ints",
+            )
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax."""
+        return self.temperature < 1e-5 or self.top_k == 1
+
+    @property
+    def all_stop_strings(self) -> list[str]:
+        """User stop strings plus any added by the engine (e.g. chat end markers)."""
+        return list(self.stop or []) + list(self.extra_stop)
+
+
+def _num(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+
+
+def _check(ok: bool, name: str, what: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name} {what}")

@@ -18,7 +18,13 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--sampling-seed", dest="sample_seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument(
+        "--sampling-seed",
+        dest="sample_seed",
+        type=int,
+        default=None,
+        help="per-request sampling seed",
+    )
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
 
@@ -95,7 +101,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-def _engine_parser(sub: argparse._SubParsersAction, name: str, help_: str) -> argparse.ArgumentParser:
+def _engine_parser(
+    sub: argparse._SubParsersAction, name: str, help_: str
+) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help=help_, description=help_)
     EngineConfig.add_cli_args(p)
     p.add_argument("--quiet", action="store_true", help="do not print the memory report")
@@ -134,8 +142,19 @@ def _optional_commands() -> list[Callable[..., None]]:
             if e.name != mod_name:
                 raise
             continue
-        out.append(mod.register)
+        if hasattr(mod, "register"):
+            out.append(mod.register)
+        else:  # a self-contained command: add_parser(sub) + run(args)
+            out.append(_plain_command(mod))
     return out
+
+
+def _plain_command(mod: object) -> Callable[..., None]:
+    def register(sub: argparse._SubParsersAction, _engine_parser: object) -> None:
+        p = mod.add_parser(sub)  # type: ignore[attr-defined]
+        p.set_defaults(func=mod.run)  # type: ignore[attr-defined]
+
+    return register
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -118,7 +118,9 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
             num_host_blocks=rep.num_host_blocks,
         )
-        self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), self.kv_cache_manager)
+        self.scheduler = Scheduler(
+            config.scheduler_config(self.max_model_len), self.kv_cache_manager
+        )
         self.latency = LatencyStats()
         self._groups: dict[str, _Group] = {}
         self._sample_to_group: dict[str, _Group] = {}
@@ -150,7 +152,10 @@ class LLMEngine:
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt_text, token_ids = self._tokenize(prompt)
-        if params.max_tokens is not None and len(token_ids) + params.max_tokens > self.max_model_len:
+        if (
+            params.max_tokens is not None
+            and len(token_ids) + params.max_tokens > self.max_model_len
+        ):
             raise ValueError(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"max_model_len={self.max_model_len}"
@@ -266,6 +271,10 @@ class LLMEngine:
                 req.stop_reason = state.detok.stop_matched
                 self.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_STOPPED)
         if req.is_finished:
+            # NOTE: streaming holds back text that could start a stop string (or half a
+            # character); once the request is over, release it.
+            if state.detok.stop_matched is None:
+                state.detok.flush()
             self.latency.record_finished(req)
 
     def _finish_group(self, group: _Group) -> None:

@@ -56,7 +56,9 @@ class Request:
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
-    num_cached_tokens: int = -1  # prompt tokens served from the prefix cache (-1: not yet looked up)
+    num_cached_tokens: int = (
+        -1
+    )  # prompt tokens served from the prefix cache (-1: not yet looked up)
     num_preemptions: int = 0
     pending_children: list[Request] = field(default_factory=list)
     # Timestamps (time.monotonic) for latency figures.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
@@ -37,18 +38,22 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", [self.stop])
-        _check(isinstance(self.n, int) and 1 <= self.n <= 128, "n", "must be an int in [1, 128]")
+        elif isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", list(self.stop))
+        if isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids))
+        _check(_int(self.n) and 1 <= self.n <= 128, "n", "must be an int in [1, 128]")
         _check(_num(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
         _check(_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "must be -1, 0 or >= 1")
+        _check(_int(self.top_k) and self.top_k >= -1, "top_k", "must be -1, 0 or >= 1")
         _check(_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
-        _check(self.seed is None or isinstance(self.seed, int), "seed", "must be an int or None")
+        _check(self.seed is None or _int(self.seed), "seed", "must be an int or None")
         _check(
-            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            self.max_tokens is None or (_int(self.max_tokens) and self.max_tokens >= 1),
             "max_tokens",
             "must be an int >= 1 or None",
         )
-        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "must be >= 0")
+        _check(_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be an int >= 0")
         _check(
             self.max_tokens is None or self.min_tokens <= self.max_tokens,
             "min_tokens",
@@ -72,7 +77,7 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             _check(
-                v is None or (isinstance(v, int) and 0 <= v <= MAX_LOGPROBS),
+                v is None or (_int(v) and 0 <= v <= MAX_LOGPROBS),
                 name,
                 f"must be None or an int in [0, {MAX_LOGPROBS}]",
             )
@@ -84,10 +89,19 @@ class SamplingParams:
             )
         if self.stop_token_ids is not None:
             _check(
-                all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                isinstance(self.stop_token_ids, list)
+                and all(_int(t) and t >= 0 for t in self.stop_token_ids),
                 "stop_token_ids",
-                "must be non-negative ints",
+                "must be a list of non-negative ints",
             )
+        _check(
+            isinstance(self.extra_stop, tuple)
+            and all(isinstance(s, str) and s for s in self.extra_stop),
+            "extra_stop",
+            "must be a tuple of non-empty strings",
+        )
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            _check(isinstance(getattr(self, name), bool), name, "must be a bool")
 
     @property
     def greedy(self) -> bool:
@@ -101,7 +115,13 @@ class SamplingParams:
 
 
 def _num(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+    """A finite real number (not a bool, NaN or infinity)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _int(v: object) -> bool:
+    """An int that is not a bool."""
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _check(ok: bool, name: str, what: str) -> None:

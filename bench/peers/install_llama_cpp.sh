@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Build llama.cpp (llama-server, llama-batched-bench) from the source bundled in the
+# llama-cpp-python sdist, under $KVSERVE_PEERS. Idempotent; exits 3 if it cannot be built.
+source "$(dirname "$0")/common.sh"
+BUILD="$LLAMA_CPP_DIR/build"
+if [ ! -x "$BUILD/bin/llama-server" ] || [ ! -x "$BUILD/bin/llama-batched-bench" ]; then
+  SRC="$LLAMA_CPP_DIR/src"
+  mkdir -p "$SRC"
+  if [ ! -d "$SRC/llama_cpp_python-$LLAMA_CPP_PY_VERSION" ]; then
+    echo "[peers] fetching the llama-cpp-python==$LLAMA_CPP_PY_VERSION sdist" >&2
+    "$KVSERVE_PY" -m pip download -q --no-deps --no-binary :all: \
+      "llama-cpp-python==$LLAMA_CPP_PY_VERSION" -d "$SRC" || {
+      echo "[peers] cannot fetch llama.cpp sources; skipping llama.cpp" >&2; exit 3; }
+    tar -xzf "$SRC/llama_cpp_python-$LLAMA_CPP_PY_VERSION.tar.gz" -C "$SRC"
+  fi
+  echo "[peers] building llama.cpp (about 12 minutes on 2 cores, niced)" >&2
+  if ! { nice -n 19 cmake -S "$SRC/llama_cpp_python-$LLAMA_CPP_PY_VERSION/vendor/llama.cpp" \
+      -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+      -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_BUILD_TESTS=OFF \
+      -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF \
+      -DBUILD_SHARED_LIBS=OFF >/dev/null \
+    && nice -n 19 cmake --build "$BUILD" -j2 --target llama-batched-bench llama-server; }; then
+    echo "[peers] llama.cpp build failed on this machine; skipping llama.cpp" >&2
+    exit 3
+  fi
+fi
+version="$("$BUILD/bin/llama-server" --version 2>&1 | grep -m1 -i version | tr -d '\r' || true)"
+record_version llama.cpp "py$LLAMA_CPP_PY_VERSION ${version:-unknown}"
+echo "llama.cpp ($version) at $BUILD/bin"

@@ -1,0 +1,303 @@
+"""AsyncLLMEngine: runs the synchronous LLMEngine's step loop behind an asyncio API.
+
+Every call into the engine (add, abort, step, stats, integrity checks) runs on one worker
+thread, in submission order, so the engine never sees two callers at once and the event loop
+keeps serving while a step (10-100 ms of CPU work) runs. One asyncio task drives the loop:
+it submits ``step()`` to the worker, waits for it, and routes each RequestOutput to the
+asyncio.Queue of its request. That queue is the only coordination point between a request's
+handler and the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar
+
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvserve.async_engine")
+
+T = TypeVar("T")
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop has died: no request can be served any more."""
+
+
+class QueueFullError(RuntimeError):
+    """More requests are queued than ``max_queued_requests`` allows."""
+
+
+class EngineLike(Protocol):
+    """The part of LLMEngine the async layer uses (tests pass a fake with the same shape)."""
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> str: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def abort_request(self, request_id: str) -> None: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+
+class OutputObserver(Protocol):
+    """Sees every output routed to a live request (used for latency metrics)."""
+
+    def on_output(self, output: RequestOutput) -> None: ...
+
+    def on_request_done(self, request_id: str) -> None: ...
+
+
+class RequestStream:
+    """Async iterator over one request's RequestOutputs (per-step deltas); ends when finished.
+
+    Raises EngineDeadError if the step loop dies while the request is pending.
+    ``abort()`` (idempotent) cancels the request in the engine and frees its blocks.
+    """
+
+    def __init__(self, request_id: str, on_abort: Callable[[str], None]) -> None:
+        self.request_id = request_id
+        self.finished = False
+        self.num_outputs = 0  # outputs consumed
+        self.num_received = 0  # outputs routed here by the loop
+        self._on_abort = on_abort
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Called by the loop task only (same thread as the consumer)."""
+        self.num_received += 1
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.num_outputs += 1
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        """Abort the request unless it already finished (safe to call from ``finally``)."""
+        if not self.finished:
+            self.finished = True
+            self._on_abort(self.request_id)
+
+
+class AsyncLLMEngine:
+    """Serve an engine from asyncio: ``add_request`` returns a RequestStream.
+
+    ``max_queued_requests`` bounds the requests that were accepted but have not produced any
+    output yet; beyond it ``add_request`` raises QueueFullError at once.
+    The loop task starts on first use (or ``start()``) in the running event loop.
+    """
+
+    def __init__(
+        self,
+        engine: EngineLike,
+        *,
+        max_queued_requests: int | None = None,
+        observer: OutputObserver | None = None,
+    ) -> None:
+        if max_queued_requests is not None and max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {max_queued_requests}")
+        self.engine = engine
+        self.max_queued_requests = max_queued_requests
+        self.observer = observer
+        self.dead_error: BaseException | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-engine")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._last_stats: dict[str, Any] = {}
+
+    # ---- life cycle -----------------------------------------------------------------------
+
+    @property
+    def is_dead(self) -> bool:
+        """True once the step loop has raised; every later request fails."""
+        return self.dead_error is not None
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests with an open stream (accepted and not finished or aborted)."""
+        return len(self._streams)
+
+    @property
+    def num_queued(self) -> int:
+        """Accepted requests that have not produced any output yet."""
+        return sum(1 for s in self._streams.values() if s.num_received == 0)
+
+    def start(self) -> None:
+        """Start the loop task in the running event loop (no-op if it runs already)."""
+        loop = asyncio.get_running_loop()
+        if self._task is not None and self._loop is loop and not self._task.done():
+            return
+        if self._task is not None and self._loop is not loop:
+            raise RuntimeError("AsyncLLMEngine is bound to another event loop")
+        if self._task is not None:
+            return  # the loop ended (dead or shut down); do not restart it
+        self._loop = loop
+        self._wakeup = asyncio.Event()
+        self._task = loop.create_task(self._run_loop(), name="kvserve-step-loop")
+
+    async def shutdown(self) -> None:
+        """Stop the loop, fail pending requests and release the worker thread."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self.dead_error is None:
+            self.dead_error = EngineDeadError("the engine was shut down")
+        self._fail_all(EngineDeadError("the server is shutting down"))
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    async def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
+        """Validate and queue a request; returns its stream.
+
+        Raises ValueError (bad or never-fitting input, nothing queued), QueueFullError or
+        EngineDeadError.
+        """
+        self._check_alive()
+        self.start()
+        if self.max_queued_requests is not None and self.num_queued >= self.max_queued_requests:
+            raise QueueFullError(
+                f"too many queued requests ({self.num_queued} >= "
+                f"max_queued_requests={self.max_queued_requests}); retry later"
+            )
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        # NOTE: the stream is registered before the add so no output can arrive unrouted.
+        stream = RequestStream(request_id, self._abort)
+        self._streams[request_id] = stream
+        try:
+            await self.run_in_engine(
+                lambda: self.engine.add_request(
+                    prompt, params, request_id=request_id, priority=priority, cache_salt=cache_salt
+                )
+            )
+        except BaseException:
+            self._streams.pop(request_id, None)
+            stream.finished = True
+            raise
+        assert self._wakeup is not None
+        self._wakeup.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request in the engine (fire and forget; runs before the next step)."""
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.abort()
+
+    def _abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        if self.observer is not None:
+            self.observer.on_request_done(request_id)
+        if self.is_dead or self._loop is None or self._loop.is_closed():
+            return
+        fut = self._loop.run_in_executor(self._executor, self.engine.abort_request, request_id)
+        fut.add_done_callback(_log_failure)
+
+    async def run_in_engine(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the engine thread, serialized with steps, adds and aborts."""
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, fn)
+
+    async def stats(self) -> dict[str, Any]:
+        """``engine.stats()`` taken on the engine thread (the last good one if the loop died)."""
+        if not self.is_dead:
+            with contextlib.suppress(Exception):
+                self._last_stats = await self.run_in_engine(self.engine.stats)
+        return self._last_stats
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine loop has died: {self.dead_error!r}")
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    def _step_if_busy(self) -> list[RequestOutput] | None:
+        if not self.engine.has_unfinished_requests():
+            return None
+        return self.engine.step()
+
+    async def _run_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._wakeup is not None
+        try:
+            while True:
+                # NOTE: clear before looking for work: an add that lands after the check sets
+                # the event again, so the wait below cannot miss it.
+                self._wakeup.clear()
+                outputs = await loop.run_in_executor(self._executor, self._step_if_busy)
+                if outputs is None:
+                    await self._wakeup.wait()
+                    continue
+                for out in outputs:
+                    self._dispatch(out)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            logger.exception("the engine step loop died")
+            self.dead_error = e
+            self._fail_all(EngineDeadError(f"the engine loop has died: {e!r}"))
+
+    def _dispatch(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return  # aborted: its late outputs are dropped
+        if self.observer is not None:
+            self.observer.on_output(out)
+        stream.put(out)
+        if out.finished:
+            del self._streams[out.request_id]
+            if self.observer is not None:
+                self.observer.on_request_done(out.request_id)
+
+    def _fail_all(self, error: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.put(error)
+            if self.observer is not None:
+                self.observer.on_request_done(stream.request_id)
+
+
+def _log_failure(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        logger.error("abort_request failed: %r", fut.exception())

@@ -1,0 +1,86 @@
+"""``kvserve bench ...``: registers the benchmark sub-commands with the kvserve CLI."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from kvserve.bench import capacity, prefix, serve, throughput
+from kvserve.bench.workload_args import add_workload_args, build_workload
+
+EngineParser = Callable[[argparse._SubParsersAction, str, str], argparse.ArgumentParser]
+
+# Benchmarks owned by other modules, wired in when they expose ``main(argv)``.
+_EXTERNAL = (
+    ("alloc", "kvserve.bench.alloc", "block allocation micro-benchmark"),
+    ("runtime-speed", "kvserve.bench.runtime_speed", "decode speed of the bare model runner"),
+)
+
+
+def register(sub: argparse._SubParsersAction, engine_parser: EngineParser) -> None:
+    """Add ``bench`` and its sub-commands to the ``kvserve`` parser."""
+    p = sub.add_parser("bench", help="benchmarks", description=__doc__)
+    bench_sub = p.add_subparsers(dest="bench_command", required=True)
+    throughput.register(bench_sub, engine_parser)
+    serve.register(bench_sub, engine_parser)
+    capacity.register(bench_sub, engine_parser)
+    prefix.register(bench_sub, engine_parser)
+
+    w = bench_sub.add_parser("workload", help="generate a trace and save it as JSONL")
+    add_workload_args(w)
+    w.set_defaults(func=cmd_workload)
+
+    pl = bench_sub.add_parser("plot", help="plot result JSON files side by side (PNG)")
+    pl.add_argument("results", nargs="+", help="result JSON files or folders of them")
+    pl.add_argument("--out-dir", default="bench/results", help="where the PNGs go")
+    pl.set_defaults(func=cmd_plot)
+
+    for name, module, help_ in _EXTERNAL:
+        _register_external(bench_sub, name, module, help_)
+
+
+def cmd_workload(args: argparse.Namespace) -> int:
+    """Write the trace (with resolved prompt ids) to --save-workload, or stdout."""
+    if not args.save_workload:
+        raise ValueError("bench workload needs --save-workload PATH")
+    reqs = build_workload(args)
+    num_tokens = sum(r.prompt_len for r in reqs)
+    print(f"wrote {len(reqs)} requests ({num_tokens} prompt tokens) to {args.save_workload}")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    """Draw the side-by-side PNGs from result records."""
+    from kvserve.bench.plots import load_records, plot_all  # NOTE: matplotlib is slow to import
+
+    for path in plot_all(load_records(args.results), args.out_dir):
+        print(path)
+    return 0
+
+
+def _register_external(
+    bench_sub: argparse._SubParsersAction, name: str, module_name: str, help_: str
+) -> None:
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name != module_name:
+            raise
+        return
+    main = getattr(module, "main", None)
+    if not callable(main):
+        return
+    # NOTE: prefix_chars="+" makes "-x" / "--flag" plain strings here, so every argument
+    # (``--help`` included) reaches the module's own parser untouched.
+    p = bench_sub.add_parser(
+        name, help=help_, add_help=False, prefix_chars="+", description=module.__doc__
+    )
+    p.add_argument("argv", nargs="*", help=f"arguments of {module_name}")
+    p.set_defaults(func=lambda args: _run_external(main, args.argv))
+
+
+def _run_external(main: Callable[[list[str]], Any], argv: list[str]) -> int:
+    result = main(argv)
+    return int(result) if isinstance(result, int) else 0

@@ -1,0 +1,137 @@
+"""Decode speed of the bare runtime (ModelRunner, no scheduler): tokens/s at B=1 and B=32.
+
+    .venv/bin/python -m kvserve.bench.runtime_speed [--batch-sizes 1 32] [--steps 64]
+        [--prompt-len 128] [--threads 2] [--model PATH] [--profile]
+
+Each batch size: B distinct random prompts of ``prompt_len`` tokens are prefilled (in chunks of
+at most ``--max-batched-tokens``), then ``steps`` greedy decode steps run for all B sequences
+at once. Reported: prefill tokens/s and decode tokens/s (B x steps / decode wall time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
+from kvserve.models.llama import LlamaForCausalLM
+from kvserve.models.loader import load_model
+from kvserve.runtime.model_runner import ModelRunner
+from kvserve.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
+
+
+def _req(rid: str, tokens: list[int], start: int, end: int, blocks: list[int]) -> ScheduledRequest:
+    return ScheduledRequest(
+        request_id=rid,
+        token_ids=tokens[start:end],
+        start_pos=start,
+        block_ids=blocks,
+        sample=end == len(tokens),
+        sampling_params=GREEDY,
+        prompt_token_ids=tokens,
+        output_token_ids=[],
+    )
+
+
+def run_batch(
+    runner: ModelRunner,
+    batch_size: int,
+    prompt_len: int,
+    steps: int,
+    max_batched_tokens: int,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Prefill ``batch_size`` random prompts, then decode ``steps`` tokens for all of them."""
+    rng = random.Random(seed)
+    bs = runner.block_size
+    blocks_per_seq = -(-(prompt_len + steps) // bs)
+    if batch_size * blocks_per_seq > runner.num_blocks:
+        raise ValueError(f"{batch_size} sequences need more than {runner.num_blocks} blocks")
+    free = list(range(runner.num_blocks))
+    rng.shuffle(free)
+    vocab = runner.arch.vocab_size
+    seqs = {f"r{i}": [rng.randrange(vocab) for _ in range(prompt_len)] for i in range(batch_size)}
+    tables = {rid: [free.pop() for _ in range(blocks_per_seq)] for rid in seqs}
+    # Prefill, packing prompt chunks under the token budget.
+    t0 = time.perf_counter()
+    pos = dict.fromkeys(seqs, 0)
+    while any(p < prompt_len for p in pos.values()):
+        budget = max_batched_tokens
+        sched = []
+        for rid, tokens in seqs.items():
+            if pos[rid] < prompt_len and budget > 0:
+                end = min(prompt_len, pos[rid] + budget)
+                sched.append(_req(rid, tokens, pos[rid], end, tables[rid]))
+                budget -= end - pos[rid]
+                pos[rid] = end
+        out = runner.execute(SchedulerOutput(scheduled=sched))
+        for rid, tok in out.sampled_token_ids.items():
+            seqs[rid].append(tok)
+    t_prefill = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    for _ in range(steps - 1):
+        sched = [_req(rid, t, len(t) - 1, len(t), tables[rid]) for rid, t in seqs.items()]
+        out = runner.execute(SchedulerOutput(scheduled=sched))
+        for rid, tok in out.sampled_token_ids.items():
+            seqs[rid].append(tok)
+    t_decode = time.perf_counter() - t1
+    return {
+        "batch_size": batch_size,
+        "prefill_tok_s": batch_size * prompt_len / t_prefill,
+        "decode_tok_s": batch_size * (steps - 1) / t_decode,
+        "decode_step_ms": 1000 * t_decode / (steps - 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command-line entry point; prints one line per batch size."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default=None, help="GGUF file or HF dir (default: embedded)")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--max-batched-tokens", type=int, default=512)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--attn-backend", default="torch_sdpa")
+    ap.add_argument("--profile", action="store_true", help="print a torch.profiler table")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    loaded = load_model(args.model, torch.float32)
+    model = LlamaForCausalLM(loaded.arch, device=args.device, attn_backend=args.attn_backend)
+    model.load_weights(loaded.state_dict)
+    del loaded
+    blocks_per_seq = -(-(args.prompt_len + args.steps) // args.block_size)
+    runner = ModelRunner(
+        model,
+        model.arch,
+        num_blocks=max(args.batch_sizes) * blocks_per_seq,
+        block_size=args.block_size,
+        device=args.device,
+    )
+    print(f"loaded in {time.perf_counter() - t0:.1f}s; threads={torch.get_num_threads()}")
+    run_batch(runner, 1, 16, 4, args.max_batched_tokens)  # warm-up
+    for b in args.batch_sizes:
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                r = run_batch(runner, b, args.prompt_len, args.steps, args.max_batched_tokens)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+        else:
+            r = run_batch(runner, b, args.prompt_len, args.steps, args.max_batched_tokens)
+        print(
+            f"B={b:3d}  prefill {r['prefill_tok_s']:7.1f} tok/s  decode {r['decode_tok_s']:7.1f} "
+            f"tok/s  ({r['decode_step_ms']:.1f} ms/step)"
+        )
+
+
+if __name__ == "__main__":
+    main()

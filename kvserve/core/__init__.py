@@ -1,0 +1,23 @@
+"""The memory core: pure Python, no torch. Every test here runs in milliseconds.
+
+- ``block_pool``: physical block ids, ref counts, the O(1) eviction-ordered free list.
+- ``prefix_cache``: the ``PrefixCache`` interface and its radix-tree implementation.
+- ``kv_cache_manager``: block tables, prefix hits, copy-on-write, fork, swap plans.
+- ``metrics``: the capacity figures.
+- ``scheduler``: token-budget continuous batching on top of the manager.
+"""
+
+from kvserve.core.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.metrics import KVCacheCounters
+from kvserve.core.prefix_cache import PrefixCache, RadixPrefixCache
+
+__all__ = [
+    "BlockPool",
+    "FreeBlockQueue",
+    "KVBlock",
+    "KVCacheCounters",
+    "KVCacheManager",
+    "PrefixCache",
+    "RadixPrefixCache",
+]

@@ -1,0 +1,325 @@
+"""Prefix cache: a radix (Patricia) tree over full blocks of token ids (RadixAttention).
+
+A path from a root spells a token sequence one *full* block at a time; each block-sized
+step maps to the physical ``KVBlock`` that holds the K/V of those tokens given everything
+before them. Edges are runs of blocks (a chain with no branching is one node), so a long
+prompt costs one node, not one per block. There is one root per ``cache_salt``: requests
+with different salts (e.g. tenants) can never share a block.
+
+How the pieces cooperate (see ``KVCacheManager``):
+
+- The tree takes no references. Holding a block is the block tables' business; a cached
+  block whose ref count falls to 0 stays in the tree and sits at the back of the pool's
+  free list (LRU). Eviction happens only when the pool hands such a block out again, and it
+  removes exactly that block, which must then be the last block of a leaf edge.
+- That is guaranteed by the manager's *ancestor closure*: whoever holds a cached block
+  holds the whole path above it (a block table's cached part is a root path, and it only
+  grows at its end). So a cached block's descendants are free whenever it is, were freed no
+  later than it, and sit before it in the free list: the front-most cached block is a leaf.
+- Only full blocks are cached, and a cached block is never written again (a write into one
+  goes to a copy: copy-on-write in the manager).
+
+``PrefixCache`` is the small interface the manager relies on; ``RadixPrefixCache`` is the
+implementation. Another one (e.g. hash-chained blocks as in vLLM v1) can slot in if it
+keeps the same invariants and reports a block's parent for the eviction-order check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from kvserve.core.block_pool import KVBlock
+
+BlockKey = tuple[int, ...]  # the block_size token ids of one full block
+
+
+class PrefixCache(Protocol):
+    """What ``KVCacheManager`` needs from a prefix cache.
+
+    Invariants every implementation keeps: only full blocks are cached; a block is cached
+    under at most one path; ``block.cache_node`` is set exactly while it is cached; paths
+    under different salts never share a block; ``evict`` is only asked for blocks without
+    cached children.
+    """
+
+    block_size: int
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """How many blocks the cache maps."""
+        ...
+
+    def match(self, token_ids: Sequence[int], salt: str | None, max_blocks: int) -> list[KVBlock]:
+        """Blocks of the longest cached prefix of ``token_ids`` (at most ``max_blocks``)."""
+        ...
+
+    def insert(
+        self, parent: KVBlock | None, salt: str | None, key: BlockKey, block: KVBlock
+    ) -> bool:
+        """Cache ``block`` as the block after ``parent`` (None: the first block) with tokens
+        ``key``. Returns False, changing nothing, if that path is already cached."""
+        ...
+
+    def evict(self, block: KVBlock) -> None:
+        """Forget ``block``, which must be cached and have no cached children."""
+        ...
+
+    def parent_block(self, block: KVBlock) -> KVBlock | None:
+        """The cached block before ``block`` on its path (None for a path's first block)."""
+        ...
+
+    def clear(self) -> None:
+        """Forget every block."""
+        ...
+
+    def dump(self) -> list:
+        """A plain, comparable description of the whole cache (tests, debugging)."""
+        ...
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError naming the first broken invariant."""
+        ...
+
+
+class _Node:
+    """One edge of the tree: a run of full blocks, plus the nodes that branch off its end.
+
+    A root has no blocks and ``parent is None``. ``children`` is keyed by the first block
+    key of each child edge. Apart from roots, no node has exactly one child (it would be
+    merged with it).
+    """
+
+    __slots__ = ("parent", "keys", "blocks", "children", "salt")
+
+    def __init__(
+        self,
+        parent: _Node | None,
+        keys: list[BlockKey],
+        blocks: list[KVBlock],
+        salt: str | None = None,
+    ) -> None:
+        self.parent = parent
+        self.keys = keys  # one BlockKey per block
+        self.blocks = blocks
+        self.children: dict[BlockKey, _Node] = {}
+        self.salt = salt  # meaningful on roots only
+
+    def index_of(self, block: KVBlock) -> int:
+        """Position of ``block`` in this edge (O(1) for the last block, the common case)."""
+        if self.blocks[-1] is block:
+            return len(self.blocks) - 1
+        for i, b in enumerate(self.blocks):
+            if b is block:
+                return i
+        raise AssertionError(f"block {block.block_id} is not on its cache node's edge")
+
+
+class RadixPrefixCache:
+    """Radix tree of full token blocks, one root per salt. See the module docstring."""
+
+    def __init__(self, block_size: int) -> None:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        self.block_size = block_size
+        self._roots: dict[str | None, _Node] = {}
+        self._num_cached_blocks = 0
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self._num_cached_blocks
+
+    def match(self, token_ids: Sequence[int], salt: str | None, max_blocks: int) -> list[KVBlock]:
+        """Blocks of the longest cached block-aligned prefix of ``token_ids``.
+
+        Walks one dict lookup per edge and one block-key comparison per block: O(matched
+        blocks x block_size), independent of the cache's size.
+        """
+        out: list[KVBlock] = []
+        node = self._roots.get(salt)
+        bs = self.block_size
+        limit = min(max_blocks, len(token_ids) // bs)
+        pos = 0
+        while node is not None and len(out) < limit:
+            child = node.children.get(tuple(token_ids[pos : pos + bs]))
+            if child is None:
+                break
+            keys = child.keys
+            n = min(len(keys), limit - len(out))
+            pos += bs
+            j = 1
+            while j < n and keys[j] == tuple(token_ids[pos : pos + bs]):
+                pos += bs
+                j += 1
+            out.extend(child.blocks[:j])
+            if j < len(keys):
+                break  # stopped inside the edge
+            node = child
+        return out
+
+    def insert(
+        self, parent: KVBlock | None, salt: str | None, key: BlockKey, block: KVBlock
+    ) -> bool:
+        """Cache ``block`` (tokens ``key``) right after ``parent`` on its path.
+
+        ``parent`` is None for a sequence's first block, else a cached block. Returns False
+        (nothing changes) if the cache already has a block for this path: the caller keeps
+        its own copy uncached. Extends a leaf edge in place, splits an edge if ``parent``
+        is in its middle, or adds a child edge.
+        """
+        if block.cache_node is not None:
+            raise ValueError(f"block {block.block_id} is already cached")
+        if len(key) != self.block_size:
+            raise ValueError(f"only full blocks are cached: key has {len(key)} tokens")
+        if parent is None:
+            node = self._roots.get(salt)
+            if node is None:
+                node = self._roots[salt] = _Node(None, [], [], salt)
+        else:
+            node = parent.cache_node  # type: ignore[assignment]
+            if not isinstance(node, _Node):
+                raise ValueError(f"parent block {parent.block_id} is not cached")
+            i = node.index_of(parent)
+            if i + 1 < len(node.keys):  # parent sits inside an edge
+                if node.keys[i + 1] == key:
+                    return False
+                self._split(node, i + 1)
+        if key in node.children:
+            return False
+        if node.parent is not None and not node.children:
+            # A leaf edge just grows: the Patricia compression of a chain.
+            node.keys.append(key)
+            node.blocks.append(block)
+            block.cache_node = node
+        else:
+            leaf = _Node(node, [key], [block])
+            node.children[key] = leaf
+            block.cache_node = leaf
+        self._num_cached_blocks += 1
+        return True
+
+    def evict(self, block: KVBlock) -> None:
+        """Drop ``block``, the last block of a leaf edge; prune and re-merge the tree."""
+        node = block.cache_node
+        if not isinstance(node, _Node):
+            raise ValueError(f"block {block.block_id} is not cached")
+        if node.blocks[-1] is not block or node.children:
+            raise AssertionError(
+                f"prefix cache: evicting block {block.block_id}, which has cached children"
+            )
+        node.blocks.pop()
+        key = node.keys.pop()
+        block.cache_node = None
+        self._num_cached_blocks -= 1
+        if node.blocks:
+            return
+        parent = node.parent
+        assert parent is not None
+        del parent.children[key]
+        if parent.parent is None:
+            if not parent.children:
+                del self._roots[parent.salt]
+        elif len(parent.children) == 1:
+            self._merge_only_child(parent)
+
+    def parent_block(self, block: KVBlock) -> KVBlock | None:
+        """The block before ``block`` on its path (previous on its edge, or the parent's last)."""
+        node = block.cache_node
+        if not isinstance(node, _Node):
+            raise ValueError(f"block {block.block_id} is not cached")
+        i = node.index_of(block)
+        if i > 0:
+            return node.blocks[i - 1]
+        parent = node.parent
+        assert parent is not None
+        return parent.blocks[-1] if parent.parent is not None else None
+
+    def clear(self) -> None:
+        """Forget every block (they stay wherever the pool has them)."""
+        for node in self._nodes():
+            for block in node.blocks:
+                block.cache_node = None
+        self._roots.clear()
+        self._num_cached_blocks = 0
+
+    def dump(self) -> list:
+        """Sorted (salt, [(path depth, block key, block id), ...]) for every root."""
+        out = []
+        for salt, root in self._roots.items():
+            rows = []
+            stack = [(root, 0)]
+            while stack:
+                node, depth = stack.pop()
+                for k, b in zip(node.keys, node.blocks, strict=True):
+                    rows.append((depth, k, b.block_id))
+                    depth += 1
+                stack.extend((c, depth) for c in node.children.values())
+            out.append((str(salt), sorted(rows)))
+        return sorted(out)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the tree's shape, keys or block links are inconsistent."""
+        seen: set[int] = set()
+        for salt, root in self._roots.items():
+            assert root.parent is None and root.salt == salt, f"root for salt {salt!r} is wrong"
+            assert not root.blocks and not root.keys, f"root for salt {salt!r} holds blocks"
+            assert root.children, f"root for salt {salt!r} is empty but kept"
+        for node in self._nodes():
+            if node.parent is None:
+                continue
+            assert node.blocks, "prefix cache: a non-root node has no blocks"
+            assert len(node.keys) == len(node.blocks), "prefix cache: keys and blocks differ"
+            assert node.parent.children.get(node.keys[0]) is node, (
+                "prefix cache: node is not its parent's child under its first key"
+            )
+            assert len(node.children) != 1, "prefix cache: node with one child is not merged"
+            for key, child in node.children.items():
+                assert child.parent is node and child.keys[0] == key, "prefix cache: bad child"
+            for key, block in zip(node.keys, node.blocks, strict=True):
+                assert len(key) == self.block_size, (
+                    f"prefix cache: block {block.block_id} is cached but not full"
+                )
+                assert block.cache_node is node, (
+                    f"prefix cache: block {block.block_id} does not point at its node"
+                )
+                assert block.block_id not in seen, (
+                    f"prefix cache: block {block.block_id} is cached twice"
+                )
+                seen.add(block.block_id)
+        assert len(seen) == self._num_cached_blocks, (
+            f"prefix cache: {len(seen)} blocks in the tree, counter says {self._num_cached_blocks}"
+        )
+
+    # ------------------------------------------------------------------ internals
+
+    def _nodes(self) -> list[_Node]:
+        out: list[_Node] = []
+        stack = list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    def _split(self, node: _Node, at: int) -> None:
+        """Cut ``node``'s edge before block ``at``; the tail becomes its only child (for now)."""
+        tail = _Node(node, node.keys[at:], node.blocks[at:])
+        tail.children = node.children
+        for child in tail.children.values():
+            child.parent = tail
+        for block in tail.blocks:
+            block.cache_node = tail
+        del node.keys[at:]
+        del node.blocks[at:]
+        node.children = {tail.keys[0]: tail}
+
+    def _merge_only_child(self, node: _Node) -> None:
+        """Fold ``node``'s single child edge into ``node`` (keeps the tree a Patricia tree)."""
+        (child,) = node.children.values()
+        node.keys.extend(child.keys)
+        node.blocks.extend(child.blocks)
+        for block in child.blocks:
+            block.cache_node = node
+        node.children = child.children
+        for grandchild in node.children.values():
+            grandchild.parent = node

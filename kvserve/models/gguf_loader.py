@@ -1,0 +1,172 @@
+"""GGUF files (llama.cpp format) -> ModelArchConfig + HF-named state dict."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from kvserve.config import ModelArchConfig
+from kvserve.models.dequant import dequantize, single_threaded
+from kvserve.models.errors import ModelLoadError
+from kvserve.models.gguf_reader import GGUFArray, GGUFFile, read_gguf
+from kvserve.models.weights import check_complete, check_shape, expected_shapes
+
+# GGUF general.architecture -> our architecture name. NOTE: llama.cpp's converter writes
+# Mistral / SmolLM checkpoints as "llama" (with permuted q/k), so there is no "mistral" here.
+SUPPORTED_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2"}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF name of a GGUF tensor name, or None if it is not a llama-family tensor."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_RE.fullmatch(gguf_name)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    return None
+
+
+def gguf_arch_config(gguf: GGUFFile) -> ModelArchConfig:
+    """Read the model's shapes from the GGUF metadata (``{arch}.block_count`` and friends)."""
+    md, path = gguf.metadata, gguf.path
+    gguf_arch = md.get("general.architecture")
+    if gguf_arch not in SUPPORTED_GGUF_ARCHS:
+        raise ModelLoadError(
+            f"{path}: unsupported GGUF architecture {gguf_arch!r} "
+            f"(supported: {', '.join(sorted(SUPPORTED_GGUF_ARCHS))})"
+        )
+
+    def get(key: str, default: object = None, required: bool = True) -> object:
+        full = f"{gguf_arch}.{key}"
+        if full in md:
+            return md[full]
+        if required and default is None:
+            raise ModelLoadError(f"{path}: GGUF metadata key {full!r} is missing")
+        return default
+
+    hidden = int(get("embedding_length"))
+    num_heads = int(get("attention.head_count"))
+    num_kv_heads = int(get("attention.head_count_kv", num_heads))
+    head_dim = int(get("attention.key_length", hidden // num_heads))
+    rope_dim = get("rope.dimension_count", head_dim)
+    if int(rope_dim) != head_dim:
+        raise ModelLoadError(
+            f"{path}: partial rotary embeddings (rope.dimension_count {rope_dim} != head_dim "
+            f"{head_dim}) are not supported"
+        )
+    if "rope_freqs.weight" in gguf.tensors:
+        raise ModelLoadError(f"{path}: Llama-3.1-style 'rope_freqs' scaling is not supported")
+    vocab = get("vocab_size", None, required=False)
+    if vocab is None:
+        tokens = md.get("tokenizer.ggml.tokens")
+        if isinstance(tokens, GGUFArray):
+            vocab = tokens.length
+        elif "token_embd.weight" in gguf.tensors:
+            vocab = gguf.tensors["token_embd.weight"].shape[0]
+        else:
+            raise ModelLoadError(f"{path}: cannot tell the vocabulary size")
+    sliding = get("attention.sliding_window", None, required=False)
+    return ModelArchConfig(
+        architecture=SUPPORTED_GGUF_ARCHS[gguf_arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_hidden_layers=int(get("block_count")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=int(get("context_length")),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(md, gguf_arch, path),
+        # NOTE: llama.cpp's converter drops output.weight when it equals the embedding.
+        tie_word_embeddings="output.weight" not in gguf.tensors,
+        attention_bias=gguf_arch == "qwen2",
+        sliding_window=int(sliding) if sliding else None,
+        bos_token_id=_opt_int(md.get("tokenizer.ggml.bos_token_id")),
+        eos_token_id=_opt_int(md.get("tokenizer.ggml.eos_token_id")),
+    )
+
+
+def _rope_scaling(md: dict, gguf_arch: str, path: str) -> dict | None:
+    kind = md.get(f"{gguf_arch}.rope.scaling.type", "none")
+    if kind in ("none", None):
+        return None
+    if kind not in ("linear", "yarn"):
+        raise ModelLoadError(f"{path}: unsupported rope scaling type {kind!r}")
+    scaling: dict = {"rope_type": kind, "factor": float(md[f"{gguf_arch}.rope.scaling.factor"])}
+    original = md.get(f"{gguf_arch}.rope.scaling.original_context_length")
+    if original is not None:
+        scaling["original_max_position_embeddings"] = int(original)
+    return scaling
+
+
+def _opt_int(value: object) -> int | None:
+    return None if value is None or isinstance(value, GGUFArray) else int(value)
+
+
+def unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (interleaved RoPE -> HF rotate-half layout).
+
+    llama.cpp's converter reorders each head's rows from [x0..x_{d/2-1}, y0..y_{d/2-1}] to
+    [x0, y0, x1, y1, ...]; this is the inverse. Works for weights [rows, in] and biases [rows].
+    """
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    tail = weight.shape[1:]
+    # [num_heads, half, 2, *tail] -> [num_heads, 2, half, *tail]
+    return weight.reshape(num_heads, half, 2, *tail).transpose(1, 2).reshape(rows, *tail)
+
+
+def load_gguf(path: str, dtype: torch.dtype) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
+    """Read a GGUF file: its architecture and all weights dequantised to ``dtype`` (HF names)."""
+    gguf = read_gguf(path)
+    arch = gguf_arch_config(gguf)
+    expected = expected_shapes(arch)
+    # Validate every name and shape before spending time on dequantisation.
+    names: dict[str, str] = {}
+    for name, info in gguf.tensors.items():
+        target = hf_name(name)
+        if target is None:
+            raise ModelLoadError(
+                f"{path}: unexpected GGUF tensor {name!r} for a llama-family model"
+            )
+        check_shape(target, info.shape, expected, path, label=f"{name!r} ({target})")
+        names[target] = name
+    check_complete(names, expected, path)
+
+    # NOTE: only the "llama" converter permutes q/k (interleaved RoPE); qwen2 uses NeoX RoPE.
+    permuted = gguf.metadata["general.architecture"] == "llama"
+    state_dict: dict[str, torch.Tensor] = {}
+    with single_threaded():
+        for target, name in names.items():
+            info = gguf.tensors[name]
+            tensor = dequantize(info.data, info.ggml_type, info.shape, dtype, name=name, path=path)
+            if permuted and ".self_attn.q_proj." in target:
+                tensor = unpermute_rope(tensor, arch.num_attention_heads)
+            elif permuted and ".self_attn.k_proj." in target:
+                tensor = unpermute_rope(tensor, arch.num_key_value_heads)
+            state_dict[target] = tensor
+    return arch, state_dict

@@ -1,0 +1,175 @@
+"""HuggingFace model directories (config.json + *.safetensors) -> ModelArchConfig + state dict."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from kvserve.config import ModelArchConfig
+from kvserve.models.errors import ModelFileNotFoundError, ModelLoadError
+from kvserve.models.weights import check_complete, check_shape, expected_shapes
+
+# HF `architectures[0]` -> our architecture name (SmolLM checkpoints are LlamaForCausalLM).
+SUPPORTED_HF_ARCHS = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+# Tensors some checkpoints carry that the model recomputes: skipped, never an error.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def read_hf_config(model_dir: str) -> dict[str, Any]:
+    """Parse ``model_dir/config.json``; raises ModelLoadError naming the file when it is bad."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ModelFileNotFoundError(f"{model_dir}: no config.json in the model directory")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path}: not valid JSON: {e}") from e
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object")
+    return config
+
+
+def hf_arch_config(config: dict[str, Any], path: str) -> ModelArchConfig:
+    """Map an HF config.json (Llama / Mistral / Qwen2 / SmolLM) to ModelArchConfig."""
+    archs = config.get("architectures") or []
+    if archs:
+        if archs[0] not in SUPPORTED_HF_ARCHS:
+            raise ModelLoadError(
+                f"{path}: unsupported architecture {archs[0]!r} "
+                f"(supported: {', '.join(sorted(SUPPORTED_HF_ARCHS))})"
+            )
+        arch = SUPPORTED_HF_ARCHS[archs[0]]
+    elif config.get("model_type") in _MODEL_TYPES:
+        arch = _MODEL_TYPES[config["model_type"]]
+    else:
+        raise ModelLoadError(
+            f"{path}: unsupported model_type {config.get('model_type')!r} and no architectures "
+            f"(supported: {', '.join(sorted(SUPPORTED_HF_ARCHS))})"
+        )
+    if config.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{path}: hidden_act {config['hidden_act']!r} is not supported")
+    if arch != "qwen2" and (config.get("attention_bias") or config.get("mlp_bias")):
+        raise ModelLoadError(f"{path}: attention_bias / mlp_bias on {arch} is not supported")
+
+    def req(key: str) -> Any:
+        if config.get(key) is None:
+            raise ModelLoadError(f"{path}: required key {key!r} is missing")
+        return config[key]
+
+    hidden, num_heads = int(req("hidden_size")), int(req("num_attention_heads"))
+    rope_params = config.get("rope_parameters") or {}
+    rope_theta = config.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+    rope_scaling = config.get("rope_scaling")
+    if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+        rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+    sliding = _sliding_window(config, arch, path)
+    return ModelArchConfig(
+        architecture=arch,
+        vocab_size=int(req("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(req("intermediate_size")),
+        num_hidden_layers=int(req("num_hidden_layers")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(config.get("num_key_value_heads") or num_heads),
+        head_dim=int(config.get("head_dim") or hidden // num_heads),
+        max_position_embeddings=int(req("max_position_embeddings")),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6 if arch == "qwen2" else 1e-5)),
+        rope_theta=float(rope_theta),
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        attention_bias=arch == "qwen2",
+        sliding_window=int(sliding) if sliding else None,
+        bos_token_id=_first_int(config.get("bos_token_id")),
+        # NOTE: Llama-3 style configs list several eos ids; the first is the primary one.
+        eos_token_id=_first_int(config.get("eos_token_id")),
+    )
+
+
+def _sliding_window(config: dict[str, Any], arch: str, path: str) -> int | None:
+    """The attention window, or None; every layer must use the same kind of attention."""
+    window = config.get("sliding_window")
+    if arch == "llama" or not window:
+        return None
+    if arch == "mistral":
+        return int(window)
+    # NOTE: Qwen2 configs carry sliding_window but leave it off unless use_sliding_window, and
+    # then only layers >= max_window_layers slide (spelled out in layer_types by transformers 5).
+    if not config.get("use_sliding_window", False):
+        return None
+    num_layers = int(config.get("num_hidden_layers", 0))
+    layer_types = config.get("layer_types") or [
+        "sliding_attention" if i >= config.get("max_window_layers", 0) else "full_attention"
+        for i in range(num_layers)
+    ]
+    if all(t == "full_attention" for t in layer_types):
+        return None
+    if all(t == "sliding_attention" for t in layer_types):
+        return int(window)
+    raise ModelLoadError(f"{path}: mixed sliding / full attention layers are not supported")
+
+
+def _first_int(value: Any) -> int | None:
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return None if value is None else int(value)
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    """The weight files of ``model_dir``: those named by the sharded index, else *.safetensors."""
+    index_path = os.path.join(model_dir, INDEX_FILE)
+    if os.path.isfile(index_path):
+        try:
+            with open(index_path, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ModelLoadError(f"{index_path}: corrupt safetensors index: {e!r}") from e
+        files = [os.path.join(model_dir, n) for n in names]
+        for file in files:
+            if not os.path.isfile(file):
+                raise ModelFileNotFoundError(f"{index_path}: names shard {file}, which is missing")
+        return files
+    files = sorted(
+        os.path.join(model_dir, n) for n in os.listdir(model_dir) if n.endswith(".safetensors")
+    )
+    if not files:
+        raise ModelFileNotFoundError(
+            f"{model_dir}: no *.safetensors weights (only safetensors checkpoints are supported)"
+        )
+    return files
+
+
+def load_hf_dir(
+    model_dir: str, dtype: torch.dtype
+) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
+    """Read an HF directory: config.json and every safetensors shard, cast to ``dtype``."""
+    arch = hf_arch_config(read_hf_config(model_dir), os.path.join(model_dir, "config.json"))
+    expected = expected_shapes(arch)
+    state_dict: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(model_dir):
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    if name.endswith(_IGNORED_SUFFIXES):
+                        continue
+                    if name == "lm_head.weight" and arch.tie_word_embeddings:
+                        continue  # NOTE: tied: the model reuses the embedding, as HF does.
+                    check_shape(name, tuple(f.get_slice(name).get_shape()), expected, file)
+                    state_dict[name] = f.get_tensor(name).to(dtype)
+        except (SafetensorError, OSError) as e:
+            if isinstance(e, FileNotFoundError):
+                raise ModelFileNotFoundError(f"{file}: missing") from e
+            raise ModelLoadError(f"{file}: corrupt or truncated safetensors file: {e}") from e
+    check_complete(state_dict, expected, model_dir)
+    return arch, state_dict

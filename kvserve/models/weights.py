@@ -1,0 +1,90 @@
+"""HF tensor names and shapes of a Llama-family model, and state-dict validation."""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.config import ModelArchConfig
+from kvserve.models.errors import ModelLoadError
+
+SUPPORTED_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """Accept a torch dtype or its name; only float32 / bfloat16 / float16 are allowed."""
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        if name not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(SUPPORTED_DTYPES)}, got {dtype!r}")
+        return SUPPORTED_DTYPES[name]
+    if dtype not in SUPPORTED_DTYPES.values():
+        raise ValueError(f"dtype must be one of {sorted(SUPPORTED_DTYPES)}, got {dtype!r}")
+    return dtype
+
+
+def expected_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the model under its HF name, with its shape (``[out, in]`` for linears).
+
+    ``lm_head.weight`` is absent when the embeddings are tied; q/k/v biases are present only
+    when ``arch.attention_bias`` (qwen2).
+    """
+    h, i, v = arch.hidden_size, arch.intermediate_size, arch.vocab_size
+    q_dim = arch.num_attention_heads * arch.head_dim
+    kv_dim = arch.num_key_value_heads * arch.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
+    for layer in range(arch.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "self_attn.q_proj.weight"] = (q_dim, h)
+        shapes[p + "self_attn.k_proj.weight"] = (kv_dim, h)
+        shapes[p + "self_attn.v_proj.weight"] = (kv_dim, h)
+        shapes[p + "self_attn.o_proj.weight"] = (h, q_dim)
+        if arch.attention_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (q_dim,)
+            shapes[p + "self_attn.k_proj.bias"] = (kv_dim,)
+            shapes[p + "self_attn.v_proj.bias"] = (kv_dim,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes[p + "mlp.gate_proj.weight"] = (i, h)
+        shapes[p + "mlp.up_proj.weight"] = (i, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, i)
+    shapes["model.norm.weight"] = (h,)
+    if not arch.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    return shapes
+
+
+def check_shape(
+    name: str,
+    shape: tuple[int, ...],
+    expected: dict[str, tuple[int, ...]],
+    path: str,
+    label: str | None = None,
+) -> None:
+    """Raise ``ModelLoadError`` if tensor ``name`` is unknown or its shape is not expected.
+
+    ``label`` names the tensor in messages (default: ``name``), e.g. its name in the file.
+    """
+    label = label or repr(name)
+    if name not in expected:
+        raise ModelLoadError(f"{path}: unexpected tensor {label} for this architecture")
+    if tuple(shape) != expected[name]:
+        raise ModelLoadError(
+            f"{path}: tensor {label} has shape {list(shape)}, but the config implies "
+            f"{list(expected[name])}"
+        )
+
+
+def check_complete(
+    names: set[str] | dict[str, object], expected: dict[str, tuple[int, ...]], path: str
+) -> None:
+    """Raise ``ModelLoadError`` listing the expected tensors that are missing."""
+    missing = [n for n in expected if n not in names]
+    if missing:
+        shown = ", ".join(missing[:5]) + (
+            f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
+        )
+        raise ModelLoadError(f"{path}: {len(missing)} tensor(s) missing: {shown}")

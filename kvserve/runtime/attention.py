@@ -1,0 +1,325 @@
+"""Paged attention over the block-structured KV cache.
+
+Cache layout (one tensor per layer): ``[2, num_blocks, block_size, num_kv_heads, head_dim]``;
+index 0 holds K, index 1 holds V. A token at position ``p`` of a sequence lives in block
+``block_ids[p // block_size]`` at offset ``p % block_size``, i.e. at flat slot
+``block_ids[p // block_size] * block_size + p % block_size`` of the cache viewed as
+``[2, num_blocks * block_size, num_kv_heads, head_dim]``.
+
+Every backend first writes the K/V of ALL new tokens of the step into the cache, and only
+then attends. NOTE: the scheduler relies on this order: a block filled by one request in this
+step may already be matched from the prefix cache (and read) by another request in the same
+step.
+
+Two backends share one call, ``forward(q, k, v, kv_cache, meta)``:
+
+- ``TorchReferenceBackend``: exact and simple; per sequence it computes slots from the block
+  table in Python, gathers K/V token by token and runs explicit masked softmax attention.
+- ``TorchSDPABackend``: the fast path. All single-token queries (decodes) of the step run as
+  one batch: whole blocks are gathered into ``[B, max_len, kv_heads, head_dim]`` and one SDPA
+  call attends with a length mask (the GQA query heads of one KV head ride in SDPA's query
+  axis). Multi-token chunks run one SDPA call each: a chunk starting at position 0 attends
+  its own fresh K/V with ``is_causal``; a chunk starting mid-sequence gathers its context
+  from the cache and uses an offset causal mask.
+
+All metadata (slot mapping, gather indices, masks) is built once per step by
+``build_attention_metadata`` and shared by every layer.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class SeqSpec:
+    """One sequence's share of the flat batch (host-side, plain ints)."""
+
+    token_offset: int  # first row of this sequence in the flat [T, ...] batch
+    num_query_tokens: int  # new tokens computed this step
+    start_pos: int  # position of the first new token (== tokens already in the cache)
+    block_ids: list[int]  # block table; covers start_pos + num_query_tokens tokens
+
+    @property
+    def seq_len(self) -> int:
+        """Context length after this step (cached + new tokens)."""
+        return self.start_pos + self.num_query_tokens
+
+
+@dataclass(slots=True)
+class ChunkMeta:
+    """Fast-path data for one multi-token query chunk."""
+
+    token_offset: int
+    num_query_tokens: int
+    start_pos: int
+    # Block ids to gather the whole context [0, seq_len) from; None when the chunk starts at
+    # position 0 and attends its own fresh K/V.
+    ctx_block_ids: torch.Tensor | None  # [num_ctx_blocks] long
+    seq_len: int
+    # Additive mask [num_query_tokens, ctx_len] (0 / -inf); None = plain causal (is_causal).
+    mask: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Everything attention needs for one step; built once, shared by all layers."""
+
+    block_size: int
+    seqs: list[SeqSpec]  # in flat-batch order
+    num_tokens: int
+    slot_mapping: torch.Tensor  # [num_tokens] long: cache slot of each new token
+    sliding_window: int | None = None
+    # Fast path, decode group: the leading run of sequences with one query token each.
+    num_decode_seqs: int = 0
+    decode_block_ids: torch.Tensor | None = None  # [num_decode_seqs * max_blocks] long
+    decode_max_blocks: int = 0
+    decode_mask: torch.Tensor | None = None  # [num_decode_seqs, 1, 1, max_blocks * block_size]
+    chunks: list[ChunkMeta] = field(default_factory=list)  # the other sequences
+
+
+def _slots_for(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Cache slots of positions [start, end) through a block table."""
+    return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+def build_attention_metadata(
+    seqs: list[SeqSpec],
+    *,
+    block_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    sliding_window: int | None = None,
+) -> AttentionMetadata:
+    """Build the slot mapping, decode gather indices and masks for one step.
+
+    ``seqs`` must tile the flat batch in order (offsets 0, n0, n0+n1, ...). Sequences with one
+    query token at the head of the list form the batched decode group; put decodes first for
+    the fast path (any order is correct).
+    """
+    slots: list[int] = []
+    offset = 0
+    for s in seqs:
+        if s.token_offset != offset:
+            raise ValueError(
+                f"seqs must tile the batch in order: offset {s.token_offset} != {offset}"
+            )
+        if s.num_query_tokens < 1:
+            raise ValueError("every sequence must have at least one query token")
+        end = s.seq_len
+        if len(s.block_ids) * block_size < end:
+            raise ValueError(
+                f"block table of {len(s.block_ids)} blocks cannot hold {end} tokens "
+                f"(block_size {block_size})"
+            )
+        slots.extend(_slots_for(s.block_ids, s.start_pos, end, block_size))
+        offset += s.num_query_tokens
+    meta = AttentionMetadata(
+        block_size=block_size,
+        seqs=seqs,
+        num_tokens=offset,
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        sliding_window=sliding_window,
+    )
+    num_decode = 0
+    while num_decode < len(seqs) and seqs[num_decode].num_query_tokens == 1:
+        num_decode += 1
+    neg_inf = float("-inf")
+    if num_decode:
+        dec = seqs[:num_decode]
+        max_blocks = max(-(-s.seq_len // block_size) for s in dec)
+        # NOTE: pad with block 0: its content is masked out (all cache values are finite).
+        table = [s.block_ids[:max_blocks] + [0] * (max_blocks - len(s.block_ids)) for s in dec]
+        meta.num_decode_seqs = num_decode
+        meta.decode_max_blocks = max_blocks
+        meta.decode_block_ids = torch.tensor(table, dtype=torch.long, device=device).view(-1)
+        seq_lens = torch.tensor([s.seq_len for s in dec], dtype=torch.long, device=device)
+        key_pos = torch.arange(max_blocks * block_size, device=device)  # [L]
+        valid = key_pos[None, :] < seq_lens[:, None]  # [B, L]
+        if sliding_window is not None:
+            valid &= key_pos[None, :] > seq_lens[:, None] - 1 - sliding_window
+        mask = torch.zeros(valid.shape, dtype=dtype, device=device).masked_fill_(~valid, neg_inf)
+        meta.decode_mask = mask.view(num_decode, 1, 1, -1)
+    for s in seqs[num_decode:]:
+        n, start, end = s.num_query_tokens, s.start_pos, s.seq_len
+        needs_window = sliding_window is not None and end > sliding_window
+        ctx_block_ids = None
+        mask = None
+        if start > 0:
+            num_ctx_blocks = -(-end // block_size)
+            ctx_block_ids = torch.tensor(
+                s.block_ids[:num_ctx_blocks], dtype=torch.long, device=device
+            )
+        if start > 0 or needs_window:
+            ctx_len = end if start == 0 else -(-end // block_size) * block_size
+            q_pos = torch.arange(start, end, device=device)[:, None]  # [n, 1]
+            k_pos = torch.arange(ctx_len, device=device)[None, :]  # [1, ctx_len]
+            valid = k_pos <= q_pos
+            if sliding_window is not None:
+                valid &= k_pos > q_pos - sliding_window
+            mask = torch.zeros(valid.shape, dtype=dtype, device=device).masked_fill_(
+                ~valid, neg_inf
+            )
+        meta.chunks.append(ChunkMeta(s.token_offset, n, start, ctx_block_ids, end, mask))
+    return meta
+
+
+class AttentionBackend(abc.ABC):
+    """Paged attention: write new K/V into the cache, then attend through block tables.
+
+    Invariants every backend keeps:
+    - the K/V of all ``meta.num_tokens`` new tokens are written to their slots before any
+      query of the step reads the cache;
+    - query ``i`` of a sequence (position ``start_pos + i``) attends exactly to positions
+      ``<= start_pos + i`` of its own sequence (and within ``sliding_window`` if set);
+    - the result equals ``TorchReferenceBackend`` up to float summation order.
+    """
+
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Write k/v into ``kv_cache`` and return attention output for ``q``."""
+
+
+class TorchReferenceBackend(AttentionBackend):
+    """Exact, simple paged attention: Python block-table lookups, explicit softmax."""
+
+    name = "torch_ref"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        bs = meta.block_size
+        device = kv_cache.device
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        group = num_heads // k.shape[1]
+        # 1) write every new token of every sequence.
+        for s in meta.seqs:
+            pos = range(s.start_pos, s.seq_len)
+            blk = torch.tensor([s.block_ids[p // bs] for p in pos], device=device)
+            off = torch.tensor([p % bs for p in pos], device=device)
+            rows = slice(s.token_offset, s.token_offset + s.num_query_tokens)
+            kv_cache[0, blk, off] = k[rows]
+            kv_cache[1, blk, off] = v[rows]
+        # 2) attend, reading K/V back through the block tables.
+        out = torch.empty_like(q)
+        scale = 1.0 / math.sqrt(head_dim)
+        for s in meta.seqs:
+            pos = range(s.seq_len)
+            blk = torch.tensor([s.block_ids[p // bs] for p in pos], device=device)
+            off = torch.tensor([p % bs for p in pos], device=device)
+            keys = kv_cache[0, blk, off].repeat_interleave(group, dim=1)  # [L, H, d]
+            values = kv_cache[1, blk, off].repeat_interleave(group, dim=1)  # [L, H, d]
+            rows = slice(s.token_offset, s.token_offset + s.num_query_tokens)
+            scores = torch.einsum("qhd,khd->hqk", q[rows], keys) * scale  # [H, n, L]
+            q_pos = torch.arange(s.start_pos, s.seq_len, device=device)[:, None]
+            k_pos = torch.arange(s.seq_len, device=device)[None, :]
+            allowed = k_pos <= q_pos
+            if meta.sliding_window is not None:
+                allowed &= k_pos > q_pos - meta.sliding_window
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            out[rows] = torch.einsum("hqk,khd->qhd", probs, values)
+        return out
+
+
+class TorchSDPABackend(AttentionBackend):
+    """Fast path: one batched SDPA call for all decodes, one SDPA call per prefill chunk."""
+
+    name = "torch_sdpa"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        _, num_blocks, bs, num_kv_heads, head_dim = kv_cache.shape
+        flat = kv_cache.view(2, num_blocks * bs, num_kv_heads, head_dim)
+        flat[0].index_copy_(0, meta.slot_mapping, k)
+        flat[1].index_copy_(0, meta.slot_mapping, v)
+        nd = meta.num_decode_seqs
+        if nd == meta.num_tokens:
+            return self._decode(q, kv_cache, meta)
+        out = torch.empty_like(q)
+        if nd:
+            out[:nd] = self._decode(q[:nd], kv_cache, meta)
+        for c in meta.chunks:
+            rows = slice(c.token_offset, c.token_offset + c.num_query_tokens)
+            out[rows] = self._chunk(q[rows], k[rows], v[rows], kv_cache, c)
+        return out
+
+    @staticmethod
+    def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # q: [B, H, d]; every query is the last position of its sequence.
+        num_seqs, num_heads, head_dim = q.shape
+        num_kv_heads = kv_cache.shape[3]
+        max_len = meta.decode_max_blocks * meta.block_size
+        assert meta.decode_block_ids is not None and meta.decode_mask is not None
+        kv = kv_cache.index_select(1, meta.decode_block_ids)  # [2, B*max_blocks, bs, kvh, d]
+        kv = kv.view(2, num_seqs, max_len, num_kv_heads, head_dim).transpose(2, 3)  # [2,B,kvh,L,d]
+        # NOTE: GQA without copying K/V: the query heads of one KV head share its keys and the
+        # same mask, so they ride in SDPA's query-length axis: [B, kvh, group, d].
+        qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        o = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=meta.decode_mask)
+        return o.reshape(num_seqs, num_heads, head_dim)
+
+    @staticmethod
+    def _chunk(
+        q: torch.Tensor,  # [n, H, d]
+        k: torch.Tensor,  # [n, kvh, d]
+        v: torch.Tensor,  # [n, kvh, d]
+        kv_cache: torch.Tensor,
+        c: ChunkMeta,
+    ) -> torch.Tensor:
+        if c.ctx_block_ids is None:
+            keys, values = k, v  # the chunk is the whole context so far
+        else:
+            _, _, bs, num_kv_heads, head_dim = kv_cache.shape
+            kv = kv_cache.index_select(1, c.ctx_block_ids).view(2, -1, num_kv_heads, head_dim)
+            keys, values = kv[0], kv[1]  # [ctx_len, kvh, d]
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),  # [1, H, n, d]
+            keys.transpose(0, 1).unsqueeze(0),  # [1, kvh, L, d]
+            values.transpose(0, 1).unsqueeze(0),
+            attn_mask=c.mask,
+            is_causal=c.mask is None,
+            enable_gqa=True,
+        )
+        return o[0].transpose(0, 1)  # [n, H, d]
+
+
+_BACKENDS: dict[str, type[AttentionBackend]] = {
+    TorchReferenceBackend.name: TorchReferenceBackend,
+    TorchSDPABackend.name: TorchSDPABackend,
+}
+
+
+def get_attention_backend(name: str = "torch_sdpa") -> AttentionBackend:
+    """Instantiate an attention backend by name ('torch_sdpa' or 'torch_ref')."""
+    try:
+        return _BACKENDS[name]()
+    except KeyError:
+        raise ValueError(
+            f"unknown attention backend {name!r}; choose one of {sorted(_BACKENDS)}"
+        ) from None

@@ -1,0 +1,84 @@
+"""SchedulerOutput -> flat (ragged) batch tensors for one forward pass.
+
+The scheduled tokens of all requests are concatenated into one batch of ``T`` tokens.
+NOTE: requests with exactly one new token (decodes) are placed first, so the attention fast
+path runs them as one batched call and writes its output straight into rows ``[0, B)``.
+The order is internal: results go back by request id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
+from kvserve.runtime.attention import AttentionMetadata, SeqSpec, build_attention_metadata
+
+
+@dataclass(slots=True)
+class InputBatch:
+    """The tensors of one step, in flat-batch order."""
+
+    input_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    attn_meta: AttentionMetadata
+    requests: list[ScheduledRequest]  # flat-batch order
+    logits_indices: torch.Tensor  # [N] long: rows of the hidden states that sample
+    sample_requests: list[ScheduledRequest]  # row i of the logits belongs to sample_requests[i]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def build_input_batch(
+    sched: SchedulerOutput,
+    *,
+    block_size: int,
+    num_blocks: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    sliding_window: int | None = None,
+) -> InputBatch:
+    """Flatten ``sched.scheduled`` into one batch (decodes first); validates block tables."""
+    reqs = sorted(sched.scheduled, key=lambda r: len(r.token_ids) != 1)  # stable: decodes first
+    input_ids: list[int] = []
+    positions: list[int] = []
+    seqs: list[SeqSpec] = []
+    logits_rows: list[int] = []
+    sample_requests: list[ScheduledRequest] = []
+    for r in reqs:
+        n = len(r.token_ids)
+        if n == 0:
+            raise ValueError(f"request {r.request_id!r}: scheduled with no tokens")
+        if r.start_pos < 0:
+            raise ValueError(f"request {r.request_id!r}: negative start_pos {r.start_pos}")
+        end = r.start_pos + n
+        if len(r.block_ids) * block_size < end:
+            raise ValueError(
+                f"request {r.request_id!r}: block table of {len(r.block_ids)} blocks cannot hold "
+                f"{end} tokens (block_size {block_size})"
+            )
+        if r.block_ids and (min(r.block_ids) < 0 or max(r.block_ids) >= num_blocks):
+            raise ValueError(
+                f"request {r.request_id!r}: block id out of range [0, {num_blocks}): {r.block_ids}"
+            )
+        offset = len(input_ids)
+        seqs.append(SeqSpec(offset, n, r.start_pos, r.block_ids))
+        input_ids.extend(r.token_ids)
+        positions.extend(range(r.start_pos, end))
+        if r.sample:
+            logits_rows.append(offset + n - 1)
+            sample_requests.append(r)
+    meta = build_attention_metadata(
+        seqs, block_size=block_size, device=device, dtype=dtype, sliding_window=sliding_window
+    )
+    return InputBatch(
+        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        attn_meta=meta,
+        requests=reqs,
+        logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=device),
+        sample_requests=sample_requests,
+    )

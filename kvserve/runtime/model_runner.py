@@ -1,0 +1,98 @@
+"""ModelRunner: SchedulerOutput -> swaps/copies -> one ragged forward -> logits -> tokens."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvserve.config import ModelArchConfig
+from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput
+from kvserve.models.llama import LlamaForCausalLM
+from kvserve.runtime.input_batch import InputBatch, build_input_batch
+from kvserve.runtime.kv_cache import KVCache
+from kvserve.runtime.sampler import Sampler
+
+
+class ModelRunner:
+    """Owns the KV cache tensors and runs one scheduler step at a time.
+
+    ``execute`` carries out, in order: swap-out (device -> host), swap-in (host -> device),
+    block copies (copy-on-write), then one forward over all scheduled tokens as a single
+    flattened batch, logits only for the rows that sample, and the Sampler.
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        arch: ModelArchConfig,
+        *,
+        num_blocks: int,
+        block_size: int,
+        num_host_blocks: int = 0,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+    ) -> None:
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} requested but CUDA is not available")
+        self.dtype = dtype
+        self.arch = arch
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.model = model.to(device=self.device, dtype=dtype)
+        self.kv_cache = KVCache(
+            num_layers=arch.num_hidden_layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=arch.num_key_value_heads,
+            head_dim=arch.head_dim,
+            num_host_blocks=num_host_blocks,
+            device=self.device,
+            dtype=dtype,
+        )
+        self.sampler = Sampler(arch.vocab_size, seed, eos_token_id=arch.eos_token_id)
+
+    def prepare_inputs(self, sched: SchedulerOutput) -> InputBatch:
+        """Build the flat batch tensors for ``sched`` (no cache side effects)."""
+        return build_input_batch(
+            sched,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            device=self.device,
+            dtype=self.dtype,
+            sliding_window=self.arch.sliding_window,
+        )
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step; returns a sampled token (and logprobs if asked) per sampling request."""
+        start = time.perf_counter()
+        # NOTE: swap-out first: blocks it frees may be the targets of swap-in or of new tokens.
+        self.kv_cache.swap_out(sched.blocks_to_swap_out)
+        self.kv_cache.swap_in(sched.blocks_to_swap_in)
+        self.kv_cache.copy_blocks(sched.blocks_to_copy)
+        for request_id in sched.finished_req_ids:
+            self.sampler.drop(request_id)
+        out = ModelRunnerOutput()
+        if sched.scheduled:
+            batch = self.prepare_inputs(sched)
+            hidden = self.model(
+                batch.input_ids, batch.positions, self.kv_cache.layer_caches, batch.attn_meta
+            )  # [T, hidden]
+            if batch.sample_requests:
+                logits = self.model.compute_logits(
+                    hidden.index_select(0, batch.logits_indices)
+                )  # [N, vocab]
+                token_ids, logprobs = self.sampler.sample(logits, batch.sample_requests)
+                for req, token_id, entry in zip(
+                    batch.sample_requests, token_ids, logprobs, strict=True
+                ):
+                    out.sampled_token_ids[req.request_id] = token_id
+                    if entry is not None:
+                        out.logprobs[req.request_id] = entry
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        out.execute_time = time.perf_counter() - start
+        return out

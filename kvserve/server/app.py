@@ -1,0 +1,167 @@
+"""The FastAPI app: thin routes over serving.py, OpenAI-style errors, auth, metrics."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvserve.async_engine import AsyncLLMEngine, EngineLike
+from kvserve.server import protocol as p
+from kvserve.server.errors import APIError, from_validation_errors
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.serving import (
+    ServingContext,
+    create_chat_completion,
+    create_completion,
+)
+
+logger = logging.getLogger("kvserve.server")
+
+
+def default_model_name(engine: Any) -> str:
+    """The model's file or directory name, without a .gguf suffix."""
+    path = str(getattr(engine, "model_path", "") or "kvserve-model").rstrip("/")
+    name = os.path.basename(path)
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
+def build_app(
+    engine: EngineLike,
+    *,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    max_queued_requests: int | None = None,
+    debug_endpoints: bool = False,
+) -> FastAPI:
+    """An OpenAI-compatible app serving ``engine`` (an LLMEngine or the same interface).
+
+    The step loop starts with the app (lifespan) or on the first request.
+    """
+    metrics = ServerMetrics()
+    async_engine = AsyncLLMEngine(engine, max_queued_requests=max_queued_requests, observer=metrics)
+    max_model_len = int(engine.max_model_len)  # type: ignore[attr-defined]
+    kv = getattr(engine, "kv_cache_manager", None)
+    pool_tokens = kv.num_blocks * kv.block_size if kv is not None else max_model_len
+    ctx = ServingContext(
+        engine=async_engine,
+        model_name=served_model_name or default_model_name(engine),
+        max_model_len=max_model_len,
+        vocab_size=int(engine.arch.vocab_size),  # type: ignore[attr-defined]
+        tokenizer=engine.tokenizer,  # type: ignore[attr-defined]
+        max_total_tokens=min(max_model_len, pool_tokens),
+    )
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        yield
+        await async_engine.shutdown()
+
+    app = FastAPI(title="kvserve", lifespan=lifespan)
+    app.state.ctx = ctx
+    app.state.async_engine = async_engine
+    app.state.metrics = metrics
+    _install_error_handlers(app)
+
+    async def check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        ok = scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode(), api_key.encode()
+        )
+        if not ok:
+            raise APIError(
+                "missing or incorrect API key (send 'Authorization: Bearer <key>')",
+                status_code=401,
+                code="invalid_api_key",
+            )
+
+    @app.get("/health")
+    async def health() -> Response:
+        if async_engine.is_dead:
+            return APIError(
+                f"the engine loop has died: {async_engine.dead_error!r}",
+                status_code=503,
+                code="engine_dead",
+            ).response()
+        return JSONResponse({"status": "ok"})
+
+    api = APIRouter(dependencies=[Depends(check_api_key)])
+
+    @api.get("/v1/models")
+    async def list_models() -> Response:
+        card = p.ModelCard(id=ctx.model_name, max_model_len=ctx.max_model_len)
+        return JSONResponse(p.dump(p.ModelList(data=[card])))
+
+    @api.post("/v1/completions")
+    async def completions(body: p.CompletionRequest, request: Request) -> Response:
+        return await create_completion(ctx, body, request)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(ctx, body, request)
+
+    @api.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        metrics.set_engine_stats(await async_engine.stats())
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    if debug_endpoints:
+
+        @api.get("/debug/integrity")
+        async def integrity() -> Response:
+            kv_manager = getattr(engine, "kv_cache_manager", None)
+            if kv_manager is None:
+                raise APIError("this engine has no kv_cache_manager", status_code=404)
+            try:
+                await async_engine.run_in_engine(kv_manager.check_integrity)
+            except AssertionError as e:
+                return JSONResponse({"ok": False, "error": str(e)}, status_code=500)
+            return JSONResponse({"ok": True})
+
+        @api.get("/debug/stats")
+        async def debug_stats() -> Response:
+            return JSONResponse(_jsonable(await async_engine.stats()))
+
+    app.include_router(api)
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_request: Request, exc: APIError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request: Request, exc: RequestValidationError) -> Response:
+        return from_validation_errors(list(exc.errors())).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, exc: StarletteHTTPException) -> Response:
+        return APIError(str(exc.detail), status_code=exc.status_code).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(_request: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error")
+        return APIError(f"internal error: {exc!r}", status_code=500).response()
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        return value
+    return repr(value)

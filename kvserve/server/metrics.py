@@ -1,0 +1,123 @@
+"""Prometheus metrics (``kvserve:`` prefix) on a per-app CollectorRegistry.
+
+Engine figures (running / waiting / swapped requests, KV usage, prefix cache, preemptions,
+token counts) come from ``engine.stats()`` taken when /metrics is scraped; latency histograms
+are observed here from the outputs the async engine routes to live requests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvserve.outputs import RequestOutput
+
+PREFIX = "kvserve:"
+
+# (metric name, stats keys tried in order, help)
+_GAUGES: list[tuple[str, tuple[str, ...], str]] = [
+    ("num_requests_running", ("num_running",), "Requests in the RUNNING state"),
+    ("num_requests_waiting", ("num_waiting",), "Requests waiting to be scheduled"),
+    ("num_requests_swapped", ("num_swapped",), "Requests swapped out to the host tier"),
+    ("kv_usage", ("kv_usage",), "KV blocks referenced by live requests / total blocks"),
+    ("kv_utilization", ("kv_utilization",), "Tokens stored / (allocated blocks x block_size)"),
+]
+_COUNTERS: list[tuple[str, tuple[str, ...], str]] = [
+    ("prefix_cache_queries", ("prefix_cache_queries",), "Prompt tokens looked up"),
+    ("prefix_cache_hits", ("prefix_cache_hits",), "Prompt tokens served from the prefix cache"),
+    ("num_preemptions", ("preemptions", "num_preemptions"), "Requests preempted for memory"),
+    ("prefix_cache_evictions", ("prefix_cache_evictions",), "Cached blocks evicted"),
+    ("prompt_tokens", ("num_prompt_tokens",), "Prompt tokens of accepted requests"),
+    ("generation_tokens", ("num_generation_tokens",), "Generated tokens"),
+]
+
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
+)  # fmt: skip
+
+
+def _lookup(stats: Mapping[str, Any], keys: tuple[str, ...]) -> float | None:
+    for key in keys:
+        value = stats.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
+class _EngineStatsCollector(Collector):
+    """Exposes the latest engine.stats() snapshot as gauges and counters."""
+
+    def __init__(self) -> None:
+        self.stats: Mapping[str, Any] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        for name, keys, help_ in _GAUGES:
+            value = _lookup(self.stats, keys)
+            if value is not None:
+                yield GaugeMetricFamily(PREFIX + name, help_, value=value)
+        for name, keys, help_ in _COUNTERS:
+            value = _lookup(self.stats, keys)
+            if value is not None:
+                # NOTE: prometheus_client appends the `_total` suffix to counters itself.
+                yield CounterMetricFamily(PREFIX + name, help_, value=value)
+
+
+class ServerMetrics:
+    """The metrics of one app; also the async engine's OutputObserver (latency histograms)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._engine_stats = _EngineStatsCollector()
+        self.registry.register(self._engine_stats)
+        self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token")
+        self.itl = self._histogram("inter_token_latency_seconds", "Time between output tokens")
+        self.e2e = self._histogram("e2e_request_latency_seconds", "Arrival to finish")
+        self.queue_time = self._histogram("request_queue_time_seconds", "Arrival to scheduled")
+        # request id -> time its last token was routed (one entry per sample index)
+        self._last_token_time: dict[str, dict[int, float]] = {}
+
+    def _histogram(self, name: str, help_: str) -> Histogram:
+        return Histogram(PREFIX + name, help_, buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+    def set_engine_stats(self, stats: Mapping[str, Any]) -> None:
+        """Remember the snapshot the next scrape exposes."""
+        self._engine_stats.stats = stats
+
+    def render(self) -> bytes:
+        """The registry in Prometheus text format."""
+        return generate_latest(self.registry)
+
+    # ---- OutputObserver -------------------------------------------------------------------
+
+    def on_output(self, output: RequestOutput) -> None:
+        """Record inter-token gaps; on the final output, the request's latencies."""
+        now = time.monotonic()
+        last = self._last_token_time.setdefault(output.request_id, {})
+        for completion in output.outputs:
+            if not completion.delta_token_ids:
+                continue
+            prev = last.get(completion.index)
+            if prev is not None:
+                gap = (now - prev) / len(completion.delta_token_ids)
+                for _ in completion.delta_token_ids:
+                    self.itl.observe(gap)
+            last[completion.index] = now
+        if output.finished and output.metrics is not None:
+            m = output.metrics
+            for hist, value in (
+                (self.ttft, m.ttft),
+                (self.e2e, m.e2e),
+                (self.queue_time, m.queue_time),
+            ):
+                if value is not None:
+                    hist.observe(value)
+
+    def on_request_done(self, request_id: str) -> None:
+        """Forget a finished or aborted request."""
+        self._last_token_time.pop(request_id, None)

@@ -1,0 +1,102 @@
+"""Greedy outputs must not depend on how memory is managed (issue 4's end-to-end checks).
+
+Prefix caching, token budgets, a KV pool so small that requests are preempted (recompute
+and swap), and parallel sampling all change *where* KV lives and *when* it is computed;
+none may change a single greedy token.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve.sampling_params import SamplingParams
+
+from .conftest import chat_prompts
+
+MAX_TOKENS = 24
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(make_llm) -> tuple[list[list[int]], list[list[int]]]:
+    """Outputs with a roomy pool, prefix cache on, default budget."""
+    llm = make_llm(num_kv_blocks=512)
+    prompts = chat_prompts(llm.tokenizer)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert llm.stats()["preemptions"] == 0
+    return prompts, [o.outputs[0].token_ids for o in outs]
+
+
+def _tokens(llm, prompts) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def test_prefix_cache_off_is_identical(make_llm, reference) -> None:
+    prompts, expected = reference
+    llm = make_llm(num_kv_blocks=512, enable_prefix_caching=False)
+    assert _tokens(llm, prompts) == expected
+    assert llm.stats()["prefix_hit_rate"] == 0
+
+
+def test_prefix_cache_hits_and_is_identical_on_second_pass(make_llm, reference) -> None:
+    prompts, expected = reference
+    llm = make_llm(num_kv_blocks=512)
+    assert _tokens(llm, prompts) == expected
+    assert _tokens(llm, prompts) == expected
+    assert llm.stats()["prefix_hit_rate"] > 0.4
+
+
+@pytest.mark.parametrize("budget", [16, 64, 2048])
+def test_token_budgets_are_identical(make_llm, reference, budget: int) -> None:
+    prompts, expected = reference
+    llm = make_llm(num_kv_blocks=512, max_num_batched_tokens=budget)
+    assert _tokens(llm, prompts) == expected
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_is_identical(make_llm, reference, mode: str) -> None:
+    prompts, expected = reference
+    longest = max(len(p) for p in prompts) + MAX_TOKENS
+    num_blocks = 2 * (-(-longest // 16)) + 1  # room for about two requests at a time
+    llm = make_llm(num_kv_blocks=num_blocks, preemption_mode=mode, max_num_batched_tokens=256)
+    assert _tokens(llm, prompts) == expected
+    stats = llm.stats()
+    assert stats["preemptions"] > 0
+    assert stats["kv_usage"] == 0
+    llm.engine.kv_cache_manager.check_integrity()
+
+
+def test_parallel_sampling_greedy_copies(make_llm, reference) -> None:
+    prompts, expected = reference
+    llm = make_llm(num_kv_blocks=512)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=4)
+    outs = llm.generate(prompts[:2], params, use_tqdm=False)
+    for out, exp in zip(outs, expected[:2], strict=True):
+        assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+        assert all(c.token_ids == exp for c in out.outputs)
+    stats = llm.stats()
+    assert stats["fork_shared_blocks"] > 0
+    assert stats["kv_usage"] == 0
+    llm.engine.kv_cache_manager.check_integrity()
+
+
+def test_never_fit_requests_are_rejected(make_llm) -> None:
+    llm = make_llm(num_kv_blocks=8, max_model_len=256)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([[1] * 200], SamplingParams(max_tokens=100), use_tqdm=False)
+    # 8 blocks x 16 tokens = 128 tokens in the whole pool.
+    with pytest.raises(ValueError, match="block"):
+        llm.generate([[1] * 100], SamplingParams(max_tokens=100), use_tqdm=False)
+    # Nothing was queued and the engine still serves.
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_bad_batch_queues_nothing(make_llm) -> None:
+    llm = make_llm(num_kv_blocks=64)
+    with pytest.raises(ValueError, match="prompt 1"):
+        llm.generate(["hello", ""], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate([[1, 2, 10**9]], SamplingParams(max_tokens=4), use_tqdm=False)

@@ -1,0 +1,166 @@
+"""Paged attention: the fast backend equals the reference, which equals dense attention."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from kvserve.runtime.attention import (
+    SeqSpec,
+    TorchReferenceBackend,
+    TorchSDPABackend,
+    build_attention_metadata,
+    get_attention_backend,
+)
+
+CPU = torch.device("cpu")
+BLOCK_SIZE = 4
+NUM_BLOCKS = 64
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 8
+# NOTE: fp32 with a different summation order (SDPA kernels vs einsum): ~1e-6 observed.
+ATOL = 1e-5
+
+
+def _dense_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, window: int | None
+) -> torch.Tensor:
+    """Plain causal attention of q [n, H, d] (positions start..) over keys/values [L, kvh, d]."""
+    group = q.shape[1] // keys.shape[1]
+    keys = keys.repeat_interleave(group, 1)
+    values = values.repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, keys) / math.sqrt(q.shape[-1])
+    q_pos = torch.arange(start, start + q.shape[0])[:, None]
+    k_pos = torch.arange(keys.shape[0])[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, values)
+
+
+def _case(shapes: list[tuple[int, int]], seed: int) -> tuple[dict, list[SeqSpec], torch.Tensor]:
+    """Sequences (start_pos, num_new) with random full K/V, shuffled block tables, and a
+    cache pre-filled with each sequence's first start_pos tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    free = list(range(NUM_BLOCKS))
+    random.Random(seed).shuffle(free)
+    cache = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    seqs, full = [], []
+    offset = 0
+    for start, n in shapes:
+        total = start + n
+        blocks = [free.pop() for _ in range(-(-total // BLOCK_SIZE))]
+        keys = torch.randn(total, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+        values = torch.randn(total, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+        for p in range(start):  # the already-computed context
+            cache[0, blocks[p // BLOCK_SIZE], p % BLOCK_SIZE] = keys[p]
+            cache[1, blocks[p // BLOCK_SIZE], p % BLOCK_SIZE] = values[p]
+        seqs.append(SeqSpec(offset, n, start, blocks))
+        full.append((keys, values))
+        offset += n
+    q = torch.randn(offset, NUM_HEADS, HEAD_DIM, generator=gen)
+    k = torch.cat([kv[0][s.start_pos :] for kv, s in zip(full, seqs, strict=True)])
+    v = torch.cat([kv[1][s.start_pos :] for kv, s in zip(full, seqs, strict=True)])
+    return {"q": q, "k": k, "v": v, "full": full}, seqs, cache
+
+
+MIXES = [
+    [(0, 1)],  # a one-token prompt
+    [(5, 1), (12, 1), (0, 1), (31, 1)],  # decodes only, ragged lengths
+    [(0, 9), (0, 16)],  # fresh prefills
+    [(7, 6), (4, 1), (0, 3)],  # mid-sequence chunk first, then decode, then prefill
+    [(3, 1), (9, 1), (0, 13), (6, 10), (17, 1), (8, 8)],  # mixed, decodes not all leading
+]
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("mix", MIXES)
+def test_backends_match_dense_attention(mix: list[tuple[int, int]], window: int | None) -> None:
+    data, seqs, cache0 = _case(mix, seed=len(mix))
+    meta = build_attention_metadata(
+        seqs, block_size=BLOCK_SIZE, device=CPU, dtype=torch.float32, sliding_window=window
+    )
+    expected = torch.cat(
+        [
+            _dense_attention(
+                data["q"][s.token_offset : s.token_offset + s.num_query_tokens],
+                kv[0],
+                kv[1],
+                s.start_pos,
+                window,
+            )
+            for s, kv in zip(seqs, data["full"], strict=True)
+        ]
+    )
+    caches = {}
+    for backend in (TorchReferenceBackend(), TorchSDPABackend()):
+        cache = cache0.clone()
+        out = backend.forward(data["q"], data["k"], data["v"], cache, meta)
+        torch.testing.assert_close(out, expected, atol=ATOL, rtol=0, msg=backend.name)
+        caches[backend.name] = cache
+    # Both wrote exactly the same cache, and every token sits at its block-table slot.
+    assert torch.equal(caches["torch_ref"], caches["torch_sdpa"])
+    for s, (keys, values) in zip(seqs, data["full"], strict=True):
+        for p in range(s.seq_len):
+            blk, off = s.block_ids[p // BLOCK_SIZE], p % BLOCK_SIZE
+            assert torch.equal(caches["torch_sdpa"][0, blk, off], keys[p])
+            assert torch.equal(caches["torch_sdpa"][1, blk, off], values[p])
+
+
+@pytest.mark.parametrize("backend", [TorchReferenceBackend(), TorchSDPABackend()])
+def test_block_written_this_step_is_readable_by_another_sequence(backend) -> None:
+    """Sequence B's context block is filled by sequence A in the same step (prefix hit on
+    a block cached this step): B must see A's fresh K/V, so all writes precede all reads."""
+    gen = torch.Generator().manual_seed(7)
+    shared, own = 3, 9
+    keys = torch.randn(6, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+    values = torch.randn(6, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+    # A computes positions 0..3 into block `shared`; B (listed FIRST) has the same first 4
+    # tokens cached in `shared` and computes positions 4..5 into block `own`.
+    seqs = [SeqSpec(0, 2, 4, [shared, own]), SeqSpec(2, 4, 0, [shared])]
+    q = torch.randn(6, NUM_HEADS, HEAD_DIM, generator=gen)
+    k = torch.cat([keys[4:], keys[:4]])
+    v = torch.cat([values[4:], values[:4]])
+    meta = build_attention_metadata(seqs, block_size=4, device=CPU, dtype=torch.float32)
+    cache = torch.full((2, 16, 4, NUM_KV_HEADS, HEAD_DIM), 1e3)  # stale garbage
+    out = backend.forward(q, k, v, cache, meta)
+    torch.testing.assert_close(
+        out[:2], _dense_attention(q[:2], keys, values, 4, None), atol=ATOL, rtol=0
+    )
+
+
+def test_decode_group_is_leading_run_of_single_token_queries() -> None:
+    seqs = [SeqSpec(0, 1, 3, [0]), SeqSpec(1, 1, 8, [1, 2, 3]), SeqSpec(2, 5, 0, [4, 5])]
+    meta = build_attention_metadata(seqs, block_size=4, device=CPU, dtype=torch.float32)
+    assert meta.num_decode_seqs == 2
+    assert meta.decode_max_blocks == 3
+    assert meta.slot_mapping.tolist() == [
+        3,
+        3 * 4 + 0,
+        16,
+        17,
+        18,
+        19,
+        20,
+    ]  # pos 8 -> block_ids[2] = 3
+    # lengths 4 and 9: keys beyond each length are masked
+    mask = meta.decode_mask.view(2, -1)
+    assert torch.isinf(mask[0, 4:]).all() and (mask[0, :4] == 0).all()
+    assert torch.isinf(mask[1, 9:]).all() and (mask[1, :9] == 0).all()
+    assert len(meta.chunks) == 1 and meta.chunks[0].mask is None  # fresh prefill: is_causal
+
+
+def test_metadata_rejects_short_block_table() -> None:
+    with pytest.raises(ValueError, match="cannot hold 9 tokens"):
+        build_attention_metadata(
+            [SeqSpec(0, 2, 7, [0, 1])], block_size=4, device=CPU, dtype=torch.float32
+        )
+
+
+def test_unknown_backend_name() -> None:
+    assert isinstance(get_attention_backend("torch_ref"), TorchReferenceBackend)
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
+        get_attention_backend("flash")

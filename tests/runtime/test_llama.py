@@ -1,0 +1,178 @@
+"""Our Llama-family forward over the paged cache vs HuggingFace transformers.
+
+Tolerance: atol 1e-4 on logits of magnitude ~5 (fp32). Our forward fuses q/k/v and gate/up
+matmuls, uses fused rms_norm/addcmul and SDPA, so float sums run in a different order than
+HF's; the observed max difference is ~5e-6.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from runtime_testutil import ToyAllocator, hf_logits, ours_from_hf, tiny_hf_model
+
+from kvserve.models.llama import LlamaForCausalLM, compute_inv_freq
+from kvserve.runtime.attention import SeqSpec, build_attention_metadata
+from kvserve.runtime.kv_cache import KVCache
+
+ATOL = 1e-4
+CPU = torch.device("cpu")
+
+
+def _run_schedule(
+    model: LlamaForCausalLM,
+    seqs: dict[str, list[int]],
+    chunk_sizes: dict[str, list[int]],
+    block_size: int = 4,
+) -> dict[str, torch.Tensor]:
+    """Compute every position's logits of each sequence, as a ragged batch of steps.
+
+    Step j computes the next ``chunk_sizes[rid][j]`` tokens of every sequence that has any
+    left, all in one flat batch; returns [len, vocab] logits per sequence.
+    """
+    arch = model.arch
+    alloc = ToyAllocator(num_blocks=128, block_size=block_size, seed=3)
+    cache = KVCache(
+        num_layers=arch.num_hidden_layers,
+        num_blocks=128,
+        block_size=block_size,
+        num_kv_heads=arch.num_key_value_heads,
+        head_dim=arch.head_dim,
+    )
+    done = dict.fromkeys(seqs, 0)
+    logits: dict[str, list[torch.Tensor]] = {rid: [] for rid in seqs}
+    step = 0
+    while any(done[r] < len(t) for r, t in seqs.items()):
+        specs, ids, positions, order = [], [], [], []
+        for rid, tokens in seqs.items():
+            if done[rid] == len(tokens):
+                continue
+            sizes = chunk_sizes[rid]
+            n = min(sizes[min(step, len(sizes) - 1)], len(tokens) - done[rid])
+            table = alloc.ensure(rid, done[rid] + n)
+            specs.append(SeqSpec(len(ids), n, done[rid], list(table)))
+            ids.extend(tokens[done[rid] : done[rid] + n])
+            positions.extend(range(done[rid], done[rid] + n))
+            order.append((rid, n))
+            done[rid] += n
+        meta = build_attention_metadata(
+            specs,
+            block_size=block_size,
+            device=CPU,
+            dtype=torch.float32,
+            sliding_window=arch.sliding_window,
+        )
+        with torch.inference_mode():
+            hidden = model(torch.tensor(ids), torch.tensor(positions), cache.layer_caches, meta)
+            out = model.compute_logits(hidden)
+        row = 0
+        for rid, n in order:
+            logits[rid].append(out[row : row + n])
+            row += n
+        step += 1
+    return {rid: torch.cat(parts) for rid, parts in logits.items()}
+
+
+def _prompts(lengths: list[int], vocab: int, seed: int) -> dict[str, list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        f"s{i}": torch.randint(0, vocab, (n,), generator=gen).tolist()
+        for i, n in enumerate(lengths)
+    }
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("backend", ["torch_sdpa", "torch_ref"])
+def test_ragged_chunked_prefill_then_decode_matches_hf(kind: str, backend: str) -> None:
+    hf = tiny_hf_model(kind)
+    model, _ = ours_from_hf(hf, attn_backend=backend)
+    seqs = _prompts([1, 7, 23, 40], hf.config.vocab_size, seed=11)
+    # Chunked prefill (several chunk sizes, some mid-block), then one token per step (decode).
+    chunks = {
+        "s0": [1],
+        "s1": [3, 2, 1],
+        "s2": [5, 9, 4, 1],
+        "s3": [16, 6, 10, 1],
+    }
+    ours = _run_schedule(model, seqs, chunks)
+    for rid, tokens in seqs.items():
+        ref = hf_logits(hf, tokens)
+        torch.testing.assert_close(ours[rid], ref, atol=ATOL, rtol=0, msg=f"{kind} {rid}")
+
+
+def test_sliding_window_matches_hf() -> None:
+    hf = tiny_hf_model("mistral", sliding_window=6)
+    hf.config._attn_implementation = "eager"
+    model, arch = ours_from_hf(hf)
+    assert arch.sliding_window == 6
+    seqs = _prompts([30, 11], hf.config.vocab_size, seed=5)
+    ours = _run_schedule(model, seqs, {"s0": [9, 8, 1], "s1": [11, 1]})
+    for rid, tokens in seqs.items():
+        torch.testing.assert_close(ours[rid], hf_logits(hf, tokens), atol=ATOL, rtol=0)
+
+
+def test_whole_prompt_in_one_step_matches_chunked() -> None:
+    hf = tiny_hf_model("llama")
+    model, _ = ours_from_hf(hf)
+    seqs = _prompts([37], hf.config.vocab_size, seed=2)
+    whole = _run_schedule(model, seqs, {"s0": [37]})["s0"]
+    chunked = _run_schedule(model, seqs, {"s0": [4, 13, 1]})["s0"]
+    torch.testing.assert_close(whole, chunked, atol=ATOL, rtol=0)
+
+
+def test_llama3_rope_scaling_changes_frequencies() -> None:
+    base = compute_inv_freq(64, 500000.0, None)
+    scaled = compute_inv_freq(
+        64,
+        500000.0,
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
+    assert torch.equal(scaled[:4], base[:4])  # high frequencies untouched
+    torch.testing.assert_close(scaled[-1], base[-1] / 8)  # lowest frequency divided by factor
+    with pytest.raises(ValueError, match="unsupported rope_scaling type 'yarn'"):
+        compute_inv_freq(64, 1e4, {"rope_type": "yarn", "factor": 2.0})
+
+
+def test_load_weights_rejects_bad_state_dicts() -> None:
+    hf = tiny_hf_model("llama")
+    model, arch = ours_from_hf(hf)
+    sd = dict(hf.state_dict())
+    missing = {k: v for k, v in sd.items() if k != "model.layers.1.mlp.up_proj.weight"}
+    with pytest.raises(ValueError, match="missing weight 'model.layers.1.mlp.up_proj.weight'"):
+        LlamaForCausalLM(arch).load_weights(missing)
+    bad_shape = dict(sd)
+    bad_shape["model.norm.weight"] = torch.ones(3)
+    with pytest.raises(ValueError, match=r"'model.norm.weight' has shape \(3,\)"):
+        LlamaForCausalLM(arch).load_weights(bad_shape)
+    extra = dict(sd)
+    extra["model.layers.9.foo"] = torch.ones(1)
+    with pytest.raises(ValueError, match="unexpected weights"):
+        LlamaForCausalLM(arch).load_weights(extra)
+
+
+def test_fused_weights_hold_hf_tensors() -> None:
+    hf = tiny_hf_model("qwen2")
+    model, _ = ours_from_hf(hf)
+    layer, sd = model.layers[1], hf.state_dict()
+    qs, kvs = layer.q_size, layer.kv_size
+    assert torch.equal(
+        layer.qkv_weight[qs : qs + kvs], sd["model.layers.1.self_attn.k_proj.weight"]
+    )
+    assert torch.equal(layer.qkv_bias[qs + kvs :], sd["model.layers.1.self_attn.v_proj.bias"])
+    inter = layer.intermediate_size
+    assert torch.equal(layer.gate_up_weight[inter:], sd["model.layers.1.mlp.up_proj.weight"])
+    assert model.lm_head is model.embed_tokens  # tied
+
+
+def test_gqa_heads_must_divide() -> None:
+    arch = ours_from_hf(tiny_hf_model("llama"))[1]
+    from dataclasses import replace
+
+    with pytest.raises(ValueError, match="must be a multiple of num_key_value_heads"):
+        LlamaForCausalLM(replace(arch, num_key_value_heads=3))

@@ -1,0 +1,113 @@
+"""Start a real ``kvserve serve`` process on a free loopback port for a test module."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+STARTUP_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _serve_command() -> list[str]:
+    script = Path(sys.executable).parent / "kvserve"
+    if script.exists():
+        return [str(script), "serve"]
+    return [sys.executable, "-m", "kvserve.cli", "serve"]
+
+
+@contextmanager
+def running_server(*extra_args: str, api_key: str | None = None) -> Iterator[str]:
+    """Run the server until the block exits; yields its base URL (http://127.0.0.1:PORT).
+
+    The process is always terminated (then killed) on exit, and its log is shown on a
+    start-up failure.
+    """
+    port = free_port()
+    cmd = [
+        *_serve_command(),
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--num-kv-blocks", "512",
+        "--num-threads", "1",
+        "--quiet",
+        *extra_args,
+    ]  # fmt: skip
+    if api_key is not None:
+        cmd += ["--api-key", api_key]
+    log = tempfile.NamedTemporaryFile("w+", prefix="kvserve-test-", suffix=".log", delete=False)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ}
+    )
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}:\n{_read(log)}")
+            try:
+                if httpx.get(base_url + "/health", timeout=2.0).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{_read(log)}")
+            time.sleep(0.25)
+        yield base_url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=15)
+        log.close()
+        os.unlink(log.name)
+
+
+def _read(log: tempfile._TemporaryFileWrapper) -> str:  # type: ignore[type-arg]
+    log.flush()
+    log.seek(0)
+    return log.read()[-5000:]
+
+
+def metric_value(metrics_text: str, name: str) -> float:
+    """The value of an unlabelled sample ``name`` in Prometheus text format."""
+    m = re.search(rf"^{re.escape(name)} (\S+)$", metrics_text, re.MULTILINE)
+    if m is None:
+        raise AssertionError(f"metric {name} not found")
+    return float(m.group(1))
+
+
+def wait_idle(client: httpx.Client, timeout_s: float = 60.0) -> str:
+    """Poll /metrics until no request is running or waiting and kv_usage is 0; returns it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = client.get("/metrics").text
+        busy = (
+            metric_value(text, "kvserve:num_requests_running"),
+            metric_value(text, "kvserve:num_requests_waiting"),
+            metric_value(text, "kvserve:kv_usage"),
+        )
+        if busy == (0.0, 0.0, 0.0):
+            return text
+        if time.monotonic() > deadline:
+            raise AssertionError(f"server not idle after {timeout_s} s: {busy}")
+        time.sleep(0.2)

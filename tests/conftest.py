@@ -1,0 +1,10 @@
+"""Test-wide settings, applied before any test module imports torch."""
+
+from __future__ import annotations
+
+import os
+
+# NOTE: with 2 OpenMP threads on 2 cores, any other busy process (a server under test, a
+# second pytest worker) makes spinning threads collapse throughput ~10x; passive waiting
+# keeps the suite's wall time stable. Set before torch loads libgomp; subprocesses inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -16,6 +16,7 @@ import torch
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.outputs import LogprobsEntry
 from kvserve.core.scheduler import Scheduler
+from kvserve.core.window import KVWindow, WindowedKVCacheManager
 from kvserve.engine_config import EngineConfig
 from kvserve.engine_metrics import LatencyStats
 from kvserve.memory_budget import MemoryReport, plan_kv_blocks, plan_step_activations
@@ -23,6 +24,7 @@ from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_model
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.request import Request, RequestStatus
+from kvserve.runtime.kv_cache import kv_bytes_per_token
 from kvserve.runtime.model_runner import ModelRunner
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -87,9 +89,14 @@ class LLMEngine:
                 f"max_model_len={config.max_model_len} exceeds the model's context length "
                 f"{arch.max_position_embeddings}"
             )
-        elem_bytes = torch.tensor([], dtype=dtype).element_size()
-        kv_elem = {"auto": elem_bytes, "int8": 1, "fp8": 1}[config.kv_cache_dtype]
-        self.kv_bytes_per_token = arch.kv_bytes_per_token(kv_elem)
+        # NOTE: exact, the per-token-per-head scales of int8/fp8 caches included.
+        self.kv_bytes_per_token = kv_bytes_per_token(
+            num_layers=arch.num_hidden_layers,
+            num_kv_heads=arch.num_key_value_heads,
+            head_dim=arch.head_dim,
+            kv_cache_dtype=config.kv_cache_dtype,
+            dtype=dtype,
+        )
         activation_plan = plan_step_activations(config, arch, max_model_len=self.max_model_len)
         self.memory_report: MemoryReport = plan_kv_blocks(
             config,
@@ -110,14 +117,28 @@ class LLMEngine:
             device=config.device,
             dtype=dtype,
             seed=config.seed,
+            kv_cache_dtype=config.kv_cache_dtype,
+            kv_window=config.kv_window,
+            kv_sink_tokens=config.kv_sink_tokens,
         )
-        self.kv_cache_manager = KVCacheManager(
-            rep.num_kv_blocks,
-            config.block_size,
-            enable_prefix_caching=config.enable_prefix_caching,
-            num_host_blocks=rep.num_host_blocks,
-            enable_host_prefix_cache=config.enable_host_prefix_cache,
-        )
+        self.kv_cache_manager: KVCacheManager
+        if config.kv_window is not None:
+            if config.enable_prefix_caching or config.enable_host_prefix_cache:
+                logger.info("kv_window set: prefix caching is off for windowed eviction")
+            self.kv_cache_manager = WindowedKVCacheManager(
+                rep.num_kv_blocks,
+                config.block_size,
+                kv_window=KVWindow(config.kv_window, config.kv_sink_tokens),
+                num_host_blocks=rep.num_host_blocks,
+            )
+        else:
+            self.kv_cache_manager = KVCacheManager(
+                rep.num_kv_blocks,
+                config.block_size,
+                enable_prefix_caching=config.enable_prefix_caching,
+                num_host_blocks=rep.num_host_blocks,
+                enable_host_prefix_cache=config.enable_host_prefix_cache,
+            )
         self.scheduler = Scheduler(
             config.scheduler_config(self.max_model_len), self.kv_cache_manager
         )

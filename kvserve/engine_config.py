@@ -33,9 +33,19 @@ _HELP: dict[str, str] = {
     "max_num_batched_tokens": "token budget per step, shared by prefill chunks and decodes",
     "max_model_len": "longest prompt + output (default: the model's context length)",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes (radix cache)",
+    "enable_host_prefix_cache": (
+        "keep prefix-cache blocks evicted from the device pool in the host tier (sized by "
+        "swap_space, shared with swap preemption) and load them back on a hit"
+    ),
     "preemption_mode": "what to do with a request preempted for memory",
     "swap_space": "bytes of host memory for swapped-out KV blocks",
-    "kv_cache_dtype": "KV cache element type",
+    "kv_cache_dtype": "KV cache element type: auto (= dtype), int8 or fp8 (e4m3), one byte per "
+    "element plus a float32 scale per token per KV head",
+    "kv_window": "windowed KV eviction (StreamingLLM): keep only the last W tokens of each "
+    "request (plus the sink tokens) and free blocks that leave; off by default; disables "
+    "prefix caching; changes outputs (measure with `kvserve bench accuracy`)",
+    "kv_sink_tokens": "with --kv-window: the first S tokens of each request stay in the cache "
+    "and visible (attention sinks)",
     "num_threads": "torch CPU threads (default: all cores)",
     "admission_headroom": "fraction of KV blocks kept free when admitting requests",
     "resume_watermark": "after a preemption, admit again only above this free fraction",
@@ -59,9 +69,12 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    enable_host_prefix_cache: bool = False
     preemption_mode: str = "recompute"
     swap_space: int | None = None
     kv_cache_dtype: str = "auto"
+    kv_window: int | None = None
+    kv_sink_tokens: int = 0
     num_threads: int | None = None
     admission_headroom: float = 0.02
     resume_watermark: float = 0.10
@@ -71,6 +84,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not 0 < self.kv_cache_memory_fraction < 1:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1)")
+        if self.kv_window is not None and self.kv_window < 1:
+            raise ValueError(f"kv_window must be >= 1, got {self.kv_window}")
+        if self.kv_sink_tokens < 0:
+            raise ValueError(f"kv_sink_tokens must be >= 0, got {self.kv_sink_tokens}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
         # Build the nested configs once so their validation runs at construction.

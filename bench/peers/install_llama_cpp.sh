@@ -3,6 +3,9 @@
 # llama-cpp-python sdist, under $KVSERVE_PEERS. Idempotent; exits 3 if it cannot be built.
 source "$(dirname "$0")/common.sh"
 BUILD="$LLAMA_CPP_DIR/build"
+mkdir -p "$LLAMA_CPP_DIR"
+exec 9> "$LLAMA_CPP_DIR/.install.lock"
+flock 9  # NOTE: a second caller waits for a build in progress instead of racing it
 if [ ! -x "$BUILD/bin/llama-server" ] || [ ! -x "$BUILD/bin/llama-batched-bench" ]; then
   SRC="$LLAMA_CPP_DIR/src"
   mkdir -p "$SRC"

@@ -16,6 +16,9 @@ EngineParser = Callable[[argparse._SubParsersAction, str, str], argparse.Argumen
 _EXTERNAL = (
     ("alloc", "kvserve.bench.alloc", "block allocation micro-benchmark"),
     ("runtime-speed", "kvserve.bench.runtime_speed", "decode speed of the bare model runner"),
+    ("memory", "kvserve.bench.memory", "activation plan and memory budget"),
+    ("hotpath", "kvserve.bench.hotpath", "allocations per steady-state decode step"),
+    ("accuracy", "kvserve.bench.accuracy", "KV quantization and windowed eviction accuracy"),
 )
 
 

@@ -46,9 +46,11 @@ def write_json(path: str | None, record: dict[str, Any]) -> None:
 
 
 def _clean(o: Any) -> Any:
-    """NaN and inf become None (strict JSON); containers recursively."""
-    if isinstance(o, float) and not math.isfinite(o):
+    """Strict JSON: NaN becomes None, +-inf the strings "inf" / "-inf"; containers recursively."""
+    if isinstance(o, float) and math.isnan(o):
         return None
+    if isinstance(o, float) and math.isinf(o):
+        return "inf" if o > 0 else "-inf"
     if isinstance(o, dict):
         return {str(k): _clean(v) for k, v in o.items()}
     if isinstance(o, (list, tuple)):

@@ -74,17 +74,22 @@ def run_batch(
             seqs[rid].append(tok)
     t_prefill = time.perf_counter() - t0
     t1 = time.perf_counter()
+    c1 = time.process_time()
     for _ in range(steps - 1):
         sched = [_req(rid, t, len(t) - 1, len(t), tables[rid]) for rid, t in seqs.items()]
         out = runner.execute(SchedulerOutput(scheduled=sched))
         for rid, tok in out.sampled_token_ids.items():
             seqs[rid].append(tok)
     t_decode = time.perf_counter() - t1
+    cpu_decode = time.process_time() - c1
     return {
         "batch_size": batch_size,
         "prefill_tok_s": batch_size * prompt_len / t_prefill,
         "decode_tok_s": batch_size * (steps - 1) / t_decode,
         "decode_step_ms": 1000 * t_decode / (steps - 1),
+        # NOTE: process CPU time per step; with 1 thread it is a load-robust proxy for wall time
+        # on a shared machine (with more threads it includes OpenMP spin-waiting).
+        "decode_cpu_ms": 1000 * cpu_decode / (steps - 1),
     }
 
 
@@ -129,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
             r = run_batch(runner, b, args.prompt_len, args.steps, args.max_batched_tokens)
         print(
             f"B={b:3d}  prefill {r['prefill_tok_s']:7.1f} tok/s  decode {r['decode_tok_s']:7.1f} "
-            f"tok/s  ({r['decode_step_ms']:.1f} ms/step)"
+            f"tok/s  ({r['decode_step_ms']:.1f} ms/step, {r['decode_cpu_ms']:.1f} cpu-ms/step)"
         )
 
 

@@ -11,7 +11,7 @@ import dataclasses
 import sys
 from typing import TYPE_CHECKING, Any
 
-from kvserve.bench.offline import run_offline, warm_up
+from kvserve.bench.offline import OfflineRun, call_in_worker_thread, run_offline, warm_up
 from kvserve.bench.report import make_record, print_figures, write_json
 from kvserve.bench.workload_args import (
     add_workload_args,
@@ -56,6 +56,11 @@ def register(sub: argparse._SubParsersAction, engine_parser: Any) -> None:
         action="store_true",
         help="queue requests at their trace arrival times instead of all at once",
     )
+    p.add_argument(
+        "--step-thread",
+        action="store_true",
+        help="step the engine on a worker thread (as the server does) instead of the main one",
+    )
     p.set_defaults(func=cmd_throughput)
 
 
@@ -85,16 +90,20 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     requests = build_workload(args)
     engine = build_engine(args)
     check_vocab(requests, engine.arch.vocab_size)
-    if args.warmup:
-        warm_up(engine)
-    run = run_offline(
-        engine,
-        requests,
-        ignore_eos=args.ignore_eos,
-        temperature=args.sampling_temperature,
-        replay_arrivals=args.replay_arrivals,
-        max_concurrency=args.max_concurrency,
-    )
+
+    def run() -> OfflineRun:
+        if args.warmup:
+            warm_up(engine)
+        return run_offline(
+            engine,
+            requests,
+            ignore_eos=args.ignore_eos,
+            temperature=args.sampling_temperature,
+            replay_arrivals=args.replay_arrivals,
+            max_concurrency=args.max_concurrency,
+        )
+
+    run = call_in_worker_thread(run) if args.step_thread else run()
     title = f"kvserve throughput ({args.workload_file or args.workload}, {len(requests)} requests)"
     print_figures(run.figures, title)
     write_json(
@@ -102,11 +111,12 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         make_record(
             "throughput",
             run.figures,
-            mode="offline",
+            mode="offline, step thread" if args.step_thread else "offline",
             label=args.label,
             engine=engine_meta(engine),
             workload=workload_meta(args),
             max_concurrency=args.max_concurrency,
+            step_thread=args.step_thread,
         ),
     )
     return 0

@@ -27,7 +27,13 @@ def add_workload_args(p: argparse.ArgumentParser, *, num_prompts: int = 32) -> N
     g.add_argument(
         "--workload-file", default=None, help="replay this JSONL trace instead of generating"
     )
-    g.add_argument("--num-prompts", type=int, default=num_prompts, help="requests in the trace")
+    g.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help=f"requests in the trace (default {num_prompts}); with --workload-file: the first N",
+    )
+    p.set_defaults(default_num_prompts=num_prompts)
     g.add_argument(
         "--input-len", type=int, default=None, help="random: every prompt has exactly this length"
     )
@@ -78,24 +84,32 @@ def build_workload(args: argparse.Namespace) -> list[WorkloadRequest]:
 
     Saved to ``--save-workload`` when given. Raises ValueError on bad flags.
     """
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.workload_file:
-        reqs = load_jsonl(args.workload_file)
+        reqs = load_jsonl(args.workload_file)[: args.num_prompts]
     else:
         reqs = generate_workload(
-            args.workload, args.num_prompts, args.workload_seed, **workload_options(args)
+            args.workload,
+            args.num_prompts or args.default_num_prompts,
+            args.workload_seed,
+            **workload_options(args),
         )
-    return finalize(reqs, args.vocab_size, args.save_workload)
+    return finalize(reqs, args.vocab_size, args.save_workload, salt=args.workload_seed)
 
 
 def finalize(
-    reqs: list[WorkloadRequest], vocab_size: int, save_path: str | None = None
+    reqs: list[WorkloadRequest], vocab_size: int, save_path: str | None = None, salt: int = 0
 ) -> list[WorkloadRequest]:
-    """Resolve every request's prompt ids (deterministic per request id) and optionally save."""
+    """Resolve every request's prompt ids and optionally save the trace as JSONL.
+
+    Requests without ids get pseudo-random ones, deterministic in (``salt``, request id).
+    """
     if not reqs:
         raise ValueError("the workload has no requests")
     out = []
     for r in reqs:
-        ids = resolve_prompt_token_ids(r, vocab_size)
+        ids = resolve_prompt_token_ids(r, vocab_size, salt)
         out.append(
             WorkloadRequest(
                 r.request_id,

@@ -17,6 +17,18 @@ Life of a request:
 3. ``fork`` shares a whole table; ``swap_out`` / ``swap_in`` move it to and from the host
    tier; ``free`` drops it (tail first, so a request's tail is evicted before its head).
 
+Host offload tier (``enable_host_prefix_cache=True``; ``core/host_tier.py``): the host blocks
+serve swap preemption *and* a second level of the prefix cache. When the pool hands out a
+free cached block again, the manager copies it to a host block (free, or the oldest
+unpinned offloaded one, itself evicted) and the tree keeps the path, now host-resident; with
+no host block to be had, the block is dropped with its (host-resident) subtree. A later
+``get_computed_blocks`` matches host-resident blocks too (reported as ids ``-1 - host id``);
+``allocate_slots`` gives each a fresh device block and plans a host->device load. Offload
+(device, host) and load (host, device) pairs are handed over by ``take_pending_swaps()``;
+the scheduler appends them to the step's ``blocks_to_swap_out`` / ``blocks_to_swap_in``, so
+the runner copies an evicted block out before this step's forward pass overwrites it, and
+loads before the forward pass reads. Swapped-out requests' host blocks are never evicted.
+
 Invariants (``check_integrity``):
 
 - A block's ref count = block tables holding it + pending copy-on-write sources pinned
@@ -27,13 +39,19 @@ Invariants (``check_integrity``):
   and holds no cached block after it; its first ``num_cached_blocks`` are exactly what the
   cache matches for the request's own tokens and salt.
 - Ancestor closure: a held cached block's parent is held; a free cached block comes before
-  its free parent in the free list, so the pool only ever evicts leaves.
+  its free parent in the free list, so the pool only ever evicts device leaves.
+- Residency: a cached device block's cached parent is a device block (host blocks have only
+  host children), so a match is device blocks then host blocks. A cached host block's
+  host parent comes after it in the host LRU, so the host tier only evicts leaves.
+- Step plans: an offload destination or load source host block is pinned (never handed out
+  again) until ``take_pending_swaps()``; a load's device destination is held and cached;
+  a request holding a block loaded in this step is not swapped out before the step runs.
 
 Scheduler rules these rely on (documented in CONTRACTS.md): blocks allocated for a step are
 computed by that step, so a request scheduled in a step is not freed, swapped out or
-forked from before the step has run; ``take_pending_copies()`` is called once per step,
-after the last allocation, and the runner executes swap-out, swap-in, copies, then the
-forward pass.
+forked from before the step has run; ``take_pending_copies()`` and ``take_pending_swaps()``
+are called once per step, after the last allocation, and the runner executes swap-out,
+swap-in, copies, then the forward pass.
 """
 
 from __future__ import annotations
@@ -43,8 +61,9 @@ from collections import Counter
 from dataclasses import dataclass
 
 from kvserve.core.block_pool import BlockPool, KVBlock
+from kvserve.core.host_tier import HostBlock, HostTier
 from kvserve.core.metrics import KVCacheCounters, kv_utilization, ratio
-from kvserve.core.prefix_cache import PrefixCache, RadixPrefixCache
+from kvserve.core.prefix_cache import CacheEntry, PrefixCache, RadixPrefixCache, describe
 from kvserve.request import Request
 
 
@@ -63,12 +82,17 @@ class _HostTable:
     """A swapped-out request: its blocks live in the host tier, in table order."""
 
     request: Request
-    host_block_ids: list[int]
+    host_blocks: list[HostBlock]
 
 
 def _check_count(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+
+
+def host_block_ref(host_block_id: int) -> int:
+    """How ``get_computed_blocks`` reports a host-resident prefix block: ``-1 - host id``."""
+    return -1 - host_block_id
 
 
 def _token_ids(request: Request) -> list[int]:
@@ -87,25 +111,37 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         num_host_blocks: int = 0,
         prefix_cache: PrefixCache | None = None,
+        enable_host_prefix_cache: bool = False,
     ) -> None:
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         _check_count("num_host_blocks", num_host_blocks)
+        if enable_host_prefix_cache and not enable_prefix_caching:
+            raise ValueError("enable_host_prefix_cache needs enable_prefix_caching")
+        if enable_host_prefix_cache and num_host_blocks == 0:
+            raise ValueError(
+                "enable_host_prefix_cache needs a host tier: num_host_blocks (swap_space) is 0"
+            )
         self.block_size = block_size
         self.num_host_blocks = num_host_blocks
         self.enable_prefix_caching = enable_prefix_caching
+        self.enable_host_prefix_cache = enable_host_prefix_cache
         self._cache: PrefixCache = prefix_cache or RadixPrefixCache(block_size)
         if self._cache.block_size != block_size:
             raise ValueError("prefix_cache.block_size must equal block_size")
-        self._pool = BlockPool(num_blocks, on_evict=self._cache.evict)
+        self._pool = BlockPool(num_blocks, on_evict=self._on_device_evict)
         self.num_blocks = num_blocks
+        self._host = HostTier(
+            num_host_blocks, step_pins=enable_host_prefix_cache, on_evict=self._on_host_evict
+        )
         self._tables: dict[str, _Table] = {}
         self._host_tables: dict[str, _HostTable] = {}
-        # NOTE: a stack, so the lowest ids come out first (deterministic plans).
-        self._free_host_ids = list(range(num_host_blocks - 1, -1, -1))
         # Copy-on-write (src, dst); src keeps the reference its table dropped until
         # take_pending_copies(), so nothing can overwrite it before the runner copies it.
         self._pending_copies: list[tuple[KVBlock, KVBlock]] = []
+        # Offload tier plans of this step: (device id, host) and (host, device).
+        self._pending_offloads: list[tuple[int, HostBlock]] = []
+        self._pending_loads: list[tuple[HostBlock, KVBlock]] = []
         self.counters = KVCacheCounters()
 
     # ------------------------------------------------------------------ capacity
@@ -117,7 +153,12 @@ class KVCacheManager:
 
     @property
     def num_free_host_blocks(self) -> int:
-        return len(self._free_host_ids)
+        """Host blocks a swap-out can have now: free plus evictable offloaded prefix blocks."""
+        return self._host.num_free_blocks
+
+    @property
+    def host_tier(self) -> HostTier:
+        return self._host
 
     @property
     def usage(self) -> float:
@@ -145,7 +186,7 @@ class KVCacheManager:
     def num_swapped_blocks(self, request: Request) -> int:
         """Blocks the request holds in the host tier (0 unless swapped out)."""
         host = self._host_tables.get(request.request_id)
-        return len(host.host_block_ids) if host is not None else 0
+        return len(host.host_blocks) if host is not None else 0
 
     # ------------------------------------------------------------------ prefix hits
 
@@ -154,6 +195,8 @@ class KVCacheManager:
 
         Capped at ``num_tokens - 1`` tokens by dropping whole blocks (see the module
         docstring), so the returned token count is always ``len(block ids) * block_size``.
+        With the host offload tier, host-resident blocks follow the device ones, reported
+        as ``host_block_ref(host id)`` (negative); ``allocate_slots`` loads them.
         Takes no references and records no stats.
         """
         if not self.enable_prefix_caching:
@@ -162,7 +205,11 @@ class KVCacheManager:
         if max_blocks <= 0:
             return [], 0
         blocks = self._cache.match(_token_ids(request), request.cache_salt, max_blocks)
-        return [b.block_id for b in blocks], len(blocks) * self.block_size
+        ids = [
+            host_block_ref(b.host_block_id) if isinstance(b, HostBlock) else b.block_id
+            for b in blocks
+        ]
+        return ids, len(blocks) * self.block_size
 
     # ------------------------------------------------------------------ allocation
 
@@ -180,7 +227,8 @@ class KVCacheManager:
         copy-on-write replacements), or None with nothing changed when fewer than
         ``needed + reserve`` blocks can be had. ``new_computed_blocks`` (from
         ``get_computed_blocks``) are only accepted on the request's first allocation,
-        which also records the prefix-cache query (``num_tokens``) and hit.
+        which also records the prefix-cache query (``num_tokens``) and hit. Host-resident
+        hits take a fresh device block each (counted in needed) and a load is planned.
         """
         t0 = time.perf_counter()
         try:
@@ -199,20 +247,25 @@ class KVCacheManager:
         num_new_computed_tokens: int,
         reserve: int,
     ) -> list[int] | None:
-        _check_count("num_new_tokens", num_new_tokens)
-        _check_count("num_new_computed_tokens", num_new_computed_tokens)
-        _check_count("reserve", reserve)
+        if num_new_tokens < 0 or num_new_computed_tokens < 0 or reserve < 0:
+            raise ValueError(
+                f"allocate_slots: num_new_tokens={num_new_tokens}, num_new_computed_tokens="
+                f"{num_new_computed_tokens} and reserve={reserve} must all be >= 0"
+            )
         rid = request.request_id
         if rid in self._host_tables:
             raise ValueError(f"request {rid!r} is swapped out: swap_in() before allocate_slots()")
         table = self._tables.get(rid)
         bs = self.block_size
-        computed = self._computed_blocks(request, table, computed_ids, num_new_computed_tokens)
+        computed, host_hits = self._computed_blocks(
+            request, table, computed_ids, num_new_computed_tokens
+        )
+        num_hits = len(computed) + len(host_hits)
 
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_total = num_computed + num_new_tokens
         old_blocks = table.blocks if table is not None else []
-        num_needed = max(0, -(-num_total // bs) - len(old_blocks) - len(computed))
+        num_needed = max(0, -(-num_total // bs) - len(old_blocks) - num_hits)
         # Copy-on-write: every existing block from the first one this step writes to the
         # end of the table must be writable (ref 1, not cached), else it is replaced.
         cow_indices: list[int] = []
@@ -221,26 +274,84 @@ class KVCacheManager:
                 block = old_blocks[i]
                 if block.ref_cnt != 1 or block.cache_node is not None:
                     cow_indices.append(i)
-        num_revived = sum(1 for b in computed if b.ref_cnt == 0)
-        num_fresh = num_needed + len(cow_indices)
+        num_revived = sum(1 for b in computed if b.ref_cnt == 0) if computed else 0
+        num_loads = len(host_hits)
+        num_fresh = num_loads + num_needed + len(cow_indices)
         if num_fresh + reserve > self._pool.num_free_blocks - num_revived:
             return None
 
-        # NOTE: revive the prefix hits before allocating, or the allocation could evict them.
-        self._pool.touch(computed)
-        fresh = self._pool.allocate(num_fresh)
+        if computed:
+            # NOTE: revive the prefix hits first, or the allocation below could evict them.
+            self._pool.touch(computed)
+        if host_hits:
+            # NOTE: out of the host LRU (and pinned) first, or an offload planned by the
+            # allocation below could evict them.
+            self._host.take_cached(host_hits)
+        fresh = self._pool.allocate(num_fresh) if num_fresh else []
+        if host_hits:
+            computed = computed + self._load(host_hits, fresh[:num_loads])
         first = table is None
         if table is None:
-            table = self._tables[rid] = _Table(request, computed, len(computed), len(computed))
+            table = self._tables[rid] = _Table(request, computed, num_hits, num_hits)
         if cow_indices:
-            self._copy_on_write(table, cow_indices, fresh[num_needed:], num_computed)
-        table.blocks.extend(fresh[:num_needed])
+            self._copy_on_write(table, cow_indices, fresh[num_loads + num_needed :], num_computed)
+        if num_needed:
+            table.blocks.extend(fresh[num_loads : num_loads + num_needed])
         if self.enable_prefix_caching:
             self._cache_full_blocks(table, min(num_total, request.num_tokens) // bs)
             if first:
-                self.counters.prefix_cache_queries += request.num_tokens
-                self.counters.prefix_cache_hits += num_new_computed_tokens
+                c = self.counters
+                c.prefix_cache_queries += request.num_tokens
+                c.prefix_cache_hits += num_new_computed_tokens
+                c.host_hit_tokens += num_loads * bs
+                c.device_hit_tokens += num_new_computed_tokens - num_loads * bs
         return [b.block_id for b in fresh]
+
+    def _load(self, host_hits: list[HostBlock], fresh: list[KVBlock]) -> list[KVBlock]:
+        """Put each fresh device block in its host hit's place in the tree; plan the loads.
+
+        The host blocks are released now but stay pinned (not reused) until the step's
+        plans are taken: the runner reads them in this step's swap-in phase.
+        """
+        for host, block in zip(host_hits, fresh, strict=True):
+            self._cache.replace(host, block)
+            self._pending_loads.append((host, block))
+        self._host.release(host_hits)
+        self.counters.load_blocks += len(host_hits)
+        return fresh
+
+    def _on_device_evict(self, block: KVBlock) -> None:
+        """The pool hands out cached ``block`` again: offload it to the host tier or drop it.
+
+        Offload: a host block (free, or the oldest unpinned offloaded one, evicted) takes
+        its place in the tree and (device, host) is planned; the runner copies it out in
+        this step's swap-out phase, before anything writes the device block. Drop: without
+        the tier or a host block, ``block`` leaves the tree with its subtree, whose blocks
+        are all host-resident (its device descendants were evicted before it).
+        """
+        if self.enable_host_prefix_cache and self._host.num_free_blocks:
+            (host,) = self._host.allocate(1)
+            self._cache.replace(block, host)
+            self._host.add_cached(host)
+            self._pending_offloads.append((block.block_id, host))
+            self.counters.offload_blocks += 1
+            return
+        removed = self._cache.remove_subtree(block)
+        dropped: list[HostBlock] = []
+        for host in removed[1:]:
+            assert isinstance(host, HostBlock), (
+                f"evicting block {block.block_id}: its cached descendant {describe(host)} is "
+                "device-resident (residency order broken)"
+            )
+            self._host.uncache(host)
+            dropped.append(host)
+        self._host.release(dropped)
+        self.counters.host_cache_evictions += len(dropped)
+
+    def _on_host_evict(self, host: HostBlock) -> None:
+        """The host tier hands out an offloaded block again: the prefix cache forgets it."""
+        self._cache.evict(host)
+        self.counters.host_cache_evictions += 1
 
     def _computed_blocks(
         self,
@@ -248,10 +359,10 @@ class KVCacheManager:
         table: _Table | None,
         computed_ids: list[int],
         num_new_computed_tokens: int,
-    ) -> list[KVBlock]:
-        """Validate ``allocate_slots``' prefix-hit arguments and resolve the block ids."""
+    ) -> tuple[list[KVBlock], list[HostBlock]]:
+        """Validate ``allocate_slots``' prefix-hit arguments; resolve device and host hits."""
         if not computed_ids and not num_new_computed_tokens:
-            return []
+            return [], []
         rid = request.request_id
         if table is not None:
             raise ValueError(
@@ -268,18 +379,31 @@ class KVCacheManager:
                 f"num_new_computed_tokens={num_new_computed_tokens} but "
                 f"{len(computed_ids)} computed blocks hold {len(computed_ids) * self.block_size}"
             )
-        blocks = []
+        blocks: list[KVBlock] = []
+        host_hits: list[HostBlock] = []
         for block_id in computed_ids:
-            if not isinstance(block_id, int) or not 0 <= block_id < self.num_blocks:
+            entry: CacheEntry
+            if not isinstance(block_id, int) or isinstance(block_id, bool):
                 raise ValueError(f"new_computed_blocks: {block_id!r} is not a block id")
-            block = self._pool.blocks[block_id]
-            if block.cache_node is None:
+            if 0 <= block_id < self.num_blocks and not host_hits:
+                entry = self._pool.blocks[block_id]
+            elif -self.num_host_blocks <= block_id < 0:
+                entry = self._host.blocks[-1 - block_id]
+            else:
                 raise ValueError(
-                    f"new_computed_blocks: block {block_id} is no longer in the prefix cache "
+                    f"new_computed_blocks: {block_id!r} is not a block id (device ids first, "
+                    "then host block references -1 - host id)"
+                )
+            if entry.cache_node is None:
+                raise ValueError(
+                    f"new_computed_blocks: {describe(entry)} is no longer in the prefix cache "
                     "(call get_computed_blocks() right before allocate_slots())"
                 )
-            blocks.append(block)
-        return blocks
+            if isinstance(entry, HostBlock):
+                host_hits.append(entry)
+            else:
+                blocks.append(entry)
+        return blocks, host_hits
 
     def _copy_on_write(
         self, table: _Table, indices: list[int], fresh: list[KVBlock], num_computed: int
@@ -340,6 +464,20 @@ class KVCacheManager:
         self._pool.free(src for src, _ in pending)
         return [(src.block_id, dst.block_id) for src, dst in pending]
 
+    def take_pending_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The offload tier's plans since the last call: (offloads, loads); clears.
+
+        offloads: (device, host) pairs for the step's ``blocks_to_swap_out``; loads: (host,
+        device) pairs for its ``blocks_to_swap_in``. Ends the step's host-block pins: call
+        once per step, after the last allocation (with ``take_pending_copies``).
+        """
+        offloads = [(d, h.host_block_id) for d, h in self._pending_offloads]
+        loads = [(h.host_block_id, d.block_id) for h, d in self._pending_loads]
+        self._pending_offloads = []
+        self._pending_loads = []
+        self._host.end_step()
+        return offloads, loads
+
     # ------------------------------------------------------------------ free / fork
 
     def free(self, request: Request) -> None:
@@ -354,7 +492,7 @@ class KVCacheManager:
             self._pool.free(reversed(table.blocks))
         host = self._host_tables.pop(rid, None)
         if host is not None:
-            self._free_host_ids.extend(reversed(host.host_block_ids))
+            self._host.release(reversed(host.host_blocks))
 
     def fork(self, parent: Request, child: Request) -> None:
         """Give ``child`` the parent's whole block table, every block's ref count +1.
@@ -392,15 +530,18 @@ class KVCacheManager:
             raise ValueError(f"swap_out: request {rid!r} has no device block table")
         if any(dst in table.blocks for _, dst in self._pending_copies):
             raise ValueError(f"swap_out: request {rid!r} has a copy-on-write pending in this step")
+        if any(dst in table.blocks for _, dst in self._pending_loads):
+            raise ValueError(f"swap_out: request {rid!r} has a host load pending in this step")
         num = len(table.blocks)
-        if num > len(self._free_host_ids):
+        if num > self._host.num_free_blocks:
             return None
-        host_ids = [self._free_host_ids.pop() for _ in range(num)]
+        # NOTE: may evict offloaded prefix blocks (oldest first); swapped requests come first.
+        hosts = self._host.allocate(num)
         del self._tables[rid]
         self._pool.free(reversed(table.blocks))
-        self._host_tables[rid] = _HostTable(request, host_ids)
+        self._host_tables[rid] = _HostTable(request, hosts)
         self.counters.swap_out_blocks += num
-        return [(b.block_id, h) for b, h in zip(table.blocks, host_ids, strict=True)]
+        return [(b.block_id, h.host_block_id) for b, h in zip(table.blocks, hosts, strict=True)]
 
     def swap_in(self, request: Request, reserve: int = 0) -> list[tuple[int, int]] | None:
         """Bring a swapped-out request back: (host, device) pairs to copy.
@@ -422,24 +563,31 @@ class KVCacheManager:
         host = self._host_tables.get(rid)
         if host is None:
             raise ValueError(f"swap_in: request {rid!r} is not swapped out")
-        host_ids = host.host_block_ids
+        hosts = host.host_blocks
         reused: list[KVBlock] = []
         if self.enable_prefix_caching:
-            max_blocks = min(len(host_ids), request.num_computed_tokens // self.block_size)
-            reused = self._cache.match(_token_ids(request), request.cache_salt, max_blocks)
-        num_needed = len(host_ids) - len(reused)
+            max_blocks = min(len(hosts), request.num_computed_tokens // self.block_size)
+            for b in self._cache.match(_token_ids(request), request.cache_salt, max_blocks):
+                if isinstance(b, HostBlock):
+                    break  # host-resident: the request's own host copy is loaded instead
+                reused.append(b)
+        num_needed = len(hosts) - len(reused)
         num_revived = sum(1 for b in reused if b.ref_cnt == 0)
         if num_needed + reserve > self._pool.num_free_blocks - num_revived:
             return None
         self._pool.touch(reused)
         fresh = self._pool.allocate(num_needed)
         del self._host_tables[rid]
-        self._free_host_ids.extend(reversed(host_ids))
+        # NOTE: read in this step's swap-in phase: pinned until the plans are taken.
+        self._host.pin(hosts[len(reused) :])
+        self._host.release(reversed(hosts))
         table = self._tables[rid] = _Table(request, reused + fresh, len(reused), len(reused))
         if self.enable_prefix_caching:
             self._cache_full_blocks(table, request.num_computed_tokens // self.block_size)
         self.counters.swap_in_blocks += num_needed
-        return [(h, b.block_id) for h, b in zip(host_ids[len(reused) :], fresh, strict=True)]
+        return [
+            (h.host_block_id, b.block_id) for h, b in zip(hosts[len(reused) :], fresh, strict=True)
+        ]
 
     # ------------------------------------------------------------------ cache admin
 
@@ -448,6 +596,10 @@ class KVCacheManager:
         if self._pool.num_free_blocks != self._pool.num_usable_blocks:
             return False
         self._cache.clear()
+        cached = list(self._host.lru.values())
+        for host in cached:
+            self._host.uncache(host)
+        self._host.release(cached)
         return True
 
     # ------------------------------------------------------------------ figures
@@ -468,7 +620,8 @@ class KVCacheManager:
             "num_free_blocks": self.num_free_blocks,
             "kv_usage": self.usage,
             "kv_utilization": util,
-            "fragmentation": 1.0 - util if util else 0.0,
+            # NOTE: 0 when idle (nothing allocated), 1 when blocks are allocated but empty.
+            "fragmentation": 1.0 - util if self._tables else 0.0,
             "prefix_cache_queries": c.prefix_cache_queries,
             "prefix_cache_hits": c.prefix_cache_hits,
             "prefix_hit_rate": ratio(c.prefix_cache_hits, c.prefix_cache_queries),
@@ -479,6 +632,12 @@ class KVCacheManager:
             "swap_in_blocks": c.swap_in_blocks,
             "num_host_blocks": self.num_host_blocks,
             "num_free_host_blocks": self.num_free_host_blocks,
+            "device_hit_tokens": c.device_hit_tokens,
+            "host_hit_tokens": c.host_hit_tokens,
+            "host_cache_blocks": self._host.num_cached_blocks,
+            "host_cache_evictions": c.host_cache_evictions,
+            "offload_blocks": c.offload_blocks,
+            "load_blocks": c.load_blocks,
             "alloc_time_s": c.alloc_time_s,
             "alloc_calls": c.alloc_calls,
         }
@@ -496,8 +655,16 @@ class KVCacheManager:
                 rid: ([b.block_id for b in t.blocks], t.num_cached_blocks, t.num_full_checked)
                 for rid, t in self._tables.items()
             },
-            "host_tables": {rid: list(h.host_block_ids) for rid, h in self._host_tables.items()},
-            "free_host_ids": list(self._free_host_ids),
+            "host_tables": {
+                rid: [h.host_block_id for h in t.host_blocks]
+                for rid, t in self._host_tables.items()
+            },
+            "free_host_ids": list(self._host.free_ids),
+            "host_lru": list(self._host.lru),
+            "host_pinned": sorted(self._host.pinned_ids),
+            "host_deferred": list(self._host.deferred_ids),
+            "pending_offloads": [(d, h.host_block_id) for d, h in self._pending_offloads],
+            "pending_loads": [(h.host_block_id, d.block_id) for h, d in self._pending_loads],
             "free_block_ids": self._pool.free_block_ids(),
             "ref_cnts": [b.ref_cnt for b in self._pool.blocks],
             "cached": [b.cache_node is not None for b in self._pool.blocks],
@@ -529,17 +696,43 @@ class KVCacheManager:
                 f"{holders[block.block_id]} tables / copy pins"
             )
         num_cached = sum(b.cache_node is not None for b in pool.blocks)
-        assert num_cached == cache.num_cached_blocks, (
-            f"{num_cached} pool blocks are marked cached, the prefix cache maps "
-            f"{cache.num_cached_blocks}"
+        num_host_cached = self._host.num_cached_blocks
+        assert num_cached + num_host_cached == cache.num_cached_blocks, (
+            f"{num_cached} pool blocks and {num_host_cached} host blocks are marked cached, "
+            f"the prefix cache maps {cache.num_cached_blocks}"
         )
         assert self.enable_prefix_caching or num_cached == 0, "caching is off but blocks cached"
-        self._check_eviction_order()
-        held_host = [h for t in self._host_tables.values() for h in t.host_block_ids]
-        all_host = sorted(held_host + self._free_host_ids)
-        assert all_host == list(range(self.num_host_blocks)), (
-            "host blocks are leaked or double-booked"
+        assert self.enable_host_prefix_cache or num_host_cached == 0, (
+            "the host prefix tier is off but host blocks are cached"
         )
+        self._check_eviction_order()
+        self._check_host_tier()
+
+    def _check_host_tier(self) -> None:
+        """Host ids partitioned; host LRU evicts leaves; step plans pinned and consistent."""
+        host = self._host
+        host.check_integrity(
+            h.host_block_id for t in self._host_tables.values() for h in t.host_blocks
+        )
+        position = {i: n for n, i in enumerate(host.lru)}
+        for i, block in host.lru.items():
+            parent = self._cache.parent_block(block)
+            if isinstance(parent, HostBlock):
+                assert position[parent.host_block_id] > position[i], (
+                    f"host block {i} would be evicted after its host parent {parent.host_block_id}"
+                )
+        dsts = [h.host_block_id for _, h in self._pending_offloads]
+        assert len(set(dsts)) == len(dsts), f"two offloads target one host block: {dsts}"
+        for d, h in self._pending_offloads:
+            assert 0 <= d < self.num_blocks, f"offload source {d} is not a device block"
+            assert h.host_block_id in host.pinned_ids, (
+                f"offload destination host block {h.host_block_id} is not pinned"
+            )
+        for h, d in self._pending_loads:
+            assert h.host_block_id in host.pinned_ids and h.cache_node is None, (
+                f"load source host block {h.host_block_id} is not pinned, or still cached"
+            )
+            assert d.ref_cnt > 0, f"load destination block {d.block_id} is not held"
 
     def _check_table(self, rid: str, table: _Table) -> None:
         blocks = table.blocks
@@ -575,6 +768,9 @@ class KVCacheManager:
             parent = self._cache.parent_block(block)
             if parent is None:
                 continue
+            assert isinstance(parent, KVBlock), (
+                f"cached block {block.block_id} has a host-resident parent {describe(parent)}"
+            )
             if block.ref_cnt > 0:
                 assert parent.ref_cnt > 0, (
                     f"cached block {block.block_id} is held but its parent {parent.block_id} "

@@ -8,7 +8,11 @@
 - kv_utilization: tokens actually stored / (allocated blocks x block_size) over live
   requests, a block shared by several tables counted once; fragmentation = 1 - utilization.
   Both are 0 when nothing is allocated.
-- prefix_hit_rate: prompt tokens served from the prefix cache / prompt tokens looked up.
+- prefix_hit_rate: prompt tokens served from the prefix cache / prompt tokens looked up,
+  both tiers (device_hit_tokens + host_hit_tokens = prefix_cache_hits).
+- offload_blocks / load_blocks: blocks moved device -> host / host -> device by the host
+  prefix tier (swap_out_blocks / swap_in_blocks count swap preemption); bytes moved =
+  blocks x the runtime's bytes per block.
 """
 
 from __future__ import annotations
@@ -27,6 +31,11 @@ class KVCacheCounters:
     fork_shared_blocks: int = 0  # blocks shared instead of copied by fork()
     swap_out_blocks: int = 0
     swap_in_blocks: int = 0  # blocks copied back (prefix-cache hits at swap-in need none)
+    device_hit_tokens: int = 0  # prefix hits served by device-resident blocks
+    host_hit_tokens: int = 0  # prefix hits served by host-resident blocks (loaded back)
+    offload_blocks: int = 0  # evicted cached blocks copied device -> host (prefix tier)
+    load_blocks: int = 0  # host-resident prefix blocks copied host -> device on a hit
+    host_cache_evictions: int = 0  # offloaded blocks dropped from the host tier
     alloc_time_s: float = 0.0  # time.perf_counter() spent in allocate_slots / swap_in
     alloc_calls: int = 0
 

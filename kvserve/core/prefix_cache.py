@@ -19,6 +19,13 @@ How the pieces cooperate (see ``KVCacheManager``):
 - Only full blocks are cached, and a cached block is never written again (a write into one
   goes to a copy: copy-on-write in the manager).
 
+Host offload tier (``KVCacheManager(enable_host_prefix_cache=True)``): a cached block can
+also be a ``HostBlock``. When the pool evicts a cached device block the manager either
+``replace``s it in the tree by a host block holding a copy of its K/V, or drops it with its
+whole subtree (``remove_subtree``); a later hit loads host blocks back (``replace`` again).
+Residency is monotone along a path: a device block's cached parent is a device block, so a
+match is a run of device blocks followed by a run of host blocks.
+
 ``PrefixCache`` is the small interface the manager relies on; ``RadixPrefixCache`` is the
 implementation. Another one (e.g. hash-chained blocks as in vLLM v1) can slot in if it
 keeps the same invariants and reports a block's parent for the eviction-order check.
@@ -30,8 +37,17 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from kvserve.core.block_pool import KVBlock
+from kvserve.core.host_tier import HostBlock
 
 BlockKey = tuple[int, ...]  # the block_size token ids of one full block
+CacheEntry = KVBlock | HostBlock  # where a cached block's K/V lives: device pool or host tier
+
+
+def describe(block: CacheEntry) -> str:
+    """``"block 3"`` (device) or ``"host block 3"``, for messages."""
+    if isinstance(block, HostBlock):
+        return f"host block {block.host_block_id}"
+    return f"block {block.block_id}"
 
 
 class PrefixCache(Protocol):
@@ -50,22 +66,32 @@ class PrefixCache(Protocol):
         """How many blocks the cache maps."""
         ...
 
-    def match(self, token_ids: Sequence[int], salt: str | None, max_blocks: int) -> list[KVBlock]:
+    def match(
+        self, token_ids: Sequence[int], salt: str | None, max_blocks: int
+    ) -> list[CacheEntry]:
         """Blocks of the longest cached prefix of ``token_ids`` (at most ``max_blocks``)."""
         ...
 
     def insert(
-        self, parent: KVBlock | None, salt: str | None, key: BlockKey, block: KVBlock
+        self, parent: CacheEntry | None, salt: str | None, key: BlockKey, block: CacheEntry
     ) -> bool:
         """Cache ``block`` as the block after ``parent`` (None: the first block) with tokens
         ``key``. Returns False, changing nothing, if that path is already cached."""
         ...
 
-    def evict(self, block: KVBlock) -> None:
+    def evict(self, block: CacheEntry) -> None:
         """Forget ``block``, which must be cached and have no cached children."""
         ...
 
-    def parent_block(self, block: KVBlock) -> KVBlock | None:
+    def replace(self, old: CacheEntry, new: CacheEntry) -> None:
+        """Put uncached ``new`` where cached ``old`` is (same path); ``old`` is then uncached."""
+        ...
+
+    def remove_subtree(self, block: CacheEntry) -> list[CacheEntry]:
+        """Forget ``block`` and every cached block below it; returns them, ``block`` first."""
+        ...
+
+    def parent_block(self, block: CacheEntry) -> CacheEntry | None:
         """The cached block before ``block`` on its path (None for a path's first block)."""
         ...
 
@@ -96,7 +122,7 @@ class _Node:
         self,
         parent: _Node | None,
         keys: list[BlockKey],
-        blocks: list[KVBlock],
+        blocks: list[CacheEntry],
         salt: str | None = None,
     ) -> None:
         self.parent = parent
@@ -105,14 +131,14 @@ class _Node:
         self.children: dict[BlockKey, _Node] = {}
         self.salt = salt  # meaningful on roots only
 
-    def index_of(self, block: KVBlock) -> int:
+    def index_of(self, block: CacheEntry) -> int:
         """Position of ``block`` in this edge (O(1) for the last block, the common case)."""
         if self.blocks[-1] is block:
             return len(self.blocks) - 1
         for i, b in enumerate(self.blocks):
             if b is block:
                 return i
-        raise AssertionError(f"block {block.block_id} is not on its cache node's edge")
+        raise AssertionError(f"{describe(block)} is not on its cache node's edge")
 
 
 class RadixPrefixCache:
@@ -129,13 +155,15 @@ class RadixPrefixCache:
     def num_cached_blocks(self) -> int:
         return self._num_cached_blocks
 
-    def match(self, token_ids: Sequence[int], salt: str | None, max_blocks: int) -> list[KVBlock]:
+    def match(
+        self, token_ids: Sequence[int], salt: str | None, max_blocks: int
+    ) -> list[CacheEntry]:
         """Blocks of the longest cached block-aligned prefix of ``token_ids``.
 
         Walks one dict lookup per edge and one block-key comparison per block: O(matched
         blocks x block_size), independent of the cache's size.
         """
-        out: list[KVBlock] = []
+        out: list[CacheEntry] = []
         node = self._roots.get(salt)
         bs = self.block_size
         limit = min(max_blocks, len(token_ids) // bs)
@@ -158,7 +186,7 @@ class RadixPrefixCache:
         return out
 
     def insert(
-        self, parent: KVBlock | None, salt: str | None, key: BlockKey, block: KVBlock
+        self, parent: CacheEntry | None, salt: str | None, key: BlockKey, block: CacheEntry
     ) -> bool:
         """Cache ``block`` (tokens ``key``) right after ``parent`` on its path.
 
@@ -168,7 +196,7 @@ class RadixPrefixCache:
         is in its middle, or adds a child edge.
         """
         if block.cache_node is not None:
-            raise ValueError(f"block {block.block_id} is already cached")
+            raise ValueError(f"{describe(block)} is already cached")
         if len(key) != self.block_size:
             raise ValueError(f"only full blocks are cached: key has {len(key)} tokens")
         if parent is None:
@@ -178,7 +206,7 @@ class RadixPrefixCache:
         else:
             node = parent.cache_node  # type: ignore[assignment]
             if not isinstance(node, _Node):
-                raise ValueError(f"parent block {parent.block_id} is not cached")
+                raise ValueError(f"parent {describe(parent)} is not cached")
             i = node.index_of(parent)
             if i + 1 < len(node.keys):  # parent sits inside an edge
                 if node.keys[i + 1] == key:
@@ -198,35 +226,68 @@ class RadixPrefixCache:
         self._num_cached_blocks += 1
         return True
 
-    def evict(self, block: KVBlock) -> None:
+    def evict(self, block: CacheEntry) -> None:
         """Drop ``block``, the last block of a leaf edge; prune and re-merge the tree."""
         node = block.cache_node
         if not isinstance(node, _Node):
-            raise ValueError(f"block {block.block_id} is not cached")
+            raise ValueError(f"{describe(block)} is not cached")
         if node.blocks[-1] is not block or node.children:
             raise AssertionError(
-                f"prefix cache: evicting block {block.block_id}, which has cached children"
+                f"prefix cache: evicting {describe(block)}, which has cached children"
             )
         node.blocks.pop()
         key = node.keys.pop()
         block.cache_node = None
         self._num_cached_blocks -= 1
-        if node.blocks:
-            return
-        parent = node.parent
-        assert parent is not None
-        del parent.children[key]
-        if parent.parent is None:
-            if not parent.children:
-                del self._roots[parent.salt]
-        elif len(parent.children) == 1:
-            self._merge_only_child(parent)
+        if not node.blocks:
+            self._unlink(node, key)
 
-    def parent_block(self, block: KVBlock) -> KVBlock | None:
+    def replace(self, old: CacheEntry, new: CacheEntry) -> None:
+        """Put ``new`` (uncached) in ``old``'s place on its path; ``old`` becomes uncached.
+
+        O(edge length) at worst (O(1) when ``old`` ends its edge). The tree's shape and the
+        number of cached blocks do not change.
+        """
+        node = old.cache_node
+        if not isinstance(node, _Node):
+            raise ValueError(f"{describe(old)} is not cached")
+        if new.cache_node is not None:
+            raise ValueError(f"{describe(new)} is already cached")
+        node.blocks[node.index_of(old)] = new
+        new.cache_node = node
+        old.cache_node = None
+
+    def remove_subtree(self, block: CacheEntry) -> list[CacheEntry]:
+        """Forget ``block``, the rest of its edge and every node below it; prune and merge.
+
+        Returns the forgotten blocks, ``block`` first (each now uncached).
+        """
+        node = block.cache_node
+        if not isinstance(node, _Node):
+            raise ValueError(f"{describe(block)} is not cached")
+        at = node.index_of(block)
+        removed = node.blocks[at:]
+        first_key = node.keys[0]
+        stack = list(node.children.values())
+        while stack:
+            child = stack.pop()
+            removed.extend(child.blocks)
+            stack.extend(child.children.values())
+        for b in removed:
+            b.cache_node = None
+        self._num_cached_blocks -= len(removed)
+        del node.keys[at:]
+        del node.blocks[at:]
+        node.children = {}
+        if not node.blocks:
+            self._unlink(node, first_key)
+        return removed
+
+    def parent_block(self, block: CacheEntry) -> CacheEntry | None:
         """The block before ``block`` on its path (previous on its edge, or the parent's last)."""
         node = block.cache_node
         if not isinstance(node, _Node):
-            raise ValueError(f"block {block.block_id} is not cached")
+            raise ValueError(f"{describe(block)} is not cached")
         i = node.index_of(block)
         if i > 0:
             return node.blocks[i - 1]
@@ -243,7 +304,10 @@ class RadixPrefixCache:
         self._num_cached_blocks = 0
 
     def dump(self) -> list:
-        """Sorted (salt, [(path depth, block key, block id), ...]) for every root."""
+        """Sorted (salt, [(path depth, block key, block id), ...]) for every root.
+
+        A host-resident block's id is written ``-1 - host block id``.
+        """
         out = []
         for salt, root in self._roots.items():
             rows = []
@@ -251,7 +315,8 @@ class RadixPrefixCache:
             while stack:
                 node, depth = stack.pop()
                 for k, b in zip(node.keys, node.blocks, strict=True):
-                    rows.append((depth, k, b.block_id))
+                    bid = -1 - b.host_block_id if isinstance(b, HostBlock) else b.block_id
+                    rows.append((depth, k, bid))
                     depth += 1
                 stack.extend((c, depth) for c in node.children.values())
             out.append((str(salt), sorted(rows)))
@@ -259,7 +324,7 @@ class RadixPrefixCache:
 
     def check_integrity(self) -> None:
         """Raise AssertionError if the tree's shape, keys or block links are inconsistent."""
-        seen: set[int] = set()
+        seen: set[int] = set()  # id() of every cached block object
         for salt, root in self._roots.items():
             assert root.parent is None and root.salt == salt, f"root for salt {salt!r} is wrong"
             assert not root.blocks and not root.keys, f"root for salt {salt!r} holds blocks"
@@ -277,15 +342,13 @@ class RadixPrefixCache:
                 assert child.parent is node and child.keys[0] == key, "prefix cache: bad child"
             for key, block in zip(node.keys, node.blocks, strict=True):
                 assert len(key) == self.block_size, (
-                    f"prefix cache: block {block.block_id} is cached but not full"
+                    f"prefix cache: {describe(block)} is cached but not full"
                 )
                 assert block.cache_node is node, (
-                    f"prefix cache: block {block.block_id} does not point at its node"
+                    f"prefix cache: {describe(block)} does not point at its node"
                 )
-                assert block.block_id not in seen, (
-                    f"prefix cache: block {block.block_id} is cached twice"
-                )
-                seen.add(block.block_id)
+                assert id(block) not in seen, f"prefix cache: {describe(block)} is cached twice"
+                seen.add(id(block))
         assert len(seen) == self._num_cached_blocks, (
             f"prefix cache: {len(seen)} blocks in the tree, counter says {self._num_cached_blocks}"
         )
@@ -300,6 +363,17 @@ class RadixPrefixCache:
             out.append(node)
             stack.extend(node.children.values())
         return out
+
+    def _unlink(self, node: _Node, key: BlockKey) -> None:
+        """Detach the emptied ``node`` (first key ``key``) from its parent; prune and merge."""
+        parent = node.parent
+        assert parent is not None
+        del parent.children[key]
+        if parent.parent is None:
+            if not parent.children:
+                del self._roots[parent.salt]
+        elif len(parent.children) == 1:
+            self._merge_only_child(parent)
 
     def _split(self, node: _Node, at: int) -> None:
         """Cut ``node``'s edge before block ``at``; the tail becomes its only child (for now)."""

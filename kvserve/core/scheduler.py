@@ -55,6 +55,7 @@ from kvserve.config import SchedulerConfig
 from kvserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from kvserve.core.policy import PreemptionPolicy, PriorityPolicy
 from kvserve.core.sched_stats import SchedulerStats, StepStats
+from kvserve.core.window import WindowedKVCacheManager
 from kvserve.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -236,7 +237,17 @@ class Scheduler:
         if not step.stats.num_preemptions:
             self._schedule_swap_ins(step)
             self._schedule_admissions(step)
+        if isinstance(self.kv, WindowedKVCacheManager):
+            # NOTE: after every allocation of the step, so no request can be handed a block
+            # freed here before this step's forward pass has run (it reads it, masked).
+            for request in self.running:
+                if request.request_id in step.scheduled_ids:
+                    self.kv.free_out_of_window(request)
         step.out.blocks_to_copy = self.kv.take_pending_copies()
+        # Host prefix tier: evicted cached blocks copied out, host hits loaded back.
+        offloads, loads = self.kv.take_pending_swaps()
+        step.out.blocks_to_swap_out.extend(offloads)
+        step.out.blocks_to_swap_in.extend(loads)
         self._record_step(step, time.perf_counter() - t0)
         return step.out
 

@@ -56,27 +56,114 @@ def compute_inv_freq(
     )
 
 
+class Workspace:
+    """Reusable activation buffers for the forward pass, one per role, grown on demand.
+
+    A buffer is reallocated only when a step needs more elements than it holds (or another
+    dtype/device), so after the largest step has run once, steps allocate nothing here.
+    NOTE: every layer reuses the same buffers: a view handed out is valid only until the next
+    ``take`` of that role. Tensors that leave the model (its output) never live here.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all buffers."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def take(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """A contiguous ``shape`` view of role ``name``'s buffer (contents undefined)."""
+        numel = math.prod(shape)
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self._buffers[name] = buf
+        return buf[:numel].view(shape)
+
+    def constant(self, value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 0-dim tensor holding ``value``, made once.
+
+        NOTE: an in-place op with a Python number wraps it in a fresh 0-dim tensor on every
+        call; a cached one avoids that allocation.
+        """
+        key = f"const:{value!r}"
+        buf = self._buffers.get(key)
+        if buf is None or buf.dtype != dtype or buf.device != device:
+            buf = torch.tensor(value, dtype=dtype, device=device)
+            self._buffers[key] = buf
+        return buf
+
+    def like(self, name: str, shape: tuple[int, ...], ref: torch.Tensor) -> torch.Tensor:
+        """``take`` with ``ref``'s dtype and device."""
+        return self.take(name, shape, ref.dtype, ref.device)
+
+
 def rope_cos_sin(
-    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+    inv_freq: torch.Tensor,
+    positions: torch.Tensor,
+    dtype: torch.dtype,
+    workspace: Workspace | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sign-folded sin for ``positions``, computed once per step for all layers.
 
     Returns ``cos`` and ``sin`` of shape ``[T, 1, head_dim]`` where ``sin``'s first half is
-    negated, so that ``rotate_half(x) * sin_hf == swap_halves(x) * sin``.
+    negated, so that ``rotate_half(x) * sin_hf == swap_halves(x) * sin``. With a
+    ``workspace`` both live in its buffers.
     """
-    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, d/2]
-    cos = freqs.cos()
-    sin = freqs.sin()
-    cos = torch.cat((cos, cos), dim=-1)  # [T, d]
-    sin = torch.cat((-sin, sin), dim=-1)  # [T, d]
-    return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+    ws = workspace if workspace is not None else Workspace()
+    num_tokens, half = positions.shape[0], inv_freq.shape[0]
+    device = positions.device
+    freqs = ws.take("rope_freqs", (num_tokens, half), torch.float32, device)  # [T, d/2]
+    torch.mul(positions[:, None], inv_freq[None, :], out=freqs)
+    cos = ws.take("rope_cos", (num_tokens, 1, 2 * half), dtype, device)  # [T, 1, d]
+    sin = ws.take("rope_sin", (num_tokens, 1, 2 * half), dtype, device)  # [T, 1, d]
+    torch.cos(freqs, out=cos[:, 0, :half])
+    cos[:, 0, half:].copy_(cos[:, 0, :half])
+    torch.sin(freqs, out=sin[:, 0, half:])
+    torch.neg(sin[:, 0, half:], out=sin[:, 0, :half])
+    return cos, sin
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (HF layout) on ``x`` [T, n_heads, d]; returns a new tensor."""
+def apply_rope_(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scratch: torch.Tensor
+) -> torch.Tensor:
+    """Rotate-half RoPE (HF layout) on ``x`` [T, n_heads, d] in place; returns ``x``.
+
+    ``scratch`` is a contiguous [T, n_heads, d] buffer (overwritten).
+    """
     half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # [T, n, d]
-    return torch.addcmul(x * cos, swapped, sin)
+    scratch[..., :half].copy_(x[..., half:])
+    scratch[..., half:].copy_(x[..., :half])  # swap_halves(x)
+    return x.mul_(cos).addcmul_(scratch, sin)
+
+
+def rms_norm_into(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor, ws: Workspace
+) -> torch.Tensor:
+    """RMSNorm of ``x`` [T, h] into ``out`` [T, h] (the ops of ``F.rms_norm``, no temporaries)."""
+    if x.dtype not in (torch.float32, torch.float64):
+        # NOTE: F.rms_norm computes half types in float32; keep its numerics there.
+        return out.copy_(F.rms_norm(x, (x.shape[-1],), weight, eps))
+    var = ws.like("rms_var", (x.shape[0], 1), x)  # [T, 1]
+    torch.mul(x, x, out=out)
+    # NOTE: sum then divide is what torch.mean does on CPU, minus its scalar temporaries.
+    torch.sum(out, dim=-1, keepdim=True, out=var)
+    var.div_(ws.constant(float(x.shape[-1]), x.dtype, x.device))
+    var.add_(ws.constant(eps, x.dtype, x.device)).rsqrt_()
+    return torch.mul(x, var, out=out).mul_(weight)
+
+
+def linear_into(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for 2-D ``x`` written into ``out``."""
+    if bias is None:
+        return torch.mm(x, weight.t(), out=out)
+    return torch.addmm(bias, x, weight.t(), out=out)
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -123,24 +210,37 @@ class LlamaDecoderLayer(nn.Module):
         sin: torch.Tensor,  # [T, 1, d]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kvh, d]
         meta: AttentionMetadata,
+        workspace: Workspace | None = None,
     ) -> torch.Tensor:
+        """Add this layer's attention and MLP outputs to ``hidden`` in place; returns it."""
+        ws = workspace if workspace is not None else Workspace()
         num_tokens, hidden_size = hidden.shape
-        x = F.rms_norm(hidden, (hidden_size,), self.input_layernorm, self.eps)
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (H + 2 kvh) d]
+        x = ws.like("norm", (num_tokens, hidden_size), hidden)  # [T, hidden]
+        rms_norm_into(hidden, self.input_layernorm, self.eps, x, ws)
+        qkv_size = self.q_size + 2 * self.kv_size
+        qkv = ws.like("qkv", (num_tokens, qkv_size), hidden)  # [T, (H + 2 kvh) d]
+        linear_into(x, self.qkv_weight, self.qkv_bias, qkv)
         qk_size = self.q_size + self.kv_size
-        qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        qk = apply_rope(qk, cos, sin)  # [T, H + kvh, d]
+        num_qk_heads = self.num_heads + self.num_kv_heads
+        qk = qkv[:, :qk_size].view(num_tokens, num_qk_heads, self.head_dim)  # [T, H + kvh, d]
+        rope_scratch = ws.like("rope_scratch", (num_tokens, num_qk_heads, self.head_dim), hidden)
+        apply_rope_(qk, cos, sin, rope_scratch)
         q = qk[:, : self.num_heads]  # [T, H, d]
         k = qk[:, self.num_heads :]  # [T, kvh, d]
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kvh, d]
         attn = self.attn_backend.forward(q, k, v, kv_cache, meta)  # [T, H, d]
-        hidden = hidden + F.linear(
-            attn.reshape(num_tokens, self.q_size), self.o_weight, self.o_bias
-        )
-        x = F.rms_norm(hidden, (hidden_size,), self.post_attention_layernorm, self.eps)
-        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)  # [T, 2 I]
-        act = F.silu(gate_up[:, : self.intermediate_size]) * gate_up[:, self.intermediate_size :]
-        return hidden + F.linear(act, self.down_weight, self.down_bias)
+        attn = attn.reshape(num_tokens, self.q_size)  # [T, H d]
+        # NOTE: project into the spent norm buffer, then add: bitwise equal to F.linear + add.
+        # addmm_ into the residual rounds differently; on the embedded model it drifted to 3e-3
+        # max |logit diff| vs transformers (9e-4 this way).
+        hidden.add_(linear_into(attn, self.o_weight, self.o_bias, x))
+        rms_norm_into(hidden, self.post_attention_layernorm, self.eps, x, ws)
+        inter = self.intermediate_size
+        gate_up = ws.like("gate_up", (num_tokens, 2 * inter), hidden)  # [T, 2 I]
+        linear_into(x, self.gate_up_weight, self.gate_up_bias, gate_up)
+        act = F.silu(gate_up[:, :inter], inplace=True).mul_(gate_up[:, inter:])  # [T, I]
+        hidden.add_(linear_into(act, self.down_weight, self.down_bias, x))
+        return hidden
 
 
 class LlamaForCausalLM(nn.Module):
@@ -201,15 +301,25 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T] long
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, kvh, d]
         meta: AttentionMetadata,
+        workspace: Workspace | None = None,
     ) -> torch.Tensor:  # [T, hidden], after the final norm
-        """Run all layers over a flat batch, writing/reading K/V through ``meta``."""
+        """Run all layers over a flat batch, writing/reading K/V through ``meta``.
+
+        ``workspace`` holds the activations between steps (pass the same one every step to
+        allocate nothing once warm); None uses a fresh one for this call. The returned tensor
+        is always newly allocated, never a workspace buffer.
+        """
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} layer caches, got {len(kv_caches)}")
-        hidden = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
-        cos, sin = rope_cos_sin(self._inv_freq_on(positions.device), positions, hidden.dtype)
+        ws = workspace if workspace is not None else Workspace()
+        emb = self.embed_tokens
+        hidden = ws.like("hidden", (input_ids.shape[0], emb.shape[1]), emb)  # [T, hidden]
+        torch.index_select(emb, 0, input_ids, out=hidden)
+        cos, sin = rope_cos_sin(self._inv_freq_on(positions.device), positions, hidden.dtype, ws)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, meta)
-        return F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.arch.rms_norm_eps)
+            layer(hidden, cos, sin, kv_cache, meta, ws)
+        out = torch.empty_like(hidden)  # [T, hidden]
+        return rms_norm_into(hidden, self.norm, self.arch.rms_norm_eps, out, ws)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] (float32) for the rows of ``hidden`` [N, hidden] that sample."""

@@ -24,6 +24,18 @@ Two backends share one call, ``forward(q, k, v, kv_cache, meta)``:
 
 All metadata (slot mapping, gather indices, masks) is built once per step by
 ``build_attention_metadata`` and shared by every layer.
+
+Windowed attention with sinks (StreamingLLM): with ``sliding_window`` W and
+``num_sink_tokens`` S, the query at position p attends to keys k <= p with k < S or
+k > p - W. Positions stay absolute: RoPE was applied to each key at write time with its true
+position, and queries use their true positions. Blocks that fall out of the window may have
+been freed by the core: their block-table entries are ``NULL_BLOCK_ID`` (-1); gathers read
+block 0 in their place and the mask hides them.
+
+Quantized caches (``QuantizedLayerCache``, int8 or fp8 with a scale per token per KV head):
+new K/V are quantized on write and every read dequantizes to the compute dtype. NOTE: a
+chunk that starts at position 0 attends the dequantized values of its own fresh K/V, so both
+backends see exactly what later steps will read from the cache.
 """
 
 from __future__ import annotations
@@ -34,6 +46,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from kvserve.runtime.kv_cache import QuantizedLayerCache, dequantize_kv, quantize_kv
+
+NULL_BLOCK_ID = -1  # a block-table entry whose block was freed (out of the window)
+LayerCache = torch.Tensor | QuantizedLayerCache
 
 
 @dataclass(slots=True)
@@ -75,6 +92,7 @@ class AttentionMetadata:
     num_tokens: int
     slot_mapping: torch.Tensor  # [num_tokens] long: cache slot of each new token
     sliding_window: int | None = None
+    num_sink_tokens: int = 0  # with sliding_window: the first S positions stay visible
     # Fast path, decode group: the leading run of sequences with one query token each.
     num_decode_seqs: int = 0
     decode_block_ids: torch.Tensor | None = None  # [num_decode_seqs * max_blocks] long
@@ -85,7 +103,28 @@ class AttentionMetadata:
 
 def _slots_for(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:
     """Cache slots of positions [start, end) through a block table."""
+    written = block_ids[start // block_size : (end - 1) // block_size + 1]
+    if NULL_BLOCK_ID in written:
+        raise ValueError(f"new tokens [{start}, {end}) would be written into a freed block")
     return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+def _readable(block_ids: list[int]) -> list[int]:
+    """The block table with freed entries read as block 0 (masked out by the caller)."""
+    return [0 if b == NULL_BLOCK_ID else b for b in block_ids]
+
+
+def _visible(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None, num_sink_tokens: int
+) -> torch.Tensor:
+    """Boolean mask: causal, within the window (if any) or among the first sink positions."""
+    valid = k_pos <= q_pos
+    if sliding_window is not None:
+        in_window = k_pos > q_pos - sliding_window
+        if num_sink_tokens:
+            in_window |= k_pos < num_sink_tokens
+        valid &= in_window
+    return valid
 
 
 def build_attention_metadata(
@@ -95,13 +134,22 @@ def build_attention_metadata(
     device: torch.device,
     dtype: torch.dtype,
     sliding_window: int | None = None,
+    num_sink_tokens: int = 0,
 ) -> AttentionMetadata:
     """Build the slot mapping, decode gather indices and masks for one step.
+
+    With ``sliding_window`` W, a query at position p sees keys in (p - W, p] plus the first
+    ``num_sink_tokens`` positions (attention sinks). Block-table entries ``NULL_BLOCK_ID``
+    (freed, out of the window) are allowed only where no query can see them.
 
     ``seqs`` must tile the flat batch in order (offsets 0, n0, n0+n1, ...). Sequences with one
     query token at the head of the list form the batched decode group; put decodes first for
     the fast path (any order is correct).
     """
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if num_sink_tokens < 0:
+        raise ValueError(f"num_sink_tokens must be >= 0, got {num_sink_tokens}")
     slots: list[int] = []
     offset = 0
     for s in seqs:
@@ -125,7 +173,9 @@ def build_attention_metadata(
         num_tokens=offset,
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         sliding_window=sliding_window,
+        num_sink_tokens=num_sink_tokens if sliding_window is not None else 0,
     )
+    sinks = meta.num_sink_tokens
     num_decode = 0
     while num_decode < len(seqs) and seqs[num_decode].num_query_tokens == 1:
         num_decode += 1
@@ -134,15 +184,15 @@ def build_attention_metadata(
         dec = seqs[:num_decode]
         max_blocks = max(-(-s.seq_len // block_size) for s in dec)
         # NOTE: pad with block 0: its content is masked out (all cache values are finite).
-        table = [s.block_ids[:max_blocks] + [0] * (max_blocks - len(s.block_ids)) for s in dec]
+        table = [
+            _readable(s.block_ids[:max_blocks]) + [0] * (max_blocks - len(s.block_ids)) for s in dec
+        ]
         meta.num_decode_seqs = num_decode
         meta.decode_max_blocks = max_blocks
         meta.decode_block_ids = torch.tensor(table, dtype=torch.long, device=device).view(-1)
         seq_lens = torch.tensor([s.seq_len for s in dec], dtype=torch.long, device=device)
         key_pos = torch.arange(max_blocks * block_size, device=device)  # [L]
-        valid = key_pos[None, :] < seq_lens[:, None]  # [B, L]
-        if sliding_window is not None:
-            valid &= key_pos[None, :] > seq_lens[:, None] - 1 - sliding_window
+        valid = _visible(seq_lens[:, None] - 1, key_pos[None, :], sliding_window, sinks)  # [B, L]
         mask = torch.zeros(valid.shape, dtype=dtype, device=device).masked_fill_(~valid, neg_inf)
         meta.decode_mask = mask.view(num_decode, 1, 1, -1)
     for s in seqs[num_decode:]:
@@ -153,15 +203,13 @@ def build_attention_metadata(
         if start > 0:
             num_ctx_blocks = -(-end // block_size)
             ctx_block_ids = torch.tensor(
-                s.block_ids[:num_ctx_blocks], dtype=torch.long, device=device
+                _readable(s.block_ids[:num_ctx_blocks]), dtype=torch.long, device=device
             )
         if start > 0 or needs_window:
             ctx_len = end if start == 0 else -(-end // block_size) * block_size
             q_pos = torch.arange(start, end, device=device)[:, None]  # [n, 1]
             k_pos = torch.arange(ctx_len, device=device)[None, :]  # [1, ctx_len]
-            valid = k_pos <= q_pos
-            if sliding_window is not None:
-                valid &= k_pos > q_pos - sliding_window
+            valid = _visible(q_pos, k_pos, sliding_window, sinks)
             mask = torch.zeros(valid.shape, dtype=dtype, device=device).masked_fill_(
                 ~valid, neg_inf
             )
@@ -188,7 +236,7 @@ class AttentionBackend(abc.ABC):
         q: torch.Tensor,  # [T, num_heads, head_dim]
         k: torch.Tensor,  # [T, num_kv_heads, head_dim]
         v: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_cache: LayerCache,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Write k/v into ``kv_cache`` and return attention output for ``q``."""
@@ -204,7 +252,7 @@ class TorchReferenceBackend(AttentionBackend):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: LayerCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         bs = meta.block_size
@@ -217,28 +265,106 @@ class TorchReferenceBackend(AttentionBackend):
             blk = torch.tensor([s.block_ids[p // bs] for p in pos], device=device)
             off = torch.tensor([p % bs for p in pos], device=device)
             rows = slice(s.token_offset, s.token_offset + s.num_query_tokens)
-            kv_cache[0, blk, off] = k[rows]
-            kv_cache[1, blk, off] = v[rows]
+            _write_tokens(kv_cache, blk, off, k[rows], v[rows])
         # 2) attend, reading K/V back through the block tables.
         out = torch.empty_like(q)
         scale = 1.0 / math.sqrt(head_dim)
         for s in meta.seqs:
             pos = range(s.seq_len)
-            blk = torch.tensor([s.block_ids[p // bs] for p in pos], device=device)
+            table = _readable(s.block_ids)
+            blk = torch.tensor([table[p // bs] for p in pos], device=device)
             off = torch.tensor([p % bs for p in pos], device=device)
-            keys = kv_cache[0, blk, off].repeat_interleave(group, dim=1)  # [L, H, d]
-            values = kv_cache[1, blk, off].repeat_interleave(group, dim=1)  # [L, H, d]
+            keys, values = _read_tokens(kv_cache, blk, off, q.dtype)  # [L, kvh, d] each
+            keys = keys.repeat_interleave(group, dim=1)  # [L, H, d]
+            values = values.repeat_interleave(group, dim=1)  # [L, H, d]
             rows = slice(s.token_offset, s.token_offset + s.num_query_tokens)
             scores = torch.einsum("qhd,khd->hqk", q[rows], keys) * scale  # [H, n, L]
             q_pos = torch.arange(s.start_pos, s.seq_len, device=device)[:, None]
             k_pos = torch.arange(s.seq_len, device=device)[None, :]
-            allowed = k_pos <= q_pos
-            if meta.sliding_window is not None:
-                allowed &= k_pos > q_pos - meta.sliding_window
+            allowed = _visible(q_pos, k_pos, meta.sliding_window, meta.num_sink_tokens)
             scores = scores.masked_fill(~allowed, float("-inf"))
             probs = torch.softmax(scores, dim=-1)
             out[rows] = torch.einsum("hqk,khd->qhd", probs, values)
         return out
+
+
+def _write_tokens(
+    kv_cache: LayerCache,
+    blk: torch.Tensor,  # [n] long
+    off: torch.Tensor,  # [n] long
+    k: torch.Tensor,  # [n, kvh, d]
+    v: torch.Tensor,  # [n, kvh, d]
+) -> None:
+    """Reference write: token i goes to block ``blk[i]`` offset ``off[i]`` (quantized if so)."""
+    if isinstance(kv_cache, QuantizedLayerCache):
+        for i, x in ((0, k), (1, v)):
+            data, scales = quantize_kv(x, kv_cache.kind)
+            kv_cache.data[i, blk, off] = data
+            kv_cache.scales[i, blk, off] = scales
+        return
+    kv_cache[0, blk, off] = k
+    kv_cache[1, blk, off] = v
+
+
+def _read_tokens(
+    kv_cache: LayerCache, blk: torch.Tensor, off: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference read of K and V ``[n, kvh, d]`` at (block, offset) pairs, dequantized."""
+    if isinstance(kv_cache, QuantizedLayerCache):
+        kind = kv_cache.kind
+        data, scales = kv_cache.data, kv_cache.scales
+        return (
+            dequantize_kv(data[0, blk, off], scales[0, blk, off], kind, dtype),
+            dequantize_kv(data[1, blk, off], scales[1, blk, off], kind, dtype),
+        )
+    return kv_cache[0, blk, off], kv_cache[1, blk, off]
+
+
+def _write_slots(
+    kv_cache: LayerCache,
+    slot_mapping: torch.Tensor,  # [T] long
+    k: torch.Tensor,  # [T, kvh, d]
+    v: torch.Tensor,  # [T, kvh, d]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fast write of all new K/V through the slot mapping.
+
+    Returns K and V as later reads will see them (dequantized for a quantized cache).
+    """
+    _, num_blocks, bs, num_kv_heads, head_dim = kv_cache.shape
+    if not isinstance(kv_cache, QuantizedLayerCache):
+        flat = kv_cache.view(2, num_blocks * bs, num_kv_heads, head_dim)
+        flat[0].index_copy_(0, slot_mapping, k)
+        flat[1].index_copy_(0, slot_mapping, v)
+        return k, v
+    flat = kv_cache.data.view(2, num_blocks * bs, num_kv_heads, head_dim)
+    flat_scales = kv_cache.scales.view(2, num_blocks * bs, num_kv_heads)
+    read_back = []
+    for i, x in ((0, k), (1, v)):
+        data, scales = quantize_kv(x, kv_cache.kind)  # [T, kvh, d], [T, kvh]
+        flat[i].index_copy_(0, slot_mapping, data)
+        flat_scales[i].index_copy_(0, slot_mapping, scales)
+        read_back.append(dequantize_kv(data, scales, kv_cache.kind, x.dtype))
+    return read_back[0], read_back[1]
+
+
+def _gather_blocks(
+    kv_cache: LayerCache, block_ids: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:  # [2, len(block_ids) * block_size, kvh, d]
+    """Fast read of whole blocks (K and V) in ``block_ids`` order, dequantized."""
+    _, num_blocks, _, num_kv_heads, head_dim = kv_cache.shape
+    # NOTE: gather whole blocks as flat rows of a 3-D view: ~2x faster than index_select
+    # on the 5-D cache (one contiguous copy per block instead of a strided walk).
+    if not isinstance(kv_cache, QuantizedLayerCache):
+        kv = kv_cache.view(2, num_blocks, -1).index_select(1, block_ids)
+        return kv.view(2, -1, num_kv_heads, head_dim)
+    data = kv_cache.data.view(2, num_blocks, -1).index_select(1, block_ids)
+    scales = kv_cache.scales.view(2, num_blocks, -1).index_select(1, block_ids)
+    return dequantize_kv(
+        data.view(2, -1, num_kv_heads, head_dim),
+        scales.view(2, -1, num_kv_heads),
+        kv_cache.kind,
+        dtype,
+    )
 
 
 class TorchSDPABackend(AttentionBackend):
@@ -251,13 +377,10 @@ class TorchSDPABackend(AttentionBackend):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: LayerCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        _, num_blocks, bs, num_kv_heads, head_dim = kv_cache.shape
-        flat = kv_cache.view(2, num_blocks * bs, num_kv_heads, head_dim)
-        flat[0].index_copy_(0, meta.slot_mapping, k)
-        flat[1].index_copy_(0, meta.slot_mapping, v)
+        k, v = _write_slots(kv_cache, meta.slot_mapping, k, v)
         nd = meta.num_decode_seqs
         if nd == meta.num_tokens:
             return self._decode(q, kv_cache, meta)
@@ -270,13 +393,13 @@ class TorchSDPABackend(AttentionBackend):
         return out
 
     @staticmethod
-    def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _decode(q: torch.Tensor, kv_cache: LayerCache, meta: AttentionMetadata) -> torch.Tensor:
         # q: [B, H, d]; every query is the last position of its sequence.
         num_seqs, num_heads, head_dim = q.shape
         num_kv_heads = kv_cache.shape[3]
         max_len = meta.decode_max_blocks * meta.block_size
         assert meta.decode_block_ids is not None and meta.decode_mask is not None
-        kv = kv_cache.index_select(1, meta.decode_block_ids)  # [2, B*max_blocks, bs, kvh, d]
+        kv = _gather_blocks(kv_cache, meta.decode_block_ids, q.dtype)
         kv = kv.view(2, num_seqs, max_len, num_kv_heads, head_dim).transpose(2, 3)  # [2,B,kvh,L,d]
         # NOTE: GQA without copying K/V: the query heads of one KV head share its keys and the
         # same mask, so they ride in SDPA's query-length axis: [B, kvh, group, d].
@@ -289,14 +412,13 @@ class TorchSDPABackend(AttentionBackend):
         q: torch.Tensor,  # [n, H, d]
         k: torch.Tensor,  # [n, kvh, d]
         v: torch.Tensor,  # [n, kvh, d]
-        kv_cache: torch.Tensor,
+        kv_cache: LayerCache,
         c: ChunkMeta,
     ) -> torch.Tensor:
         if c.ctx_block_ids is None:
             keys, values = k, v  # the chunk is the whole context so far
         else:
-            _, _, bs, num_kv_heads, head_dim = kv_cache.shape
-            kv = kv_cache.index_select(1, c.ctx_block_ids).view(2, -1, num_kv_heads, head_dim)
+            kv = _gather_blocks(kv_cache, c.ctx_block_ids, q.dtype)  # [2, ctx_len, kvh, d]
             keys, values = kv[0], kv[1]  # [ctx_len, kvh, d]
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),  # [1, H, n, d]

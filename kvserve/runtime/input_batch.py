@@ -40,6 +40,7 @@ def build_input_batch(
     device: torch.device,
     dtype: torch.dtype,
     sliding_window: int | None = None,
+    num_sink_tokens: int = 0,
 ) -> InputBatch:
     """Flatten ``sched.scheduled`` into one batch (decodes first); validates block tables."""
     reqs = sorted(sched.scheduled, key=lambda r: len(r.token_ids) != 1)  # stable: decodes first
@@ -60,7 +61,8 @@ def build_input_batch(
                 f"request {r.request_id!r}: block table of {len(r.block_ids)} blocks cannot hold "
                 f"{end} tokens (block_size {block_size})"
             )
-        if r.block_ids and (min(r.block_ids) < 0 or max(r.block_ids) >= num_blocks):
+        # NOTE: -1 (NULL_BLOCK_ID) marks a block freed out of the KV window.
+        if r.block_ids and (min(r.block_ids) < -1 or max(r.block_ids) >= num_blocks):
             raise ValueError(
                 f"request {r.request_id!r}: block id out of range [0, {num_blocks}): {r.block_ids}"
             )
@@ -72,13 +74,22 @@ def build_input_batch(
             logits_rows.append(offset + n - 1)
             sample_requests.append(r)
     meta = build_attention_metadata(
-        seqs, block_size=block_size, device=device, dtype=dtype, sliding_window=sliding_window
+        seqs,
+        block_size=block_size,
+        device=device,
+        dtype=dtype,
+        sliding_window=sliding_window,
+        num_sink_tokens=num_sink_tokens,
     )
+    # NOTE: one host->tensor conversion (one allocation) for all three index vectors; the
+    # fields are views of it.
+    num_tokens = len(input_ids)
+    flat = torch.tensor(input_ids + positions + logits_rows, dtype=torch.long, device=device)
     return InputBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        input_ids=flat[:num_tokens],
+        positions=flat[num_tokens : 2 * num_tokens],
         attn_meta=meta,
         requests=reqs,
-        logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=device),
+        logits_indices=flat[2 * num_tokens :],
         sample_requests=sample_requests,
     )

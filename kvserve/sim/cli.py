@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any
 
-from kvserve.sim.calibrate import fit_efficiency, load_step_records
+from kvserve.sim.calibrate import fit_efficiency, load_step_records, save_step_records
 from kvserve.sim.cost_model import Efficiency
 from kvserve.sim.experiments import EXPERIMENTS, run_experiment
 from kvserve.sim.hardware import HARDWARE, get_hardware
@@ -80,6 +80,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="STEPS.jsonl",
         help="fit efficiency factors to measured step records and report the fit error",
+    )
+    o.add_argument(
+        "--measure",
+        default=None,
+        metavar="STEPS.jsonl",
+        help="time the real engine (embedded model, this machine) on a calibration trace, "
+        "write its step records here, then fit them (use with --model smollm2-135m --gpu cpu)",
     )
 
 
@@ -166,8 +173,14 @@ def run(args: argparse.Namespace) -> int:
         for line in setup.header_lines():
             print(line)
         print()
-        if args.calibrate:
-            print(_calibrate(setup, args.calibrate))
+        if args.measure:
+            from kvserve.sim.measure import calibration_workload, measure_engine_steps
+
+            wl = calibration_workload(setup.num_requests or 24, setup.seed)
+            save_step_records(args.measure, measure_engine_steps(wl))
+            print(f"wrote {args.measure}")
+        if args.calibrate or args.measure:
+            print(_calibrate(setup, args.calibrate or args.measure))
             return 0
         if args.experiment:
             names = list(EXPERIMENTS) if args.experiment == "all" else [args.experiment]

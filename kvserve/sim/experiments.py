@@ -81,15 +81,18 @@ def paged_vs_contiguous(setup: SimSetup, out_dir: str) -> ExperimentResult:
     paged = _run(setup, wl, prefix_caching=False, max_num_seqs=seats)
     mean_len = sum(w.prompt_len + w.output_len for w in wl) / len(wl)
     rows = []
-    for name, res, unit in (
-        (f"contiguous (reserve {max_len})", contiguous, f"{num_slots:,} slots"),
-        (f"paged (block {setup.block_size})", paged, f"{setup.num_blocks():,} blocks"),
+    # Memory-bound batch: how many requests of the mean length the pool holds at once.
+    paged_fit = int(pool_tokens // (setup.block_size * math.ceil(mean_len / setup.block_size)))
+    for name, res, unit, fit in (
+        (f"contiguous (reserve {max_len})", contiguous, f"{num_slots:,} slots", num_slots),
+        (f"paged (block {setup.block_size})", paged, f"{setup.num_blocks():,} blocks", paged_fit),
     ):
         s = res.summary()
         rows.append(
             [
                 name,
                 unit,
+                fit,
                 int(s["max_concurrent_requests"]),
                 s["mean_fragmentation"],
                 s["output_tokens_per_s"],
@@ -131,7 +134,8 @@ def paged_vs_contiguous(setup: SimSetup, out_dir: str) -> ExperimentResult:
         [
             "allocation",
             "pool",
-            "max batch",
+            "batch that fits",
+            "max batch seen",
             "KV waste (mean)",
             "out tok/s",
             "TTFT p50 ms",
@@ -144,6 +148,9 @@ def paged_vs_contiguous(setup: SimSetup, out_dir: str) -> ExperimentResult:
             f"(prompt + output), max_model_len {max_len}",
             "KV waste = 1 - tokens stored / tokens reserved by live requests "
             "(KVCacheManager fragmentation), averaged over steps",
+            "batch that fits = slots (contiguous) or pool / mean request rounded up to blocks "
+            "(paged, at full length); max batch seen = peak RUNNING in the run (seat cap "
+            f"{seats}; the paged peak is bounded by the trace and the token budget, not memory)",
         ],
         path,
     )
@@ -269,7 +276,7 @@ def chunked_prefill(setup: SimSetup, out_dir: str) -> ExperimentResult:
     n_long = sum(w.request_id.startswith("long-") for w in wl)
     budgets = [b for b in (256, 512, 1024, 2048, 4096, 8192) if b <= setup.model_len]
     rows = []
-    pts: list[tuple[int, float, float, float]] = []
+    pts: list[tuple[int, float, float, float, float]] = []
     runs: list[tuple[str, int, bool]] = [(str(b), b, True) for b in budgets]
     runs.append(("off", setup.model_len, False))
     for label, budget, chunked in runs:
@@ -291,7 +298,8 @@ def chunked_prefill(setup: SimSetup, out_dir: str) -> ExperimentResult:
             ]
         )
         if chunked:
-            pts.append((budget, _ms(s["itl_p99_s"]), _ms(s["itl_p50_s"]), _ms(mean_long)))
+            itl_max = _ms(max(res.latency.itls, default=float("nan")))
+            pts.append((budget, _ms(s["itl_p99_s"]), _ms(s["itl_p50_s"]), _ms(mean_long), itl_max))
     path = save_figure(
         out_dir,
         "chunked_prefill",
@@ -301,6 +309,7 @@ def chunked_prefill(setup: SimSetup, out_dir: str) -> ExperimentResult:
                 "max_num_batched_tokens (chunk budget)",
                 "ms",
                 [
+                    ("ITL max", [p[0] for p in pts], [p[4] for p in pts]),
                     ("ITL p99", [p[0] for p in pts], [p[1] for p in pts]),
                     ("ITL p50", [p[0] for p in pts], [p[2] for p in pts]),
                 ],
@@ -332,6 +341,8 @@ def chunked_prefill(setup: SimSetup, out_dir: str) -> ExperimentResult:
         [
             "budget = max_num_batched_tokens (the largest prefill chunk a step can carry); "
             f"'off' = chunked prefill disabled with a {setup.model_len}-token budget",
+            "ITL max = the stall a decode sees when a step carries the largest prefill chunk; "
+            "p99 also depends on how many steps carry one (fewer, longer stalls at big budgets)",
             "chat: prompts 64-256, outputs 256-512 tokens; long prompts "
             f"{_long_len(setup) - 1000}-{_long_len(setup)} tokens",
         ],

@@ -35,9 +35,10 @@ def measure_engine_steps(
     *,
     max_num_seqs: int = 8,
     max_num_batched_tokens: int = 256,
+    num_warmup_steps: int = NUM_WARMUP_STEPS,
     **engine_kwargs: Any,
 ) -> list[StepRecord]:
-    """Run ``workload`` (all at once) through a real LLMEngine; its step records, warm-up dropped.
+    """Run ``workload`` (all at once) through a real LLMEngine; its step records after warm-up.
 
     ``engine_kwargs`` go to ``LLMEngine`` (e.g. ``model=``, ``num_threads=``).
     """
@@ -60,7 +61,7 @@ def measure_engine_steps(
     while engine.has_unfinished_requests():
         engine.step()
     records = []
-    for d in engine.step_records[NUM_WARMUP_STEPS:]:
+    for d in engine.step_records[num_warmup_steps:]:
         if d["num_seqs"] == 0:
             continue
         records.append(

@@ -26,3 +26,17 @@ def test_summarize_known_values_and_empty() -> None:
     assert s["p90"] == pytest.approx(3.7)
     empty = summarize([])
     assert empty["count"] == 0 and math.isnan(empty["mean"]) and math.isnan(empty["p99"])
+
+
+def test_call_in_worker_thread_returns_and_reraises() -> None:
+    import threading
+
+    from kvserve.bench.offline import call_in_worker_thread
+
+    assert call_in_worker_thread(lambda: threading.current_thread().name) == "kvserve-bench-step"
+
+    def boom() -> None:
+        raise KeyError("x")
+
+    with pytest.raises(KeyError):
+        call_in_worker_thread(boom)

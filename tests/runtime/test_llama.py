@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtime_testutil import ToyAllocator, hf_logits, ours_from_hf, tiny_hf_model
 
 from kvserve.models.llama import LlamaForCausalLM, compute_inv_freq
 from kvserve.runtime.attention import SeqSpec, build_attention_metadata
 from kvserve.runtime.kv_cache import KVCache
+from tests.runtime.runtime_testutil import ToyAllocator, hf_logits, ours_from_hf, tiny_hf_model
 
 ATOL = 1e-4
 CPU = torch.device("cpu")

@@ -11,7 +11,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from server_proc import running_server
+
+from tests.server.server_proc import running_server
 
 API_KEY = "test-key-123"
 MAX_MODEL_LEN = 512

@@ -9,9 +9,9 @@ from typing import Any
 
 import httpx
 import pytest
-from fake_engine import FakeEngine
 
 from kvserve.server.app import build_app
+from tests.server.fake_engine import FakeEngine
 
 Check = Callable[[httpx.AsyncClient, FakeEngine], Awaitable[None]]
 

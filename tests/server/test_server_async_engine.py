@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from fake_engine import FakeEngine
 
 from kvserve.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
 from kvserve.sampling_params import SamplingParams
+from tests.server.fake_engine import FakeEngine
 
 
 def _run(coro):  # noqa: ANN001, ANN202 - test helper

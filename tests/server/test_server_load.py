@@ -15,7 +15,8 @@ from typing import Any
 
 import httpx
 import pytest
-from server_proc import metric_value, running_server, wait_idle
+
+from tests.server.server_proc import metric_value, running_server, wait_idle
 
 NUM_CLIENTS = 50
 NUM_SOAK_REQUESTS = 300

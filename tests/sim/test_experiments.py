@@ -39,7 +39,8 @@ def _png(path: str) -> bool:
 
 def test_paged_vs_contiguous(tmp_path) -> None:
     res = run_experiment("paged-vs-contiguous", _setup(num_kv_blocks=600), str(tmp_path))
-    batch, waste = _col(res, "max batch"), _col(res, "KV waste (mean)")
+    batch, waste = _col(res, "max batch seen"), _col(res, "KV waste (mean)")
+    assert _col(res, "batch that fits")[0] == 600 * 16 // 2048
     assert batch[0] <= 600 * 16 // 2048 < batch[1]
     assert waste[0] > 0.5 > waste[1]
     assert _png(res.plot_path)

@@ -1,0 +1,351 @@
+"""``kvserve bench accuracy``: what cache-size reductions cost in accuracy, next to what they save.
+
+For each setting (KV cache dtype auto / int8 / fp8, windowed eviction W tokens + S sinks)
+on the embedded model it measures:
+
+- perplexity of a fixed English text (``bench/data/python_reference_excerpt.txt``), fed in
+  chunks through the engine's own ModelRunner with teacher forcing: every chunk after the
+  first reads the earlier chunks back from the (quantized / windowed) KV cache;
+- greedy agreement with the full-precision cache: per prompt, the fraction of generated
+  tokens before the first divergence, and the fraction of positions that match overall;
+- mid-context recall: a key-value fact placed in the middle of a long filler context and
+  asked for at the end (accuracy over the cases);
+- KV bytes per token (scales included), peak KV bytes one recall request holds, and
+  generation throughput relative to the first setting.
+
+NOTE: eviction is an accuracy change: windowed settings are expected to fail mid-context
+recall once the fact leaves the window. The perplexity path masks out-of-window positions
+exactly as the engine does (it does not free blocks, which changes no value).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
+from kvserve.llm import LLM
+from kvserve.runtime.model_runner import ModelRunner
+from kvserve.sampling_params import SamplingParams
+
+CORPUS = Path(__file__).resolve().parents[2] / "bench" / "data" / "python_reference_excerpt.txt"
+DEFAULT_SETTINGS = "auto,int8,fp8,w64s4,w128s4"
+_NAMES = [
+    "red fox",
+    "blue door",
+    "old bridge",
+    "green lamp",
+    "silver key",
+    "north tower",
+    "small boat",
+    "quiet garden",
+    "iron gate",
+    "paper kite",
+]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One cache configuration under test."""
+
+    name: str
+    kv_cache_dtype: str = "auto"
+    kv_window: int | None = None
+    kv_sink_tokens: int = 0
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        return {
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "kv_window": self.kv_window,
+            "kv_sink_tokens": self.kv_sink_tokens,
+        }
+
+
+def parse_setting(text: str) -> Setting:
+    """``auto`` | ``int8`` | ``fp8`` | ``w<W>s<S>`` (window W, S sinks) | ``int8-w<W>s<S>``."""
+    dtype, _, window = text.partition("-") if "-" in text else (text, "", "")
+    if dtype.startswith("w"):
+        dtype, window = "auto", dtype
+    if dtype not in ("auto", "int8", "fp8"):
+        raise ValueError(f"unknown setting {text!r}: use auto, int8, fp8, w64s4, int8-w64s4")
+    if not window:
+        return Setting(text, dtype)
+    body = window[1:]
+    w, sep, s = body.partition("s")
+    if not (w.isdigit() and sep and s.isdigit()):
+        raise ValueError(f"unknown window setting {text!r}: expected w<W>s<S>, e.g. w64s4")
+    return Setting(text, dtype, int(w), int(s))
+
+
+@dataclass
+class Result:
+    """Figures of one setting."""
+
+    setting: str
+    kv_bytes_per_token: int
+    perplexity: float
+    agreement_prefix: float | None  # mean fraction of tokens before the first divergence
+    agreement_overall: float | None  # fraction of positions with the same token
+    recall: float
+    peak_request_kv_bytes: int
+    gen_tokens_per_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------- perplexity
+
+
+@torch.inference_mode()
+def perplexity(runner: ModelRunner, token_ids: list[int], chunk_size: int) -> float:
+    """Teacher-forced perplexity of ``token_ids`` through ``runner``'s KV cache.
+
+    The text runs as one sequence in chunks of ``chunk_size`` tokens (block ids 0, 1, ...);
+    each chunk attends to the earlier ones through the cache. Uses the runner's cache dtype
+    and window. Needs an idle engine (it writes blocks 0..n-1 directly).
+    """
+    bs = runner.block_size
+    num_tokens = len(token_ids)
+    if -(-num_tokens // bs) > runner.num_blocks:
+        raise ValueError(
+            f"{num_tokens} tokens need more than the pool's {runner.num_blocks} blocks"
+        )
+    block_ids = list(range(-(-num_tokens // bs)))
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    nll = 0.0
+    for start in range(0, num_tokens - 1, chunk_size):
+        end = min(start + chunk_size, num_tokens - 1)
+        req = ScheduledRequest(
+            request_id="ppl",
+            token_ids=token_ids[start:end],
+            start_pos=start,
+            block_ids=block_ids,
+            sample=False,
+            sampling_params=params,
+            prompt_token_ids=token_ids,
+            output_token_ids=[],
+        )
+        batch = runner.prepare_inputs(SchedulerOutput(scheduled=[req]))
+        hidden = runner.model(
+            batch.input_ids, batch.positions, runner.kv_cache.layer_caches, batch.attn_meta
+        )  # [n, hidden]
+        logprobs = torch.log_softmax(runner.model.compute_logits(hidden), dim=-1)  # [n, vocab]
+        targets = torch.tensor(token_ids[start + 1 : end + 1], device=logprobs.device)
+        nll -= logprobs.gather(1, targets[:, None]).sum().item()
+    return float(torch.tensor(nll / (num_tokens - 1)).exp())
+
+
+# ---------------------------------------------------------------------------- agreement
+
+
+def agreement(ref: list[list[int]], got: list[list[int]]) -> tuple[float, float]:
+    """(mean fraction before the first divergence, fraction of equal positions)."""
+    prefix, equal, total = 0.0, 0, 0
+    for a, b in zip(ref, got, strict=True):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        prefix += n / max(len(a), 1)
+        equal += sum(x == y for x, y in zip(a, b, strict=False))
+        total += max(len(a), len(b))
+    return prefix / max(len(ref), 1), equal / max(total, 1)
+
+
+# ---------------------------------------------------------------------------- recall
+
+
+def recall_cases(
+    llm: LLM, filler_ids: list[int], num_cases: int, filler_tokens: int, seed: int = 0
+) -> list[tuple[list[int], str]]:
+    """Prompts with one fact in the middle of ``filler_tokens`` of filler, and its answer."""
+    tok = llm.tokenizer
+    rng = random.Random(seed)
+    cases = []
+    for i in range(num_cases):
+        name = _NAMES[i % len(_NAMES)]
+        code = str(rng.randrange(1000, 10000))
+        offset = rng.randrange(0, max(1, len(filler_ids) - filler_tokens))
+        filler = filler_ids[offset : offset + filler_tokens]
+        half = len(filler) // 2
+        fact = tok.encode(f"\n\nThe secret code of the {name} is {code}.\n\n", False)
+        question = tok.encode(
+            f"\n\nQuestion: What is the secret code of the {name}?\n"
+            f"Answer: The secret code of the {name} is",
+            False,
+        )
+        cases.append((filler[:half] + fact + filler[half:] + question, code))
+    return cases
+
+
+def _request_blocks(llm: LLM, prompt: list[int], params: SamplingParams) -> tuple[int, int]:
+    """KV blocks one request holds: (peak, after its last step before finishing).
+
+    Runs it alone on an idle engine. NOTE: a windowed request frees blocks only after a
+    step's allocation, so its peak includes a whole prefill chunk of the prompt.
+    """
+    engine = llm.engine
+    kv = engine.kv_cache_manager
+    engine.add_request(prompt, params, request_id="peak-probe")
+    peak = last = 0
+    while engine.has_unfinished_requests():
+        held = round(kv.usage * kv.num_blocks)
+        engine.step()
+        peak = max(peak, held, round(kv.usage * kv.num_blocks))
+        last = held
+    return peak, last
+
+
+# ---------------------------------------------------------------------------- driver
+
+
+def run_setting(
+    setting: Setting,
+    args: argparse.Namespace,
+    text: str,
+    reference: list[list[int]] | None,
+) -> tuple[Result, list[list[int]]]:
+    """All measurements of one setting on a fresh engine."""
+    llm = LLM(
+        num_kv_blocks=args.num_kv_blocks,
+        max_model_len=2048,
+        seed=0,
+        **setting.engine_kwargs(),
+    )
+    engine = llm.engine
+    corpus_ids = llm.tokenizer.encode(text, add_special_tokens=False)
+    # 1) perplexity first, on the idle engine.
+    ppl = perplexity(engine.runner, corpus_ids[: args.ppl_tokens], args.chunk_size)
+    engine.kv_cache_manager.reset_prefix_cache()
+    # 2) greedy agreement (+ throughput).
+    rng = random.Random(1)
+    prompts = []
+    for _ in range(args.num_prompts):
+        off = rng.randrange(0, len(corpus_ids) - args.prompt_tokens)
+        prompts.append(corpus_ids[off : off + args.prompt_tokens])
+    gen = SamplingParams(temperature=0.0, max_tokens=args.gen_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, gen, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    tokens = [o.outputs[0].token_ids for o in outs]
+    num_gen = sum(len(t) for t in tokens)
+    prefix, overall = agreement(reference, tokens) if reference is not None else (None, None)
+    # 3) mid-context recall.
+    cases = recall_cases(llm, corpus_ids, args.num_recall, args.recall_filler)
+    ask = SamplingParams(temperature=0.0, max_tokens=8)
+    answers = llm.generate([c[0] for c in cases], ask, use_tqdm=False)
+    hits = sum(code in a.outputs[0].text for (_, code), a in zip(cases, answers, strict=True))
+    peak_blocks, last_blocks = _request_blocks(llm, cases[0][0], ask)
+    stats = llm.stats()
+    result = Result(
+        setting=setting.name,
+        kv_bytes_per_token=int(stats["kv_bytes_per_token"]),
+        perplexity=ppl,
+        agreement_prefix=prefix,
+        agreement_overall=overall,
+        recall=hits / max(len(cases), 1),
+        peak_request_kv_bytes=peak_blocks * engine.config.block_size * engine.kv_bytes_per_token,
+        gen_tokens_per_s=num_gen / elapsed,
+        extra={
+            "recall_prompt_tokens": len(cases[0][0]),
+            "peak_request_blocks": peak_blocks,
+            "decode_request_blocks": last_blocks,
+            "window_freed_blocks": stats.get("window_freed_blocks", 0),
+            "num_kv_blocks": stats["num_kv_blocks"],
+        },
+    )
+    return result, tokens
+
+
+def format_table(results: list[Result]) -> str:
+    """Markdown table; throughput relative to the first row."""
+    base = results[0]
+    head = (
+        "| setting | KV bytes/token | vs first | ppl | ppl vs first | greedy agree (prefix) "
+        "| greedy agree (overall) | mid-context recall | peak KV of one recall request "
+        "| KV blocks held in decode | gen tok/s | vs first |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"
+    )
+    rows = [head]
+    for r in results:
+        agree_p = "ref" if r.agreement_prefix is None else f"{r.agreement_prefix:.3f}"
+        agree_o = "ref" if r.agreement_overall is None else f"{r.agreement_overall:.3f}"
+        rows.append(
+            f"| {r.setting} | {r.kv_bytes_per_token} | "
+            f"{base.kv_bytes_per_token / r.kv_bytes_per_token:.2f}x smaller | "
+            f"{r.perplexity:.3f} | {100 * (r.perplexity / base.perplexity - 1):+.2f}% | "
+            f"{agree_p} | {agree_o} | {r.recall:.2f} | "
+            f"{r.peak_request_kv_bytes / 2**20:.1f} MiB | {r.extra['decode_request_blocks']} | "
+            f"{r.gen_tokens_per_s:.1f} | "
+            f"{r.gen_tokens_per_s / base.gen_tokens_per_s:.2f}x |"
+        )
+    return "\n".join(rows)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Options of ``kvserve bench accuracy``."""
+    p = argparse.ArgumentParser(prog="kvserve bench accuracy", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--settings",
+        default=DEFAULT_SETTINGS,
+        help="comma list: auto, int8, fp8, w<W>s<S> (window), int8-w<W>s<S>; "
+        "the first is the reference",
+    )
+    p.add_argument("--ppl-tokens", type=int, default=2048, help="tokens of text for perplexity")
+    p.add_argument("--chunk-size", type=int, default=128, help="perplexity chunk (tokens)")
+    p.add_argument("--num-prompts", type=int, default=32, help="greedy-agreement prompts")
+    p.add_argument("--prompt-tokens", type=int, default=64, help="tokens per agreement prompt")
+    p.add_argument("--gen-tokens", type=int, default=128, help="greedy tokens per prompt")
+    p.add_argument("--num-recall", type=int, default=50, help="mid-context recall cases")
+    p.add_argument("--recall-filler", type=int, default=600, help="filler tokens per case")
+    p.add_argument("--num-kv-blocks", type=int, default=512, help="KV pool size per engine")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--json", default=None, help="also write the results as JSON here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the accuracy benchmark; prints a markdown table. Returns the exit status."""
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    settings = [parse_setting(s.strip()) for s in args.settings.split(",") if s.strip()]
+    if not settings:
+        raise ValueError("--settings is empty")
+    text = CORPUS.read_text(encoding="utf-8")
+    results: list[Result] = []
+    reference: list[list[int]] | None = None
+    for setting in settings:
+        t0 = time.perf_counter()
+        result, tokens = run_setting(setting, args, text, reference)
+        reference = reference if reference is not None else tokens
+        results.append(result)
+        print(
+            f"[{setting.name}] done in {time.perf_counter() - t0:.0f}s: {asdict(result)}",
+            file=sys.stderr,
+            flush=True,
+        )
+    print(format_table(results))
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "args": vars(args),
+                    "cpu_count": os.cpu_count(),
+                    "results": [asdict(r) for r in results],
+                },
+                indent=2,
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""Windowed KV eviction with attention sinks: which blocks leave, and when."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve.config import SchedulerConfig
+from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.scheduler import Scheduler
+from kvserve.core.window import (
+    NULL_BLOCK_ID,
+    KVWindow,
+    WindowedKVCacheManager,
+    kv_utilization_windowed,
+    out_of_window_blocks,
+)
+from kvserve.request import RequestStatus
+from tests.core.fake_runner import make_request, runner_output
+
+
+def _dead_by_brute_force(num_computed: int, sinks: int, window: int, bs: int) -> list[int]:
+    """Blocks none of whose positions a query at p >= num_computed can see."""
+    dead = []
+    for i in range(num_computed // bs + 2):
+        visible = any(
+            k < sinks or k > p - window
+            for k in range(i * bs, (i + 1) * bs)
+            for p in range(num_computed, num_computed + 3 * window + bs)
+            if k <= p
+        )
+        if not visible:
+            dead.append(i)
+    return dead
+
+
+@pytest.mark.parametrize("bs", [1, 4, 5])
+@pytest.mark.parametrize(("window", "sinks"), [(1, 0), (4, 0), (6, 2), (8, 4), (3, 9)])
+def test_out_of_window_blocks_matches_brute_force(bs: int, window: int, sinks: int) -> None:
+    for num_computed in range(0, 40):
+        got = list(out_of_window_blocks(num_computed, sinks, window, bs))
+        assert got == _dead_by_brute_force(num_computed, sinks, window, bs), num_computed
+        # Sink blocks never leave.
+        assert all(i * bs >= sinks for i in got)
+
+
+def test_rejects_bad_window_and_prefix_caching() -> None:
+    with pytest.raises(ValueError, match="kv_window"):
+        KVWindow(0)
+    with pytest.raises(ValueError, match="kv_sink_tokens"):
+        KVWindow(4, -1)
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        WindowedKVCacheManager(8, 4, kv_window=KVWindow(4), enable_prefix_caching=True)
+
+
+def test_blocks_leave_exactly_when_they_fall_out_and_sinks_stay() -> None:
+    bs, window, sinks = 4, 6, 2
+    kv = WindowedKVCacheManager(16, bs, kv_window=KVWindow(window, sinks))
+    req = make_request("r", list(range(1, 41)), max_tokens=4)
+    freed_at: dict[int, int] = {}
+    for num_computed in range(0, 40):  # one token per step
+        assert kv.allocate_slots(req, 1) is not None
+        table_before = kv.get_block_ids("r")
+        freed = kv.free_out_of_window(req)
+        for block_id in freed:
+            freed_at[table_before.index(block_id)] = num_computed
+        kv.check_integrity()
+        req.num_computed_tokens += 1
+        table = kv.get_block_ids("r")
+        assert table[0] != NULL_BLOCK_ID  # the sink block never leaves
+        num_live = sum(b != NULL_BLOCK_ID for b in table)
+        assert num_live <= 1 + -(-window // bs) + 1
+        assert kv.num_free_blocks == 16 - num_live
+    # Block i (positions 4i..4i+3, all >= the 2 sinks for i >= 1) leaves at the first step
+    # whose queries start at a position p with p - window >= 4i + 3.
+    assert freed_at == {i: 4 * i + 3 + window for i in range(1, 8)}
+    kv.free(req)
+    assert kv.num_free_blocks == 16
+    kv.check_integrity()
+
+
+def test_swap_out_refused_and_fork_shares_placeholders() -> None:
+    kv = WindowedKVCacheManager(16, 2, kv_window=KVWindow(2, 0), num_host_blocks=8)
+    parent = make_request("p", list(range(1, 10)), max_tokens=4, n=2)
+    child = parent.pending_children[0]
+    assert kv.allocate_slots(parent, 9) is not None
+    parent.num_computed_tokens = 8  # freeing runs before the step that computes token 8
+    freed = kv.free_out_of_window(parent)
+    table = kv.get_block_ids("p")
+    assert len(freed) == 3 and table[:3] == [NULL_BLOCK_ID] * 3 and NULL_BLOCK_ID not in table[3:]
+    parent.num_computed_tokens = 9
+    kv.fork(parent, child)
+    child.num_computed_tokens = 8
+    assert kv.get_block_ids("p#1") == kv.get_block_ids("p")
+    kv.check_integrity()
+    assert kv.swap_out(parent) is None
+    snap = kv.snapshot()
+    assert snap["window_freed_blocks"] == 3
+    # live blocks 3, 4: the parent fills 2 + 1 tokens of them (the child no more).
+    assert snap["kv_utilization"] == pytest.approx(3 / 4)
+    kv.free(child)
+    kv.free(parent)
+    assert kv.num_free_blocks == 16
+    kv.check_integrity()
+
+
+def test_utilization_ignores_freed_entries() -> None:
+    assert kv_utilization_windowed(iter([([NULL_BLOCK_ID, 3, 5], 10)]), 4) == pytest.approx(6 / 8)
+
+
+def _run(kv: KVCacheManager, prompts: dict[str, int], max_tokens: int) -> dict:
+    cfg = SchedulerConfig(
+        max_num_seqs=4,
+        max_num_batched_tokens=8,
+        max_model_len=256,
+        admission_headroom=0.0,
+        resume_watermark=0.0,
+    )
+    sched = Scheduler(cfg, kv)
+    for rid, n in prompts.items():
+        sched.add_request(
+            make_request(
+                rid, [(7 * i + len(rid)) % 50 + 1 for i in range(n)], max_tokens=max_tokens
+            )
+        )
+    peak_live = 0
+    outputs: dict[str, list[int]] = {}
+    for _ in range(500):
+        if not sched.has_unfinished_requests():
+            break
+        out = sched.schedule()
+        kv.check_integrity()
+        for sr in out.scheduled:
+            table = kv.get_block_ids(sr.request_id)
+            peak_live = max(peak_live, sum(b != NULL_BLOCK_ID for b in table))
+        sampled = {sr.request_id: (sr.start_pos * 3) % 50 + 1 for sr in out.scheduled if sr.sample}
+        for r in sched.update_from_output(out, runner_output(sampled)):
+            if r.status != RequestStatus.RUNNING:
+                outputs[r.request_id] = list(r.output_token_ids)
+        kv.check_integrity()
+    assert not sched.has_unfinished_requests()
+    assert kv.num_free_blocks == kv.num_blocks
+    return {"peak_live": peak_live, "outputs": outputs, "stats": sched.stats()}
+
+
+def test_scheduler_frees_out_of_window_blocks_and_bounds_live_blocks() -> None:
+    bs, window, sinks = 4, 8, 4
+    prompts = {"a": 30, "bb": 13, "ccc": 5}
+    windowed = _run(WindowedKVCacheManager(64, bs, kv_window=KVWindow(window, sinks)), prompts, 30)
+    dense = _run(KVCacheManager(64, bs, enable_prefix_caching=False), prompts, 30)
+    # Token flow is unchanged by the block manager (the fake outputs depend on positions).
+    assert windowed["outputs"] == dense["outputs"]
+    # Live blocks of one request stay within sinks + window (+ the block being written).
+    assert windowed["peak_live"] <= sinks // bs + window // bs + 2
+    assert dense["peak_live"] == -(-60 // bs)
+    assert windowed["stats"]["window_freed_blocks"] > 0

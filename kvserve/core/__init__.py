@@ -4,20 +4,28 @@
 - ``prefix_cache``: the ``PrefixCache`` interface and its radix-tree implementation.
 - ``kv_cache_manager``: block tables, prefix hits, copy-on-write, fork, swap plans.
 - ``metrics``: the capacity figures.
+- ``host_tier``: host-memory blocks shared by swap preemption and the prefix offload tier.
+- ``window``: windowed eviction with attention sinks (a KVCacheManager subclass).
 - ``scheduler``: token-budget continuous batching on top of the manager.
 """
 
 from kvserve.core.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from kvserve.core.host_tier import HostBlock, HostTier
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.metrics import KVCacheCounters
 from kvserve.core.prefix_cache import PrefixCache, RadixPrefixCache
+from kvserve.core.window import KVWindow, WindowedKVCacheManager
 
 __all__ = [
     "BlockPool",
     "FreeBlockQueue",
+    "HostBlock",
+    "HostTier",
     "KVBlock",
     "KVCacheCounters",
     "KVCacheManager",
+    "KVWindow",
     "PrefixCache",
     "RadixPrefixCache",
+    "WindowedKVCacheManager",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.bench.stats import percentile
 from kvserve.request import Request
 
 
@@ -11,19 +12,13 @@ def summarize(values: list[float]) -> dict[str, float]:
     """mean / p50 / p90 / p99 / max of ``values`` (all 0.0 when empty)."""
     if not values:
         return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0, "count": 0}
-    s = sorted(values)
-
-    def pct(q: float) -> float:
-        # Nearest-rank percentile: simple, exact on small samples.
-        return s[min(len(s) - 1, max(0, int(round(q * len(s) + 0.5)) - 1))]
-
     return {
-        "mean": sum(s) / len(s),
-        "p50": pct(0.50),
-        "p90": pct(0.90),
-        "p99": pct(0.99),
-        "max": s[-1],
-        "count": len(s),
+        "mean": sum(values) / len(values),
+        "p50": percentile(values, 50.0),
+        "p90": percentile(values, 90.0),
+        "p99": percentile(values, 99.0),
+        "max": max(values),
+        "count": len(values),
     }
 
 

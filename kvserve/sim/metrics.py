@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvserve.bench.stats import percentile as _percentile
+
 
 @dataclass(slots=True)
 class RequestTiming:
@@ -66,10 +68,10 @@ class LatencyRecorder:
 
 
 def percentile(values: list[float] | np.ndarray, q: float) -> float:
-    """The q-th percentile (0..100), NaN for no values."""
+    """The q-th percentile (0..100, linear as numpy), NaN for no values."""
     if len(values) == 0:
         return float("nan")
-    return float(np.percentile(np.asarray(values, dtype=float), q))
+    return _percentile([float(v) for v in values], q)
 
 
 def latency_summary(rec: LatencyRecorder, duration_s: float) -> dict[str, float]:

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from kvserve.sim.cost_model import CostModel, Efficiency, StepShape
+from kvserve.sim.workloads import read_jsonl
 
 PRIOR_WEIGHT = 1e-6
 
@@ -69,19 +70,7 @@ class StepRecord:
 
 def load_step_records(path: str | Path) -> list[StepRecord]:
     """Read StepRecords from JSONL; raises ValueError naming the bad line."""
-    records: list[StepRecord] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                d = json.loads(line)
-                if not isinstance(d, dict):
-                    raise ValueError("expected a JSON object")
-                records.append(StepRecord(**d))
-            except (ValueError, TypeError) as e:
-                raise ValueError(f"{path}:{lineno}: bad step record: {e}") from None
-    return records
+    return read_jsonl(path, lambda d, _index: StepRecord(**d), "step record")
 
 
 def save_step_records(path: str | Path, records: Iterable[StepRecord]) -> None:

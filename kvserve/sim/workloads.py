@@ -37,11 +37,14 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
+
+T = TypeVar("T")
 
 FIRST_TOKEN_ID = 10  # NOTE: keep clear of the low ids that real vocabularies use as specials
 DEFAULT_VOCAB_SIZE = 32000
@@ -273,12 +276,12 @@ def save_jsonl(path: str | Path, requests: Iterable[WorkloadRequest]) -> None:
             f.write(json.dumps(r.to_dict(), separators=(",", ":")) + "\n")
 
 
-def load_jsonl(path: str | Path) -> list[WorkloadRequest]:
-    """Read a trace; a missing ``request_id`` becomes ``req-<line index>``.
+def read_jsonl(path: str | Path, parse: Callable[[dict, int], T], what: str) -> list[T]:
+    """``parse(obj, index)`` for every JSON object line of ``path`` (blank lines skipped).
 
-    Raises ValueError naming the line and the field that is wrong.
+    Raises ValueError naming the file, the line and ``what`` was being read.
     """
-    reqs: list[WorkloadRequest] = []
+    items: list[T] = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -287,32 +290,45 @@ def load_jsonl(path: str | Path) -> list[WorkloadRequest]:
                 d = json.loads(line)
                 if not isinstance(d, dict):
                     raise ValueError("expected a JSON object")
-                missing = [k for k in ("prompt_len", "output_len", "arrival_time") if k not in d]
-                if missing:
-                    raise ValueError(f"missing {', '.join(missing)}")
-                unknown = set(d) - {
-                    "request_id",
-                    "prompt_len",
-                    "output_len",
-                    "arrival_time",
-                    "prompt_token_ids",
-                    "prefix_group",
-                    "output_token_ids",
-                }
-                if unknown:
-                    raise ValueError(f"unknown fields {', '.join(sorted(unknown))}")
-                group = d.get("prefix_group")
-                reqs.append(
-                    WorkloadRequest(
-                        request_id=str(d.get("request_id", f"req-{len(reqs)}")),
-                        prompt_len=d["prompt_len"],
-                        output_len=d["output_len"],
-                        arrival_time=float(d["arrival_time"]),
-                        prompt_token_ids=d.get("prompt_token_ids"),
-                        prefix_group=None if group is None else str(group),
-                        output_token_ids=d.get("output_token_ids"),
-                    )
-                )
+                items.append(parse(d, len(items)))
             except (ValueError, TypeError) as e:
-                raise ValueError(f"{path}:{lineno}: bad workload line: {e}") from None
-    return reqs
+                raise ValueError(f"{path}:{lineno}: bad {what}: {e}") from None
+    return items
+
+
+_WORKLOAD_FIELDS = {
+    "request_id",
+    "prompt_len",
+    "output_len",
+    "arrival_time",
+    "prompt_token_ids",
+    "prefix_group",
+    "output_token_ids",
+}
+
+
+def _parse_workload_line(d: dict, index: int) -> WorkloadRequest:
+    missing = [k for k in ("prompt_len", "output_len", "arrival_time") if k not in d]
+    if missing:
+        raise ValueError(f"missing {', '.join(missing)}")
+    unknown = set(d) - _WORKLOAD_FIELDS
+    if unknown:
+        raise ValueError(f"unknown fields {', '.join(sorted(unknown))}")
+    group = d.get("prefix_group")
+    return WorkloadRequest(
+        request_id=str(d.get("request_id", f"req-{index}")),
+        prompt_len=d["prompt_len"],
+        output_len=d["output_len"],
+        arrival_time=float(d["arrival_time"]),
+        prompt_token_ids=d.get("prompt_token_ids"),
+        prefix_group=None if group is None else str(group),
+        output_token_ids=d.get("output_token_ids"),
+    )
+
+
+def load_jsonl(path: str | Path) -> list[WorkloadRequest]:
+    """Read a trace; a missing ``request_id`` becomes ``req-<line index>``.
+
+    Raises ValueError naming the line and the field that is wrong.
+    """
+    return read_jsonl(path, _parse_workload_line, "workload line")

@@ -173,14 +173,6 @@ class LLMEngine:
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt_text, token_ids = self._tokenize(prompt)
-        if (
-            params.max_tokens is not None
-            and len(token_ids) + params.max_tokens > self.max_model_len
-        ):
-            raise ValueError(
-                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"max_model_len={self.max_model_len}"
-            )
         now = time.monotonic() if arrival_time is None else arrival_time
         samples = [
             Request(

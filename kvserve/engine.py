@@ -13,13 +13,20 @@ from typing import Any
 
 import torch
 
+from kvserve.core.contiguous import ContiguousKVCacheManager
 from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.metrics import HostTransferStats
 from kvserve.core.outputs import LogprobsEntry
 from kvserve.core.scheduler import Scheduler
 from kvserve.core.window import KVWindow, WindowedKVCacheManager
 from kvserve.engine_config import EngineConfig
 from kvserve.engine_metrics import LatencyStats
-from kvserve.memory_budget import MemoryReport, plan_kv_blocks, plan_step_activations
+from kvserve.memory_budget import (
+    MemoryReport,
+    measure_kernel_scratch,
+    plan_kv_blocks,
+    plan_step_activations,
+)
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_model
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -98,6 +105,10 @@ class LLMEngine:
             dtype=dtype,
         )
         activation_plan = plan_step_activations(config, arch, max_model_len=self.max_model_len)
+        # NOTE: before the KV pool exists; the weights serve as the GEMMs' right operands.
+        kernel_scratch = measure_kernel_scratch(
+            config, activation_plan, [p.t() for p in model.parameters() if p.dim() == 2]
+        )
         self.memory_report: MemoryReport = plan_kv_blocks(
             config,
             arch,
@@ -106,6 +117,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             activation_plan=activation_plan,
             device_free_bytes=_device_free_bytes(config.device),
+            kernel_scratch_bytes=kernel_scratch,
         )
         rep = self.memory_report
         self.runner = ModelRunner(
@@ -131,6 +143,15 @@ class LLMEngine:
                 kv_window=KVWindow(config.kv_window, config.kv_sink_tokens),
                 num_host_blocks=rep.num_host_blocks,
             )
+        elif config.kv_allocator == "contiguous":
+            if config.enable_prefix_caching:
+                logger.info("kv_allocator=contiguous: prefix caching is off (no block sharing)")
+            self.kv_cache_manager = ContiguousKVCacheManager(
+                rep.num_kv_blocks,
+                config.block_size,
+                max_model_len=self.max_model_len,
+                num_host_blocks=rep.num_host_blocks,
+            )
         else:
             self.kv_cache_manager = KVCacheManager(
                 rep.num_kv_blocks,
@@ -143,6 +164,7 @@ class LLMEngine:
             config.scheduler_config(self.max_model_len), self.kv_cache_manager
         )
         self.latency = LatencyStats()
+        self.host_transfers = HostTransferStats()
         self._groups: dict[str, _Group] = {}
         self._sample_to_group: dict[str, _Group] = {}
         self._ids = itertools.count()
@@ -236,6 +258,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         runner_out = self.runner.execute(sched)
+        self.host_transfers.record(sched, runner_out, self.kv_cache_manager.counters)
         changed = self.scheduler.update_from_output(sched, runner_out)
         now = time.monotonic()
         touched: dict[str, _Group] = {}
@@ -259,6 +282,10 @@ class LLMEngine:
                 "num_context_tokens": sum(r.start_pos + len(r.token_ids) for r in sched.scheduled),
                 "num_seqs": len(sched.scheduled),
                 "seconds": time.perf_counter() - t0,
+                # NOTE: seconds - schedule_seconds - execute_seconds is the engine's own
+                # per-step cost (token bookkeeping, stop checks, detokenization, outputs).
+                "schedule_seconds": self.scheduler.last_step.schedule_time_s,
+                "execute_seconds": runner_out.execute_time,
             }
         )
         if len(self.step_records) > 100_000:
@@ -339,6 +366,7 @@ class LLMEngine:
         out["num_prompt_tokens"] = self.latency.num_prompt_tokens
         out["num_generation_tokens"] = self.latency.num_generation_tokens
         out.update(self.latency.as_dict())
+        out.update(self.host_transfers.as_dict(self.config.block_size))
         out["memory"] = {
             "weights_bytes": self.memory_report.weights_bytes,
             "activation_bytes": self.memory_report.activation_bytes,
@@ -347,6 +375,7 @@ class LLMEngine:
                 if self.memory_report.activation_plan is not None
                 else None
             ),
+            "kernel_scratch_bytes": self.memory_report.kernel_scratch_bytes,
             "kv_cache_bytes": self.memory_report.kv_cache_bytes,
             "num_host_blocks": self.memory_report.num_host_blocks,
         }

@@ -46,6 +46,9 @@ _HELP: dict[str, str] = {
     "prefix caching; changes outputs (measure with `kvserve bench accuracy`)",
     "kv_sink_tokens": "with --kv-window: the first S tokens of each request stay in the cache "
     "and visible (attention sinks)",
+    "kv_allocator": "KV block allocation: paged (blocks on demand, prefix sharing) or "
+    "contiguous (the naive baseline, for comparison: one run of consecutive blocks per "
+    "request sized for prompt + max_tokens, no prefix caching; see core/contiguous.py)",
     "num_threads": "torch CPU threads (default: all cores)",
     "admission_headroom": "fraction of KV blocks kept free when admitting requests",
     "resume_watermark": "after a preemption, admit again only above this free fraction",
@@ -75,6 +78,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     kv_window: int | None = None
     kv_sink_tokens: int = 0
+    kv_allocator: str = "paged"
     num_threads: int | None = None
     admission_headroom: float = 0.02
     resume_watermark: float = 0.10
@@ -90,6 +94,20 @@ class EngineConfig:
             raise ValueError(f"kv_sink_tokens must be >= 0, got {self.kv_sink_tokens}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
+        if self.kv_allocator not in ("paged", "contiguous"):
+            raise ValueError(
+                f"kv_allocator must be 'paged' or 'contiguous', got {self.kv_allocator!r}"
+            )
+        if self.kv_allocator == "contiguous":
+            # NOTE: the windowed and host-tier modes free or move single blocks of a table,
+            # which a per-request reservation never does.
+            if self.kv_window is not None:
+                raise ValueError("kv_allocator='contiguous' cannot be combined with kv_window")
+            if self.enable_host_prefix_cache:
+                raise ValueError(
+                    "kv_allocator='contiguous' has no prefix cache: it cannot be combined with "
+                    "enable_host_prefix_cache"
+                )
         # Build the nested configs once so their validation runs at construction.
         self.cache_config()
         self.scheduler_config(self.max_model_len or 1)
@@ -146,6 +164,8 @@ class EngineConfig:
                 kwargs["choices"] = ["recompute", "swap"]
             if f.name == "kv_cache_dtype":
                 kwargs["choices"] = ["auto", "int8", "fp8"]
+            if f.name == "kv_allocator":
+                kwargs["choices"] = ["paged", "contiguous"]
             if f.name == "dtype":
                 kwargs["choices"] = ["float32", "bfloat16", "float16"]
             group.add_argument(flag, **kwargs)

@@ -3,8 +3,14 @@
 The KV pool gets every byte the budget leaves after the fixed consumers, and is allocated
 once, before any request (seed: "Pre-allocate everything at startup", "Reserve headroom").
 
-    budget = weights + activations (planned, runtime/memory_plan.py) + headroom + KV blocks
+    budget = weights + activations (planned, runtime/memory_plan.py) + kernel scratch
+             + headroom + KV blocks
              [+ the host swap tier when the device is the CPU: it lives in the same RAM]
+
+Kernel scratch (``runtime/kernel_scratch.py``) is what kernels take for themselves: CPU flash
+attention's per-thread buffers are modelled per op inside the activation plan; the GEMM
+library's buffers (MKL keeps them across calls) are measured at start-up by running the
+planned steps' GEMM shapes once, and are their own term of the budget.
 
 The budget is for the whole process, as the OS counts it (peak RSS on CPU), so the headroom
 covers what is not a tensor of ours: the Python interpreter, torch's libraries, the tokenizer,
@@ -20,6 +26,8 @@ import torch
 
 from kvserve.config import ModelArchConfig
 from kvserve.engine_config import EngineConfig, GiB, available_memory_bytes
+from kvserve.runtime.kernel_scratch import GemmShape, measure_gemm_scratch
+from kvserve.runtime.kv_cache import kv_bytes_per_token
 from kvserve.runtime.memory_plan import ActivationPlan, plan_activations
 
 MiB = 1 << 20
@@ -28,7 +36,8 @@ MiB = 1 << 20
 # model, fp32, CPU). Peak RSS while generating minus weights, KV pool and the planned
 # activation reserve: 473 MiB with a cold tokenizer cache, 461-473 MiB warm (torch and its
 # libraries ~218 MiB, the tokenizer ~57 MiB, the fake-tensor tracing machinery ~67 MiB,
-# heap the freed state dict left behind ~100 MiB). ~20% slack on top.
+# heap the freed state dict left behind ~100 MiB). ~20% slack on top. With the GEMM kernel
+# scratch measured as its own term, the same command gives 428 MiB (449,278,016 bytes).
 HEADROOM_BYTES = 576 * MiB
 # Peak RSS while loading minus the weights twice (the loader's state dict and the model's
 # fused parameters are both alive while the weights are copied): 296 MiB measured, the
@@ -59,6 +68,8 @@ class MemoryReport:
     max_model_len: int
     budget_bytes: int | None
     activation_plan: ActivationPlan | None = None
+    # GEMM library buffers, measured at start-up (None: not measured, as without a budget).
+    kernel_scratch_bytes: int | None = None
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -94,10 +105,15 @@ class MemoryReport:
                 f"  activation lower bound: {_fmt(plan.lower_bound_bytes)}",
                 f"  naive activation sum: {_fmt(plan.naive_bytes)} "
                 f"({plan.num_layers_traced} layers traced)",
+                f"  of which kernel scratch (cpu flash attention, {plan.num_threads} threads, "
+                f"modelled): {_fmt(plan.kernel_scratch_bytes)}",
                 f"  largest step: {plan.step_name} ({plan.num_tokens} tokens, "
                 f"{plan.num_seqs} sequences)",
             ]
+        scratch = self.kernel_scratch_bytes
         out += [
+            "kernel scratch (GEMM library buffers, measured at start-up): "
+            + (_fmt(scratch) if scratch is not None else "not measured (no memory budget)"),
             f"headroom: {_fmt(self.headroom_bytes)}",
             f"KV cache: {_fmt(self.kv_cache_bytes)} = {self.num_kv_blocks} blocks x "
             f"{self.block_size} tokens x {self.kv_bytes_per_token} bytes/token",
@@ -148,18 +164,74 @@ def plan_step_activations(
 
     Traces (on fake tensors: nothing of the model's size is allocated) the worst-case
     prefill, decode and mixed steps under max_num_batched_tokens / max_num_seqs /
-    max_model_len, with ``max_layers`` layers of the model (None = all).
+    max_model_len (or the pool's size, see ``max_sequence_tokens``), with ``max_layers``
+    layers of the model (None = all).
     """
     return plan_activations(
         arch,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_num_seqs=config.max_num_seqs,
-        max_model_len=max_model_len,
+        max_model_len=max_sequence_tokens(config, arch, max_model_len=max_model_len),
         block_size=config.block_size,
         dtype=_DTYPES[config.dtype],
         device=config.device,
         max_layers=max_layers,
+        num_threads=config.num_threads,
     )
+
+
+def max_sequence_tokens(config: EngineConfig, arch: ModelArchConfig, *, max_model_len: int) -> int:
+    """The longest context one sequence can have in a step: what the plan pads gathers to.
+
+    NOTE: the batched decode gathers every decode's blocks padded to the longest one
+    (runtime/attention.py), so one sequence at this length and max_num_seqs - 1 short ones
+    already gather max_num_seqs x this length: the plan's decode step is the true worst case
+    of that code, not an over-reservation. What bounds it besides max_model_len: a block table
+    holds distinct pool blocks, so without windowed eviction (whose tables keep freed
+    entries) a sequence never exceeds the pool, when the pool's size is given up front
+    (``num_kv_blocks`` or ``kv_cache_memory``). A budget-sized pool is sized after the plan
+    and must hold a max_model_len request anyway.
+    """
+    if config.kv_window is not None:
+        return max_model_len
+    num_blocks = config.num_kv_blocks
+    if num_blocks is None and config.kv_cache_memory is not None:
+        per_token = kv_bytes_per_token(
+            num_layers=arch.num_hidden_layers,
+            num_kv_heads=arch.num_key_value_heads,
+            head_dim=arch.head_dim,
+            kv_cache_dtype=config.kv_cache_dtype,
+            dtype=_DTYPES[config.dtype],
+        )
+        num_blocks = config.kv_cache_memory // (config.block_size * per_token)
+    if num_blocks is None or num_blocks < 1:
+        return max_model_len
+    return min(max_model_len, num_blocks * config.block_size)
+
+
+_GEMM_SCRATCH: dict[tuple[tuple[GemmShape, ...], str, int], int] = {}
+
+
+def measure_kernel_scratch(
+    config: EngineConfig, plan: ActivationPlan, b_operands: list[torch.Tensor] | None = None
+) -> int | None:
+    """GEMM library scratch for ``plan``'s GEMM shapes, measured once per process and shapes.
+
+    Runs each shape once (``kernel_scratch.measure_gemm_scratch``; ``b_operands``: the
+    model's weights as right operands, so nothing weight-sized is allocated) and keeps the
+    figure: later engines with the same shapes and thread count get the same answer, while
+    the library's buffers already sit in the process. 0 where it cannot be measured.
+    NOTE: only with a memory budget (None otherwise): it is the only sizing it changes, and
+    the GEMMs cost ~0.5 s of start-up on 2 cores (the logits GEMM dominates).
+    """
+    if config.memory_budget is None:
+        return None
+    device = config.device
+    key = (plan.gemm_shapes, str(torch.device(device)), torch.get_num_threads())
+    if key not in _GEMM_SCRATCH:
+        got = measure_gemm_scratch(plan.gemm_shapes, device=device, b_operands=b_operands or [])
+        _GEMM_SCRATCH[key] = got or 0
+    return _GEMM_SCRATCH[key]
 
 
 def plan_kv_blocks(
@@ -172,29 +244,40 @@ def plan_kv_blocks(
     activation_bytes: int | None = None,
     activation_plan: ActivationPlan | None = None,
     device_free_bytes: int | None = None,
+    kernel_scratch_bytes: int | None = None,
 ) -> MemoryReport:
     """Decide the number of KV blocks from the options, in this order of precedence:
 
     ``num_kv_blocks`` > ``kv_cache_memory`` > ``memory_budget`` > a fraction of available
-    memory. ``activation_bytes`` defaults to ``activation_plan.reserve_bytes``.
+    memory. ``activation_bytes`` defaults to ``activation_plan.reserve_bytes``;
+    ``kernel_scratch_bytes`` is the measured GEMM scratch (``measure_kernel_scratch``; None:
+    not measured, counted as 0).
     With a budget, raises MemoryBudgetError (saying how many bytes are missing) when the
-    weights, activations, headroom and one max-length request's KV (or the load-time
-    double copy of the weights) do not fit, or when explicit KV sizes overflow it.
+    weights, activations, kernel scratch, headroom and one max-length request's KV (or the
+    load-time double copy of the weights) do not fit, or when explicit KV sizes overflow it.
     """
     if activation_bytes is None:
         if activation_plan is None:
             raise ValueError("plan_kv_blocks needs activation_bytes or activation_plan")
         activation_bytes = activation_plan.reserve_bytes
-    if min(weights_bytes, activation_bytes) < 0 or kv_bytes_per_token < 1 or max_model_len < 1:
+    scratch_bytes = kernel_scratch_bytes or 0
+    if (
+        min(weights_bytes, activation_bytes, scratch_bytes) < 0
+        or kv_bytes_per_token < 1
+        or max_model_len < 1
+    ):
         raise ValueError(
             f"invalid sizes: weights_bytes={weights_bytes}, activation_bytes={activation_bytes}, "
+            f"kernel_scratch_bytes={kernel_scratch_bytes}, "
             f"kv_bytes_per_token={kv_bytes_per_token}, max_model_len={max_model_len}"
         )
     block_bytes = config.block_size * kv_bytes_per_token
     budget = config.memory_budget
     # NOTE: on the CPU the host swap tier is the same RAM as the pool, so it is in the budget.
     host_in_budget = torch.device(config.device).type == "cpu"
-    fixed = weights_bytes + activation_bytes + HEADROOM_BYTES
+    # What running a step takes beyond weights and KV (one figure in the messages below).
+    step_bytes = activation_bytes + scratch_bytes
+    fixed = weights_bytes + step_bytes + HEADROOM_BYTES
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
     elif config.kv_cache_memory is not None:
@@ -207,7 +290,7 @@ def plan_kv_blocks(
         elif host_in_budget and config.preemption_mode == "swap":
             num_shares = 2  # the pool and an equal host tier split what is left
         need = -(-max_model_len // config.block_size) * block_bytes * num_shares
-        _check_fits(budget, weights_bytes, activation_bytes, max_model_len, need, free)
+        _check_fits(budget, weights_bytes, step_bytes, max_model_len, need, free)
         num_blocks = free // num_shares // block_bytes
     else:
         avail = device_free_bytes if device_free_bytes is not None else available_memory_bytes()
@@ -237,13 +320,15 @@ def plan_kv_blocks(
         max_model_len=max_model_len,
         budget_bytes=budget,
         activation_plan=activation_plan,
+        kernel_scratch_bytes=kernel_scratch_bytes,
     )
     if budget is not None:
         total = fixed + report.kv_cache_bytes + (report.host_cache_bytes if host_in_budget else 0)
         if total > budget:
             raise MemoryBudgetError(
                 f"memory_budget of {_fmt(budget)} is too small for the requested KV cache: "
-                f"weights {weights_bytes} + activations {activation_bytes} + headroom "
+                f"weights {weights_bytes} + activations and kernel scratch {step_bytes} + "
+                "headroom "
                 f"{HEADROOM_BYTES} + KV {report.kv_cache_bytes}"
                 + (f" + host tier {report.host_cache_bytes}" if host_in_budget else "")
                 + f" = {total} bytes; {total - budget} bytes ({(total - budget) / MiB:.1f} MiB) "
@@ -255,20 +340,22 @@ def plan_kv_blocks(
 def _check_fits(
     budget: int,
     weights_bytes: int,
-    activation_bytes: int,
+    step_bytes: int,
     max_model_len: int,
     need: int,
     free: int,
 ) -> None:
     """Raise MemoryBudgetError unless ``need`` bytes of KV (one max-length request, and its
-    host-tier twin in swap mode) fit in ``free``, and loading fits in the budget."""
-    steady = weights_bytes + activation_bytes + HEADROOM_BYTES + need
+    host-tier twin in swap mode) fit in ``free``, and loading fits in the budget.
+    ``step_bytes``: activations + kernel scratch."""
+    steady = weights_bytes + step_bytes + HEADROOM_BYTES + need
     missing = max(need - free, load_peak_bytes(weights_bytes) - budget)
     if missing <= 0:
         return
     raise MemoryBudgetError(
         f"memory_budget of {_fmt(budget)} is too small: weights {weights_bytes} + activations "
-        f"{activation_bytes} + headroom {HEADROOM_BYTES} + one max_model_len={max_model_len} "
+        f"and kernel scratch {step_bytes} + headroom {HEADROOM_BYTES} + one "
+        f"max_model_len={max_model_len} "
         f"request's KV ({need}) need {steady} bytes, and loading needs "
         f"{load_peak_bytes(weights_bytes)} (load headroom + the weights twice); "
         f"{missing} bytes ({missing / MiB:.1f} MiB) are missing. Raise --memory-budget or "

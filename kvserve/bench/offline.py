@@ -2,7 +2,9 @@
 
 Used by ``bench throughput``, ``bench capacity`` and ``bench prefix``. The capacity figures
 (names from ``LLM.stats()``) are measured over this run only: cumulative counters are taken
-as differences, peaks and means are sampled after every engine step.
+as differences, peaks and means are sampled after every engine step. Each run also keeps a
+per-step timeline (kv_usage, kv_utilization, running and waiting requests; at most
+``MAX_TIMELINE_POINTS`` steps in the record) and per-request latencies for CDF plots.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvserve.bench.report import cdf_points, downsample_columns
 from kvserve.bench.stats import summarize
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -45,28 +48,46 @@ class StepSampler:
 
     num_steps: int = 0
     peak_running: int = 0
+    sum_running: int = 0
     peak_kv_usage: float = 0.0
     sum_kv_usage: float = 0.0
     sum_kv_utilization: float = 0.0
     num_busy_steps: int = 0  # steps with at least one live request (utilization is defined)
+    # Per-step timeline, one entry per column per step (t_s: seconds since the run began).
+    timeline: dict[str, list[float]] = field(
+        default_factory=lambda: {
+            k: [] for k in ("t_s", "kv_usage", "kv_utilization", "num_running", "num_waiting")
+        }
+    )
 
-    def sample(self, engine: LLMEngine) -> None:
-        """Record the state of ``engine`` right after a step."""
+    def sample(self, engine: LLMEngine, t_s: float = 0.0) -> None:
+        """Record the state of ``engine`` right after a step, ``t_s`` into the run."""
         self.num_steps += 1
-        running = engine.scheduler.last_step.num_running
+        last = engine.scheduler.last_step
+        running = last.num_running
         usage = engine.kv_cache_manager.usage
         self.peak_running = max(self.peak_running, running)
+        self.sum_running += running
         self.peak_kv_usage = max(self.peak_kv_usage, usage)
         self.sum_kv_usage += usage
+        util = 0.0
         if usage > 0:
             snap = engine.kv_cache_manager.snapshot()
-            self.sum_kv_utilization += float(snap["kv_utilization"])
+            util = float(snap["kv_utilization"])
+            self.sum_kv_utilization += util
             self.num_busy_steps += 1
+        tl = self.timeline
+        tl["t_s"].append(round(t_s, 4))
+        tl["kv_usage"].append(round(usage, 4))
+        tl["kv_utilization"].append(round(util, 4))
+        tl["num_running"].append(running)
+        tl["num_waiting"].append(last.num_waiting)
 
     def as_dict(self) -> dict[str, float]:
         steps = max(self.num_steps, 1)
         return {
             "max_concurrent_requests": self.peak_running,
+            "mean_running_requests": self.sum_running / steps,
             "kv_usage_peak": self.peak_kv_usage,
             "kv_usage_mean": self.sum_kv_usage / steps,
             "kv_utilization": self.sum_kv_utilization / max(self.num_busy_steps, 1),
@@ -79,13 +100,23 @@ class OfflineRun:
 
     outputs: list[RequestOutput] = field(default_factory=list)
     figures: dict[str, Any] = field(default_factory=dict)
+    # Columns t_s, kv_usage, kv_utilization, num_running, num_waiting (<= 500 steps).
+    timeline: dict[str, list[float]] = field(default_factory=dict)
+    # Sorted per-request ttft / tpot / e2e / queue_time in seconds (<= 1000 points each).
+    latency_samples: dict[str, list[float]] = field(default_factory=dict)
 
 
-def sampling_for(req: WorkloadRequest, *, ignore_eos: bool, temperature: float) -> SamplingParams:
-    """Greedy (or tempered) sampling of exactly ``output_len`` tokens when EOS is ignored."""
+def sampling_for(
+    req: WorkloadRequest, *, ignore_eos: bool, temperature: float, max_tokens: int | None = None
+) -> SamplingParams:
+    """Greedy (or tempered) sampling of exactly ``output_len`` tokens when EOS is ignored.
+
+    ``max_tokens`` (a client-side cap) replaces ``output_len`` as the request's max_tokens;
+    ``run_offline`` then ends the request at ``output_len`` itself (see there).
+    """
     return SamplingParams(
         temperature=temperature,
-        max_tokens=req.output_len,
+        max_tokens=req.output_len if max_tokens is None else max_tokens,
         ignore_eos=ignore_eos,
         seed=0 if temperature > 0 else None,
     )
@@ -110,6 +141,7 @@ def run_offline(
     temperature: float = 0.0,
     replay_arrivals: bool = False,
     max_concurrency: int | None = None,
+    max_tokens: int | None = None,
 ) -> OfflineRun:
     """Run ``requests`` to completion; returns outputs (in trace order) and figures.
 
@@ -117,16 +149,26 @@ def run_offline(
     queues each request at its ``arrival_time`` (wall clock from the start).
     ``max_concurrency`` keeps at most that many requests in the engine (a static-client
     style bound, like ``bench serve --max-concurrency``).
+
+    ``max_tokens``: every request asks for this many tokens (what a client that does not
+    know the reply's length sends) and still ends after its trace ``output_len``: the run
+    aborts it right after the step that produced that token, as if it had sampled EOS, and
+    reports it finished with reason "stop". Only what the engine knows in advance changes
+    (e.g. the contiguous allocator reserves prompt + max_tokens); the tokens do not. Requests
+    with ``output_len > max_tokens`` end at max_tokens ("length").
     """
     if engine.has_unfinished_requests():
         raise ValueError("the engine still has unfinished requests")
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     before = engine.stats()
     sampler = StepSampler()
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_time)
     finals: dict[str, RequestOutput] = {}
     ids: list[str] = [f"bench-{i}-{r.request_id}" for i, r in enumerate(requests)]
+    output_lens = {rid: r.output_len for rid, r in zip(ids, requests, strict=True)}
     next_i = 0
     in_flight = 0
     t0 = time.perf_counter()
@@ -140,7 +182,9 @@ def run_offline(
                 raise ValueError(f"request {req.request_id} has no prompt_token_ids")
             engine.add_request(
                 req.prompt_token_ids,
-                sampling_for(req, ignore_eos=ignore_eos, temperature=temperature),
+                sampling_for(
+                    req, ignore_eos=ignore_eos, temperature=temperature, max_tokens=max_tokens
+                ),
                 request_id=ids[order[next_i]],
             )
             next_i += 1
@@ -153,14 +197,47 @@ def run_offline(
             time.sleep(max(0.0, requests[order[next_i]].arrival_time - now))
             continue
         for out in engine.step():
+            if not out.finished and max_tokens is not None:
+                target = output_lens[out.request_id]
+                if all(len(c.token_ids) >= target for c in out.outputs):
+                    _stop_as_eos(engine, out)
             if out.finished:
                 finals[out.request_id] = out
                 in_flight -= 1
-        sampler.sample(engine)
+        sampler.sample(engine, time.perf_counter() - t0)
     elapsed = time.perf_counter() - t0
     after = engine.stats()
     outputs = [finals[i] for i in ids]
-    return OfflineRun(outputs, _figures(outputs, elapsed, before, after, sampler))
+    return OfflineRun(
+        outputs,
+        _figures(outputs, elapsed, before, after, sampler),
+        timeline=downsample_columns(sampler.timeline),
+        latency_samples=_latency_samples(outputs),
+    )
+
+
+def _stop_as_eos(engine: LLMEngine, out: RequestOutput) -> None:
+    """End a request that reached its trace length as if it had sampled EOS (``max_tokens``).
+
+    Aborting frees its blocks at once, as a stop would; the output is marked finished with
+    reason "stop" and its e2e is the abort time, taken from the engine's own clock.
+    """
+    request = engine.scheduler.get_request(out.request_id)
+    engine.abort_request(out.request_id)
+    out.finished = True
+    for c in out.outputs:
+        c.finish_reason = "stop"
+    if request is not None and request.finished_time is not None and out.metrics is not None:
+        out.metrics.e2e = request.finished_time - out.metrics.arrival_time
+
+
+def _latency_samples(outputs: list[RequestOutput]) -> dict[str, list[float]]:
+    """Per-request latencies by name, sorted and thinned for CDF plots."""
+    metrics = [o.metrics for o in outputs if o.metrics is not None]
+    return {
+        name: cdf_points([v for m in metrics if (v := getattr(m, name)) is not None])
+        for name in ("ttft", "tpot", "e2e", "queue_time")
+    }
 
 
 def _figures(

@@ -2,6 +2,10 @@
 
 Records are the JSON files the bench commands and the peer scripts write (see report.py):
 ``benchmark`` (throughput / serve / capacity / prefix), ``system``, ``mode`` and ``results``.
+Optional parts drawn when present: ``latency_samples`` (serve and throughput records, and each
+capacity row) for latency CDFs; ``timeline`` (throughput records, capacity rows) for memory
+over time; capacity rows with ``kv_budget_tokens`` for the block-size sweep and the paged vs
+contiguous comparison.
 """
 
 from __future__ import annotations
@@ -123,15 +127,25 @@ def plot_latency(records: list[Record], path: Path) -> Path | None:
     return _save(fig, path)
 
 
-def plot_capacity(records: list[Record], path: Path) -> Path | None:
-    """Capacity sweeps: peak running requests, preemptions and KV use vs pool size."""
-    rows = [
+def capacity_rows(records: list[Record], *, budget: bool) -> list[dict[str, Any]]:
+    """Error-free capacity rows: of ``--kv-budget-tokens`` sweeps, or of ``--kv-blocks`` ones."""
+    return [
         row
         for r in records
         if r["benchmark"] == "capacity"
         for row in r["results"]
-        if "error" not in row
+        if "error" not in row and (row.get("kv_budget_tokens") is not None) is budget
     ]
+
+
+def _row_label(row: dict[str, Any]) -> str:
+    """``paged bs=16`` for a capacity row (allocator and block size as recorded)."""
+    return f"{row.get('kv_allocator', 'paged')} bs={row.get('block_size', '?')}"
+
+
+def plot_capacity(records: list[Record], path: Path) -> Path | None:
+    """``--kv-blocks`` sweeps: peak running requests, preemptions and KV use vs pool size."""
+    rows = capacity_rows(records, budget=False)
     if not rows:
         return None
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
@@ -140,11 +154,12 @@ def plot_capacity(records: list[Record], path: Path) -> Path | None:
         ("preemptions_per_1k_scheduled", "preemptions per 1k scheduled"),
         ("kv_utilization", "kv_utilization (mean) / kv_usage peak (dashed)"),
     )
-    by_seqs: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    by_seqs: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
-        by_seqs[int(row["max_num_seqs"])].append(row)
+        allocator = "" if "kv_allocator" not in row else f"{_row_label(row)}, "
+        by_seqs[(allocator, int(row["max_num_seqs"]))].append(row)
     for ax, (key, title) in zip(axes, panels, strict=True):
-        for i, (seqs, rs) in enumerate(sorted(by_seqs.items())):
+        for i, ((allocator, seqs), rs) in enumerate(sorted(by_seqs.items())):
             rs.sort(key=lambda row: row["num_kv_blocks"])
             xs = [row["num_kv_blocks"] for row in rs]
             ax.plot(
@@ -152,7 +167,7 @@ def plot_capacity(records: list[Record], path: Path) -> Path | None:
                 [row[key] for row in rs],
                 marker="o",
                 color=f"C{i}",
-                label=f"max_num_seqs={seqs}",
+                label=f"{allocator}max_num_seqs={seqs}",
             )
             if key == "kv_utilization":
                 ax.plot(xs, [row["kv_usage_peak"] for row in rs], "--", color=f"C{i}")
@@ -193,6 +208,173 @@ def plot_prefix(records: list[Record], path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def _latency_series(records: list[Record]) -> list[tuple[str, dict[str, list[float]]]]:
+    """(legend, latency_samples) of every serve / throughput record and capacity row."""
+    out = []
+    for rec in records:
+        if rec["benchmark"] in ("serve", "throughput") and rec.get("latency_samples"):
+            label = f"{series_name(rec)} c={concurrency(rec)}"
+            if rec.get("label"):
+                label += f" {rec['label']}"
+            out.append((label, rec["latency_samples"]))
+        elif rec["benchmark"] == "capacity":
+            for row in rec["results"]:
+                if "error" not in row and row.get("latency_samples"):
+                    out.append((_row_label(row), row["latency_samples"]))
+    return out
+
+
+def plot_latency_cdf(records: list[Record], path: Path) -> Path | None:
+    """CDFs of TTFT, TPOT, ITL and e2e (ms, log x), one line per run."""
+    series = _latency_series(records)
+    if not series:
+        return None
+    metrics = ("ttft", "tpot", "itl", "e2e")
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
+    for ax, metric in zip(axes, metrics, strict=True):
+        drawn = False
+        for i, (label, samples) in enumerate(series):
+            values = sorted(v for v in samples.get(metric) or [] if v is not None and v > 0)
+            if not values:
+                continue
+            n = len(values)
+            ys = [(k + 1) / n for k in range(n)]
+            ax.step([v * 1e3 for v in values], ys, where="post", color=f"C{i % 10}", label=label)
+            drawn = True
+        if drawn:
+            ax.set_xscale("log")
+        else:  # e.g. ITL: only bench serve records keep per-chunk gaps
+            ax.text(0.5, 0.5, "no samples", ha="center", transform=ax.transAxes, alpha=0.6)
+        ax.set_xlabel("ms")
+        ax.set_ylim(0, 1.02)
+        ax.set_title(f"{metric.upper()} CDF")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("fraction of requests (ITL: of gaps)")
+    axes[0].legend(fontsize=7)
+    return _save(fig, path)
+
+
+def _timeline_series(records: list[Record]) -> list[tuple[str, dict[str, list[float]]]]:
+    """(legend, timeline) of every throughput record and capacity row that kept one."""
+    out = []
+    for rec in records:
+        if rec["benchmark"] == "throughput" and rec.get("timeline"):
+            label = series_name(rec) + (f" {rec['label']}" if rec.get("label") else "")
+            out.append((label, rec["timeline"]))
+        elif rec["benchmark"] == "capacity":
+            for row in rec["results"]:
+                if "error" not in row and row.get("timeline"):
+                    out.append((_row_label(row), row["timeline"]))
+    return out
+
+
+def plot_memory_timeline(records: list[Record], path: Path) -> Path | None:
+    """KV use over time: kv_usage (solid) and kv_utilization (dashed), running requests."""
+    series = [(label, tl) for label, tl in _timeline_series(records) if tl.get("t_s")]
+    if not series:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
+    for i, (label, tl) in enumerate(series):
+        color = f"C{i % 10}"
+        ts = tl["t_s"]
+        axes[0].plot(ts, tl["kv_usage"], color=color, label=label)
+        axes[0].plot(ts, tl["kv_utilization"], "--", color=color, alpha=0.7)
+        axes[1].plot(ts, tl["num_running"], color=color, label=label)
+    axes[0].set_title("kv_usage (solid) and kv_utilization (dashed) per step")
+    axes[0].set_ylim(0, 1.02)
+    axes[1].set_title("running requests per step")
+    for ax in axes:
+        ax.set_xlabel("seconds since the run began")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    return _save(fig, path)
+
+
+def plot_block_size_sweep(records: list[Record], path: Path) -> Path | None:
+    """Block-size sweep at a fixed KV budget: kv_utilization against throughput per size."""
+    by_alloc: dict[str, dict[int, dict[str, Any]]] = defaultdict(dict)
+    for row in capacity_rows(records, budget=True):
+        # NOTE: rows of several records merge (e.g. one allocator run per file) when they
+        # share the budget and max_num_seqs; the last record read wins a duplicate point.
+        alloc = row.get("kv_allocator", "paged")
+        name = f"{alloc}, {row['kv_budget_tokens']} tokens, max_seqs={row['max_num_seqs']}"
+        by_alloc[name][int(row["block_size"])] = row
+    by_alloc = {a: rows for a, rows in by_alloc.items() if len(rows) >= 2}
+    if not by_alloc:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    twin = axes[1].twinx()
+    for i, (alloc, rows) in enumerate(sorted(by_alloc.items())):
+        sizes = sorted(rows)
+        utils = [rows[b]["kv_utilization"] for b in sizes]
+        tputs = [rows[b]["output_tokens_per_s"] for b in sizes]
+        axes[0].plot(utils, tputs, marker="o", color=f"C{i}", label=alloc)
+        for b, x, y in zip(sizes, utils, tputs, strict=True):
+            axes[0].annotate(
+                f"bs={b}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8
+            )
+        axes[1].plot(sizes, utils, marker="o", color=f"C{i}", label=f"{alloc} kv_utilization")
+        conc = [rows[b]["max_concurrent_requests"] for b in sizes]
+        twin.plot(sizes, conc, "--", marker="s", color=f"C{i}", label=f"{alloc} max concurrent")
+    axes[0].set_xlabel("kv_utilization (mean over busy steps)")
+    axes[0].set_ylabel("output tokens/s")
+    axes[0].set_title("utilization vs throughput, one point per block size")
+    axes[0].grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    axes[1].set_xscale("log", base=2)
+    all_sizes = sorted({b for rows in by_alloc.values() for b in rows})
+    axes[1].set_xticks(all_sizes, [str(b) for b in all_sizes])
+    axes[1].minorticks_off()
+    axes[1].set_xlabel("block size (tokens)")
+    axes[1].set_ylabel("kv_utilization (solid)")
+    twin.set_ylabel("max concurrent requests (dashed)")
+    axes[1].set_title("per block size, same KV budget")
+    axes[1].grid(alpha=0.3)
+    axes[1].legend(fontsize=8, loc="lower left")
+    return _save(fig, path)
+
+
+def plot_allocators(records: list[Record], path: Path) -> Path | None:
+    """Paged vs contiguous at the same KV budget: concurrency (with ratio), utilization, tok/s."""
+    pairs: dict[tuple, dict[str, dict[str, Any]]] = defaultdict(dict)
+    for row in capacity_rows(records, budget=True):
+        key = (row["kv_budget_tokens"], int(row["block_size"]), int(row["max_num_seqs"]))
+        pairs[key][row.get("kv_allocator", "paged")] = row
+    keys = sorted(k for k, p in pairs.items() if {"paged", "contiguous"} <= p.keys())
+    if not keys:
+        return None
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    names = [f"{budget} tokens\nbs={bs}\nmax_seqs={seqs}" for budget, bs, seqs in keys]
+    panels = (
+        ("max_concurrent_requests", "max concurrent requests (paged / contiguous ratio)"),
+        ("kv_utilization", "kv_utilization (tokens stored / allocated)"),
+        ("output_tokens_per_s", "output tokens/s"),
+    )
+    width = 0.38
+    for ax, (key, title) in zip(axes, panels, strict=True):
+        for j, alloc in enumerate(("paged", "contiguous")):
+            xs = [i + (j - 0.5) * width for i in range(len(keys))]
+            ax.bar(xs, [pairs[k][alloc][key] for k in keys], width, label=alloc)
+        if key == "max_concurrent_requests":
+            for i, k in enumerate(keys):
+                p, c = (pairs[k][a][key] for a in ("paged", "contiguous"))
+                top = max(p, c)
+                text = f"{p / c:.2f}x" if c else "-"
+                ax.annotate(
+                    text,
+                    (i, top),
+                    textcoords="offset points",
+                    xytext=(0, 4),
+                    ha="center",
+                    fontsize=9,
+                )
+        ax.set_xticks(range(len(keys)), names, fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].legend(fontsize=8)
+    return _save(fig, path)
+
+
 def plot_all(records: list[Record], out_dir: str) -> list[str]:
     """Every plot the records allow; returns the PNG paths written."""
     out = Path(out_dir)
@@ -200,7 +382,11 @@ def plot_all(records: list[Record], out_dir: str) -> list[str]:
     made = [
         plot_throughput(records, out / "throughput_vs_concurrency.png"),
         plot_latency(records, out / "latency_percentiles.png"),
+        plot_latency_cdf(records, out / "latency_cdf.png"),
+        plot_memory_timeline(records, out / "memory_timeline.png"),
         plot_capacity(records, out / "capacity.png"),
+        plot_block_size_sweep(records, out / "block_size_sweep.png"),
+        plot_allocators(records, out / "paged_vs_contiguous.png"),
         plot_prefix(records, out / "prefix_cache.png"),
     ]
     return [str(p) for p in made if p is not None]

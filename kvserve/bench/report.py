@@ -11,6 +11,9 @@ from pathlib import Path
 from typing import Any
 
 LATENCIES = ("ttft", "tpot", "itl", "e2e", "queue_time")
+# NOTE: per-step timelines and latency samples stay plottable but small in the JSON records.
+MAX_TIMELINE_POINTS = 500
+MAX_CDF_POINTS = 1000
 
 
 def kvserve_version() -> str:
@@ -33,6 +36,41 @@ def make_record(benchmark: str, results: Any, **meta: Any) -> dict[str, Any]:
     record.update(meta)
     record["results"] = results
     return record
+
+
+def cdf_points(values: list[float], max_points: int = MAX_CDF_POINTS) -> list[float]:
+    """``values`` sorted, thinned to at most ``max_points`` evenly spaced order statistics.
+
+    The smallest and largest values are always kept, so the CDF drawn from the points spans
+    the whole sample. Raises ValueError if ``max_points < 2``.
+    """
+    if max_points < 2:
+        raise ValueError(f"max_points must be >= 2, got {max_points}")
+    s = sorted(values)
+    if len(s) <= max_points:
+        return s
+    last = len(s) - 1
+    return [s[round(i * last / (max_points - 1))] for i in range(max_points)]
+
+
+def downsample_columns(
+    columns: dict[str, list[Any]], max_points: int = MAX_TIMELINE_POINTS
+) -> dict[str, list[Any]]:
+    """Every column of a per-step timeline at the same <= ``max_points`` evenly spaced steps.
+
+    Picks samples (it does not average them), first and last step included. Raises
+    ValueError on columns of different lengths or ``max_points < 2``.
+    """
+    if max_points < 2:
+        raise ValueError(f"max_points must be >= 2, got {max_points}")
+    lengths = {len(v) for v in columns.values()}
+    if len(lengths) > 1:
+        raise ValueError(f"timeline columns differ in length: {sorted(lengths)}")
+    n = lengths.pop() if lengths else 0
+    if n <= max_points:
+        return {k: list(v) for k, v in columns.items()}
+    picks = [round(i * (n - 1) / (max_points - 1)) for i in range(max_points)]
+    return {k: [v[i] for i in picks] for k, v in columns.items()}
 
 
 def write_json(path: str | None, record: dict[str, Any]) -> None:
@@ -62,7 +100,7 @@ def format_figures(fig: dict[str, Any], title: str) -> str:
     """Scalars one per line, then latency summaries in milliseconds."""
     lines = [f"==== {title} ===="]
     for key, value in fig.items():
-        if isinstance(value, dict) or key in LATENCIES:
+        if isinstance(value, (dict, list)) or key in LATENCIES:
             continue
         if isinstance(value, float):
             lines.append(f"{key:<32} {value:,.4g}")

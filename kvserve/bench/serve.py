@@ -1,4 +1,8 @@
-"""``kvserve bench serve --base-url URL``: online latency and goodput of any OpenAI-API server."""
+"""``kvserve bench serve --base-url URL``: online latency and goodput of any OpenAI-API server.
+
+The JSON record keeps the summaries and, under ``latency_samples``, the sorted per-request
+TTFT / TPOT / e2e and the pooled ITLs (thinned to 1,000 points each) for ``bench plot``'s CDFs.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from typing import Any
 
 from kvserve.bench.report import make_record, print_figures, write_json
 from kvserve.bench.serve_client import BACKENDS, ClientConfig, run_client
-from kvserve.bench.serve_metrics import SLO, compute_metrics
+from kvserve.bench.serve_metrics import SLO, compute_metrics, latency_samples
 from kvserve.bench.workload_args import add_workload_args, build_workload, workload_meta
 
 
@@ -119,6 +123,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             burstiness=args.burstiness,
             max_concurrency=args.max_concurrency,
             workload=workload_meta(args),
+            latency_samples=latency_samples(records),
         ),
     )
     return 0 if fig["completed"] else 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.bench.report import cdf_points
 from kvserve.bench.stats import summarize
 
 
@@ -109,3 +110,18 @@ def compute_metrics(
     if errors:
         out["errors"] = errors[:5]
     return out
+
+
+def latency_samples(records: list[RequestRecord]) -> dict[str, list[float]]:
+    """Sorted latencies of the completed requests for CDF plots, in seconds.
+
+    ttft / tpot / e2e: one value per request; itl: every gap of every request, pooled. Each
+    list is thinned to at most ``report.MAX_CDF_POINTS`` evenly spaced order statistics.
+    """
+    done = [r for r in records if r.ok]
+    return {
+        "ttft": cdf_points([v for r in done if (v := r.ttft) is not None]),
+        "tpot": cdf_points([v for r in done if (v := r.tpot) is not None]),
+        "itl": cdf_points([g for r in done for g in r.itls]),
+        "e2e": cdf_points([v for r in done if (v := r.e2e) is not None]),
+    }

@@ -1,7 +1,9 @@
 """``kvserve bench throughput``: every request at once through the in-process engine.
 
 Reports requests/s, output tokens/s, total tokens/s and the capacity figures of the run
-(max_concurrent_requests, kv_usage peak, kv_utilization, prefix_hit_rate, preemptions).
+(max_concurrent_requests, kv_usage peak, kv_utilization, prefix_hit_rate, preemptions). The
+JSON record also keeps the per-step timeline (``timeline``) and per-request latencies
+(``latency_samples``) that ``bench plot`` draws.
 """
 
 from __future__ import annotations
@@ -117,6 +119,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
             workload=workload_meta(args),
             max_concurrency=args.max_concurrency,
             step_thread=args.step_thread,
+            timeline=run.timeline,
+            latency_samples=run.latency_samples,
         ),
     )
     return 0

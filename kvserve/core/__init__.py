@@ -6,10 +6,12 @@
 - ``metrics``: the capacity figures.
 - ``host_tier``: host-memory blocks shared by swap preemption and the prefix offload tier.
 - ``window``: windowed eviction with attention sinks (a KVCacheManager subclass).
+- ``contiguous``: the naive per-request contiguous reservation, for comparison (a subclass).
 - ``scheduler``: token-budget continuous batching on top of the manager.
 """
 
 from kvserve.core.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from kvserve.core.contiguous import ContiguousKVCacheManager
 from kvserve.core.host_tier import HostBlock, HostTier
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.metrics import KVCacheCounters
@@ -18,6 +20,7 @@ from kvserve.core.window import KVWindow, WindowedKVCacheManager
 
 __all__ = [
     "BlockPool",
+    "ContiguousKVCacheManager",
     "FreeBlockQueue",
     "HostBlock",
     "HostTier",

@@ -13,12 +13,16 @@
 - offload_blocks / load_blocks: blocks moved device -> host / host -> device by the host
   prefix tier (swap_out_blocks / swap_in_blocks count swap preemption); bytes moved =
   blocks x the runtime's bytes per block.
+- ``HostTransferStats``: measured time of those copies (load, offload, swap in/out) and the
+  load-vs-recompute comparison (``host_tier_load_vs_recompute`` < 1: loading was cheaper).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
+
+from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 
 
 @dataclass(slots=True)
@@ -67,3 +71,79 @@ def kv_utilization(tables: Iterable[tuple[Sequence[int], int]], block_size: int)
             for block_id in block_ids[num_full + 1 :]:
                 filled.setdefault(block_id, 0)
     return ratio(sum(filled.values()), len(filled) * block_size)
+
+
+@dataclass(slots=True)
+class HostTransferStats:
+    """Measured host <-> device KV copy time, by cause, and the prefill rate it is judged by.
+
+    The runner times a step's swap-out (device -> host) and swap-in (host -> device) copies
+    (``ModelRunnerOutput.swap_out_time`` / ``swap_in_time``). A step's copies mix two
+    causes: the host prefix tier (offloads of evicted cached blocks, loads of host hits) and
+    swap preemption; the manager's ``offload_blocks`` / ``load_blocks`` counters say how many
+    of the step's pairs were the tier's. Load vs recompute: a loaded block saves recomputing
+    its tokens, which would have cost the engine's measured prefill rate (forward seconds of
+    the steps that computed prefill tokens / the tokens those steps computed).
+    """
+
+    load_seconds: float = 0.0  # prefix tier: host-resident blocks loaded back on a hit
+    load_blocks: int = 0
+    offload_seconds: float = 0.0  # prefix tier: evicted cached blocks saved to the host
+    offload_blocks: int = 0
+    swap_in_seconds: float = 0.0  # swap preemption: a swapped-out request's blocks back in
+    swap_in_blocks: int = 0
+    swap_out_seconds: float = 0.0  # swap preemption: a preempted request's blocks out
+    swap_out_blocks: int = 0
+    prefill_seconds: float = 0.0  # forward seconds (copies excluded) of steps with a prefill
+    prefill_step_tokens: int = 0  # tokens those steps computed (their decodes included)
+    _seen_load_blocks: int = 0  # the manager's counters at the last record()
+    _seen_offload_blocks: int = 0
+
+    def record(self, sched: SchedulerOutput, out: ModelRunnerOutput, kv: KVCacheCounters) -> None:
+        """Add one executed step; ``kv`` is the manager's counters after scheduling it."""
+        num_loads = kv.load_blocks - self._seen_load_blocks
+        num_offloads = kv.offload_blocks - self._seen_offload_blocks
+        self._seen_load_blocks, self._seen_offload_blocks = kv.load_blocks, kv.offload_blocks
+        # NOTE: a step's pairs of both causes go in one batched copy of equal-sized blocks,
+        # so its time is split in proportion to the blocks (exact when one cause is alone,
+        # as in nearly every step).
+        num_in, num_out = len(sched.blocks_to_swap_in), len(sched.blocks_to_swap_out)
+        num_loads = min(max(num_loads, 0), num_in)
+        num_offloads = min(max(num_offloads, 0), num_out)
+        load_time = out.swap_in_time * ratio(num_loads, num_in)
+        offload_time = out.swap_out_time * ratio(num_offloads, num_out)
+        self.load_seconds += load_time
+        self.load_blocks += num_loads
+        self.swap_in_seconds += out.swap_in_time - load_time
+        self.swap_in_blocks += num_in - num_loads
+        self.offload_seconds += offload_time
+        self.offload_blocks += num_offloads
+        self.swap_out_seconds += out.swap_out_time - offload_time
+        self.swap_out_blocks += num_out - num_offloads
+        if any(len(r.token_ids) > 1 for r in sched.scheduled):
+            forward = out.execute_time - out.swap_in_time - out.swap_out_time
+            self.prefill_seconds += max(forward, 0.0)
+            self.prefill_step_tokens += sched.total_num_scheduled_tokens
+
+    def as_dict(self, block_size: int) -> dict[str, float | int]:
+        """The figures by their ``stats()`` names (seconds, blocks, tokens, ratios).
+
+        ``prefill_seconds_per_token`` is an average over whole steps: it includes each step's
+        fixed overhead, so for short chunks it overstates the marginal cost of one more token.
+        """
+        load_tokens = self.load_blocks * block_size
+        prefill_rate = ratio(self.prefill_seconds, self.prefill_step_tokens)
+        recompute = load_tokens * prefill_rate
+        return {
+            "host_load_seconds": self.load_seconds,
+            "host_load_blocks": self.load_blocks,
+            "host_load_tokens": load_tokens,
+            "host_load_seconds_per_token": ratio(self.load_seconds, load_tokens),
+            "host_offload_seconds": self.offload_seconds,
+            "host_offload_blocks": self.offload_blocks,
+            "swap_in_seconds": self.swap_in_seconds,
+            "swap_out_seconds": self.swap_out_seconds,
+            "prefill_seconds_per_token": prefill_rate,
+            "host_load_recompute_seconds": recompute,
+            "host_tier_load_vs_recompute": ratio(self.load_seconds, recompute),
+        }

@@ -81,3 +81,7 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, LogprobsEntry] = field(default_factory=dict)
     execute_time: float = 0.0  # seconds spent in the runner for this step
+    # Of which copying blocks_to_swap_out (device -> host) and blocks_to_swap_in (host ->
+    # device); measured after the copies finished (synchronized on CUDA). 0.0 when none.
+    swap_out_time: float = 0.0
+    swap_in_time: float = 0.0

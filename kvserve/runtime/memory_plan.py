@@ -12,7 +12,10 @@ a pre-allocated arena so that tensors whose lifetimes do not overlap reuse the s
    exactly as in eager (e.g. CPU SDPA -> the flash kernel, not the math path).
    NOTE: the paged-attention code is plain eager PyTorch with Python control flow over the
    step's sequences, which torch.fx cannot trace; a dispatch mode sees the ops it issues.
-   Op-internal workspace (a kernel's scratch) is invisible to it.
+   Op-internal workspace (a kernel's scratch) is invisible to it, so the recorder adds what
+   ``kernel_scratch.py`` models (CPU flash attention's per-thread buffers) as a buffer live
+   at that op only, and collects the step's GEMM shapes, whose library buffers the engine
+   measures at start-up (``kernel_scratch.measure_gemm_scratch``).
 2. **Pack.** ``pack_intervals``: greedy by size (largest first) with best-fit offsets, the
    "greedy by size" strategy of TFLite's arena planner (Pisarchyk & Lee, 2020).
 3. **Report** (``ArenaPlan``): planned peak (arena size), naive sum (one buffer per tensor,
@@ -38,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvserve.config import ModelArchConfig
 from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
+from kvserve.runtime.kernel_scratch import GemmShape, gemm_shape, sdpa_cpu_flash_scratch_bytes
 from kvserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 ARENA_ALIGNMENT = 64  # bytes; every offset and size in a plan is a multiple of it
@@ -198,13 +202,18 @@ class LifetimeRecorder(TorchDispatchMode):
     Composite ops are decomposed (inside this mode) so that the buffers their parts
     allocate are seen, as eager execution allocates them. Tensors that exist before the
     recording (weights, the KV cache) are not buffers of the step; writing into them or
-    viewing them allocates nothing.
+    viewing them allocates nothing. Kernel scratch that ``kernel_scratch.py`` models is
+    added as a buffer of its op (``scratch_bytes``: the largest); GEMM shapes are collected
+    in ``gemm_shapes``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, num_threads: int | None = None) -> None:
         super().__init__()
         self.num_ops = 0
         self.buffers: list[_Buffer] = []
+        self.num_threads = num_threads if num_threads is not None else torch.get_num_threads()
+        self.scratch_bytes = 0
+        self.gemm_shapes: set[GemmShape] = set()
         self._buffer_of: dict[int, int] = {}  # id(tensor) -> index in self.buffers
         self._refs: dict[int, weakref.ref] = {}
 
@@ -224,7 +233,25 @@ class LifetimeRecorder(TorchDispatchMode):
                 self.buffers[b].last = step
         out = func(*args, **kwargs)
         self._record_outputs(func, args, kwargs, out, step)
+        self._record_kernel(func, args, kwargs, step)
         return out
+
+    def _record_kernel(self, func, args, kwargs, step: int) -> None:  # type: ignore[no-untyped-def]
+        """Note what the op's kernel uses beyond its outputs (see kernel_scratch.py)."""
+        if func in _GEMM_OPS:
+            a, b = (args[1], args[2]) if func in _ADDMM_OPS else (args[0], args[1])
+            shape = gemm_shape(a, b)
+            if shape is not None:
+                self.gemm_shapes.add(shape)
+        elif func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default:
+            q, k = args[:2]
+            is_causal = bool(args[4] if len(args) > 4 else kwargs.get("is_causal", False))
+            size = sdpa_cpu_flash_scratch_bytes(
+                q.shape, k.shape, q.dtype, self.num_threads, is_causal=is_causal
+            )
+            label = "kernel scratch: cpu flash attention"
+            self.buffers.append(_Buffer(size, step, step, label, freed=step))
+            self.scratch_bytes = max(self.scratch_bytes, size)
 
     def _record_outputs(self, func, args, kwargs, out, step: int) -> None:  # type: ignore[no-untyped-def]
         returns = func._schema.returns
@@ -295,6 +322,8 @@ class LifetimeRecorder(TorchDispatchMode):
 # NOTE: lift_fresh turns a constant (torch.tensor(list)) into a tensor of the step: its
 # schema says "alias of the input", but the input is a temporary outside the dispatcher.
 _NEW_BUFFER_OPS = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
+_ADDMM_OPS = {torch.ops.aten.addmm.default, torch.ops.aten.addmm.out}
+_GEMM_OPS = {torch.ops.aten.mm.default, torch.ops.aten.mm.out, *_ADDMM_OPS}
 
 
 # ------------------------------------------------------------------------------ step shapes
@@ -323,7 +352,10 @@ def worst_case_steps(
     - ``prefill``: one chunk of the whole token budget at the end of a max-length context
       (it gathers that context and builds a [chunk, context] mask);
     - ``decode``: as many decodes as the limits allow, each at max_model_len (the batched
-      decode gathers every sequence's blocks, padded to the longest);
+      decode gathers every sequence's blocks, padded to the longest). NOTE: not an
+      over-reservation: because of the padding, one max-length decode beside short ones
+      already gathers this much; what tightens it is a smaller ``max_model_len``, which
+      ``memory_budget.max_sequence_tokens`` bounds by the pool's size when that is fixed;
     - ``mixed``: decodes for all sequences but one, plus a chunk of the remaining budget.
     Every sequence samples. Block ids repeat freely: only shapes matter to the plan.
     """
@@ -376,6 +408,12 @@ class ActivationPlan:
     eager_peak_bytes: int  # most bytes live at once as eager PyTorch frees them
     num_layers_traced: int
     peaks_by_step: dict[str, int] = field(default_factory=dict)  # planned peak of each step
+    # Modelled kernel scratch (kernel_scratch.py), already inside the arena and eager peak:
+    # the largest buffer one op's kernel takes for itself in this step.
+    kernel_scratch_bytes: int = 0
+    num_threads: int = 1  # the scratch is per thread
+    # Every GEMM shape of every candidate step, for measure_gemm_scratch at start-up.
+    gemm_shapes: tuple[GemmShape, ...] = ()
 
     @property
     def planned_peak_bytes(self) -> int:
@@ -411,19 +449,21 @@ def trace_step(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     sliding_window: int | None = None,
+    num_threads: int | None = None,
 ) -> LifetimeRecorder:
     """Record one runner step: input batch, forward, logits of the sampling rows, sampler.
 
     ``model`` and ``kv_caches`` may be fake tensors of ``fake_mode`` (the forward then runs
     under it). The sampler always runs on real ``[num_sampling_rows, vocab]`` CPU logits: it
-    reads values (``.tolist()``), which fake tensors cannot give.
+    reads values (``.tolist()``), which fake tensors cannot give. ``num_threads`` sizes the
+    per-thread kernel scratch (None: torch's current thread count).
     """
     from contextlib import nullcontext
 
     from kvserve.runtime.input_batch import build_input_batch
     from kvserve.runtime.sampler import Sampler
 
-    recorder = LifetimeRecorder()
+    recorder = LifetimeRecorder(num_threads)
     fake_ctx = fake_mode if fake_mode is not None else nullcontext()
     with fake_ctx, recorder, torch.inference_mode():
         batch = build_input_batch(
@@ -461,12 +501,14 @@ def plan_activations(
     steps: Sequence[str] | None = None,
     alignment: int = ARENA_ALIGNMENT,
     max_layers: int | None = None,
+    num_threads: int | None = None,
 ) -> ActivationPlan:
     """Trace the worst-case steps (see ``worst_case_steps``) and plan the most demanding one.
 
     Nothing of the model's size is allocated: weights and KV cache are fake tensors.
     ``max_layers`` traces only that many decoder layers (None: all); ``steps`` restricts the
-    candidates by name. Results are cached per argument set (engines built with the same
+    candidates by name; ``num_threads`` sizes per-thread kernel scratch (None: torch's
+    current count). Results are cached per argument set (engines built with the same
     options trace once).
     """
     if max_layers is not None:
@@ -484,6 +526,7 @@ def plan_activations(
         attn_backend,
         tuple(steps) if steps is not None else None,
         alignment,
+        num_threads if num_threads is not None else torch.get_num_threads(),
     )
 
 
@@ -499,6 +542,7 @@ def _plan_cached(
     attn_backend: str,
     steps: tuple[str, ...] | None,
     alignment: int,
+    num_threads: int,
 ) -> ActivationPlan:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -533,6 +577,7 @@ def _plan_cached(
         ]
     best: ActivationPlan | None = None
     peaks: dict[str, int] = {}
+    gemm_shapes: set[GemmShape] = set()
     for name, sched in candidates.items():
         rec = trace_step(
             model,
@@ -545,7 +590,9 @@ def _plan_cached(
             device=device,
             dtype=dtype,
             sliding_window=arch.sliding_window,
+            num_threads=num_threads,
         )
+        gemm_shapes |= rec.gemm_shapes
         arena = pack_intervals(rec.intervals(), alignment)
         eager = live_bytes_lower_bound(rec.intervals(eager=True), alignment)
         peaks[name] = arena.peak_bytes
@@ -557,20 +604,13 @@ def _plan_cached(
             arena=arena,
             eager_peak_bytes=eager,
             num_layers_traced=arch.num_hidden_layers,
+            kernel_scratch_bytes=rec.scratch_bytes,
+            num_threads=num_threads,
         )
         if best is None or plan.reserve_bytes > best.reserve_bytes:
             best = plan
     assert best is not None
-    return ActivationPlan(
-        step_name=best.step_name,
-        num_tokens=best.num_tokens,
-        num_seqs=best.num_seqs,
-        num_tensors=best.num_tensors,
-        arena=best.arena,
-        eager_peak_bytes=best.eager_peak_bytes,
-        num_layers_traced=best.num_layers_traced,
-        peaks_by_step=peaks,
-    )
+    return dataclasses.replace(best, peaks_by_step=peaks, gemm_shapes=tuple(sorted(gemm_shapes)))
 
 
 def describe(plan: ActivationPlan) -> list[str]:
@@ -580,6 +620,8 @@ def describe(plan: ActivationPlan) -> list[str]:
         f"naive activation sum: {plan.naive_bytes} bytes",
         f"activation lower bound: {plan.lower_bound_bytes} bytes",
         f"eager activation peak: {plan.eager_peak_bytes} bytes",
+        f"kernel scratch in the plan (cpu flash attention, {plan.num_threads} threads): "
+        f"{plan.kernel_scratch_bytes} bytes",
         f"largest step: {plan.step_name} ({plan.num_tokens} tokens, {plan.num_seqs} seqs, "
         f"{plan.num_tensors} tensors, {plan.num_layers_traced} layers traced)",
     ]

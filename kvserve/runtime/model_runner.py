@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -79,17 +80,30 @@ class ModelRunner:
             num_sink_tokens=self.num_sink_tokens,
         )
 
+    def _timed_copy(
+        self, copy: Callable[[list[tuple[int, int]]], None], pairs: list[tuple[int, int]]
+    ) -> float:
+        """Run one host <-> device block copy; returns its seconds (0.0 with nothing to move)."""
+        if not pairs:
+            return 0.0
+        t0 = time.perf_counter()
+        copy(pairs)
+        if self.device.type == "cuda":
+            # NOTE: device copies are queued asynchronously: wait for them before the clock.
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; returns a sampled token (and logprobs if asked) per sampling request."""
         start = time.perf_counter()
+        out = ModelRunnerOutput()
         # NOTE: swap-out first: blocks it frees may be the targets of swap-in or of new tokens.
-        self.kv_cache.swap_out(sched.blocks_to_swap_out)
-        self.kv_cache.swap_in(sched.blocks_to_swap_in)
+        out.swap_out_time = self._timed_copy(self.kv_cache.swap_out, sched.blocks_to_swap_out)
+        out.swap_in_time = self._timed_copy(self.kv_cache.swap_in, sched.blocks_to_swap_in)
         self.kv_cache.copy_blocks(sched.blocks_to_copy)
         for request_id in sched.finished_req_ids:
             self.sampler.drop(request_id)
-        out = ModelRunnerOutput()
         if sched.scheduled:
             batch = self.prepare_inputs(sched)
             hidden = self.model(

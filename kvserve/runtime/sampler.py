@@ -30,9 +30,15 @@ from kvserve.sampling_params import SamplingParams
 
 __all__ = ["Sampler", "apply_penalties"]
 
-# Top-p first looks for the nucleus among this many most likely tokens (a top-k, cheap)
-# and sorts the whole vocabulary only when their mass falls short of top_p.
+# Top-p first looks for the nucleus among this many most likely tokens (a top-k, cheap); only
+# the rows whose mass falls short of top_p search again among _TOP_P_WIDEN times as many,
+# and the whole vocabulary is sorted only for rows that still fall short.
+# NOTE: measured on SmolLM2-135M over real text, at T=0.8 / top_p=0.9 10% of rows (at
+# T=1.0 / top_p=0.95 67%) need more than 256 candidates but about 1% more than 4096. topk
+# of [32, 49152] rows costs 5.5 ms (k=256), 17 ms (k=4096) and 109 ms (the whole row), one
+# thread, so widening the whole batch for one row cost up to 20x the narrow search.
 _TOP_P_CANDIDATES = 256
+_TOP_P_WIDEN = 16
 
 
 @dataclass(slots=True)
@@ -97,7 +103,7 @@ class Sampler:
         plans = [self._plan(r) for r in reqs]
         if all(p.greedy and not p.penalized and p.min_tokens_ids is None for p in plans):
             # Fast path: the common all-greedy batch is a single argmax.
-            token_ids: list[int] = logits.argmax(dim=-1).tolist()
+            token_ids: list[int] = _argmax(logits).tolist()
         else:
             token_ids = self._sample_mixed(logits, reqs, plans)
         return token_ids, _logprobs_entries(logits, token_ids, reqs)
@@ -132,13 +138,13 @@ class Sampler:
         greedy_rows = [i for i, p in enumerate(plans) if p.greedy]
         random_rows = [i for i, p in enumerate(plans) if not p.greedy]
         if greedy_rows:
-            picked = logits[greedy_rows].argmax(dim=-1).tolist()
+            picked = _argmax(_rows(logits, greedy_rows)).tolist()
             for i, t in zip(greedy_rows, picked, strict=True):
                 token_ids[i] = t
         if random_rows:
             sub = [reqs[i] for i in random_rows]
             probs, cand_ids = _truncated_probs(
-                logits[random_rows], [r.sampling_params for r in sub]
+                _rows(logits, random_rows), [r.sampling_params for r in sub]
             )
             for i, t in zip(random_rows, self._draw(probs, cand_ids, sub), strict=True):
                 token_ids[i] = t
@@ -271,45 +277,109 @@ def _truncated_probs(
 
 def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
     """``logits`` [M, V] with the tokens dropped by top-k / top-p set to -inf."""
+    vocab = logits.shape[1]
     vals, idx = _top_k_top_p_candidates(logits, top_ks, top_ps)  # [M, C] each
-    return torch.full_like(logits, float("-inf")).scatter_(1, idx, vals)
+    # NOTE: one spare column receives the padding entries (id ``vocab``), then is cut off.
+    out = logits.new_full((logits.shape[0], vocab + 1), float("-inf"))  # [M, V + 1]
+    return out.scatter_(1, idx, vals)[:, :vocab]
 
 
 def _top_k_top_p_candidates(
-    logits: torch.Tensor, top_ks: list[int], top_ps: list[float]
+    logits: torch.Tensor,
+    top_ks: list[int],
+    top_ps: list[float],
+    num_cand: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keep each row's top-k tokens, then the nucleus (smallest most-likely set with mass
     >= top_p, renormalised over the top-k set, as vLLM). logits: [M, V].
 
     Returns (candidate logits [M, C] with dropped ones at -inf, their token ids [M, C]),
-    C >= every kept set.
+    C >= every kept set. Rows whose nucleus does not fit in the first ``num_cand`` candidates
+    are searched again, alone, among ``_TOP_P_WIDEN`` times as many (or the whole row when
+    that provably cannot hold it); the other rows are padded to the widest C with logit -inf
+    and id ``V`` (never sampled).
     """
     vocab = logits.shape[1]
-    num_cand = min(vocab, max([_TOP_P_CANDIDATES] + [k for k in top_ks if k < vocab]))
+    if num_cand is None:
+        num_cand = min(vocab, max([_TOP_P_CANDIDATES] + [k for k in top_ks if k < vocab]))
+    vals, idx, min_need = _nucleus_among(logits, top_ks, top_ps, num_cand)
+    if num_cand == vocab:
+        return vals, idx
+    wider = min(vocab, num_cand * _TOP_P_WIDEN)
+    by_width: dict[int, list[int]] = {}  # rows to search again, by their next width
+    for row, need in enumerate(min_need.tolist()):
+        if need > 0:
+            by_width.setdefault(vocab if need > wider else wider, []).append(row)
+    if not by_width:
+        return vals, idx
+    if len(by_width) == 1 and len(next(iter(by_width.values()))) == len(top_ks):
+        # Every row goes to the same width: search them all again, nothing to merge.
+        return _top_k_top_p_candidates(logits, top_ks, top_ps, num_cand=next(iter(by_width)))
+    found = []  # per group: rows, [W, C'] logits, [W, C'] ids
+    for width, rows in by_width.items():
+        ks, ps = [top_ks[r] for r in rows], [top_ps[r] for r in rows]
+        found.append((rows, *_top_k_top_p_candidates(logits[rows], ks, ps, num_cand=width)))
+    pad = max(wide_vals.shape[1] for _, wide_vals, _ in found) - num_cand
+    vals = torch.nn.functional.pad(vals, (0, pad), value=float("-inf"))  # [M, C']
+    idx = torch.nn.functional.pad(idx, (0, pad), value=vocab)
+    for rows, wide_vals, wide_idx in found:
+        vals[rows, : wide_vals.shape[1]] = wide_vals
+        idx[rows, : wide_idx.shape[1]] = wide_idx
+    return vals, idx
+
+
+def _nucleus_among(
+    logits: torch.Tensor, top_ks: list[int], top_ps: list[float], num_cand: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k then top-p among each row's ``num_cand`` most likely tokens. logits: [M, V].
+
+    Returns (candidate logits [M, C] with dropped ones at -inf, their ids [M, C], min_need
+    [M]): min_need is 0 for rows whose kept set lies inside the candidates, else a lower
+    bound on the candidates their nucleus needs (inf when the last candidate has p == 0).
+    """
+    vocab = logits.shape[1]
     k_col = torch.tensor(top_ks, device=logits.device).unsqueeze(1)  # [M, 1]
     has_k = k_col < vocab  # [M, 1]
     p_col = _column(top_ps, logits)  # [M, 1]
-    # Top-p renormalises over the kept top-k set; rows without top-k over the whole row.
-    row_log_norm = (
-        None if bool(has_k.all()) else torch.logsumexp(logits, dim=-1, keepdim=True)
-    )  # [M, 1]
-    while True:
-        vals, idx = torch.topk(logits, num_cand, dim=-1)  # [M, C] each, descending
-        positions = torch.arange(num_cand, device=logits.device).unsqueeze(0)  # [1, C]
-        vals = vals.masked_fill(positions >= k_col, float("-inf"))
-        log_norm = torch.logsumexp(vals, dim=-1, keepdim=True)  # [M, 1]
-        if row_log_norm is not None:
-            log_norm = torch.where(has_k, log_norm, row_log_norm)
-        probs = torch.exp(vals - log_norm)  # [M, C]
-        cum = probs.cumsum(dim=-1)
-        covered = has_k | (cum[:, -1:] >= p_col)
-        if num_cand == vocab or bool(covered.all()):
-            break
-        num_cand = vocab  # the nucleus is wider than the candidates: sort the whole row
+    vals, idx = torch.topk(logits, num_cand, dim=-1)  # [M, C] each, descending
+    positions = torch.arange(num_cand, device=logits.device).unsqueeze(0)  # [1, C]
+    vals = vals.masked_fill(positions >= k_col, float("-inf"))
+    log_norm = torch.logsumexp(vals, dim=-1, keepdim=True)  # [M, 1]
+    if not bool(has_k.all()):
+        # Top-p renormalises over the kept top-k set; rows without top-k over the whole row.
+        row_log_norm = torch.logsumexp(logits, dim=-1, keepdim=True)  # [M, 1]
+        log_norm = torch.where(has_k, log_norm, row_log_norm)
+    probs = torch.exp(vals - log_norm)  # [M, C]
+    cum = probs.cumsum(dim=-1)
     # Keep token i while the mass strictly before it is below top_p; always keep the first.
     drop = (cum - probs) >= p_col
     drop[:, 0] = False
-    return vals.masked_fill(drop, float("-inf")), idx
+    # Rows with top-k are always covered (num_cand >= k); the others once the mass reaches p.
+    covered = has_k | (cum[:, -1:] >= p_col)  # [M, 1]
+    # NOTE: no token past the candidates is more likely than the last one, so a short row
+    # needs at least this many; the caller skips widths that provably cannot hold it.
+    min_need = num_cand + (p_col - cum[:, -1:]) / probs[:, -1:]  # [M, 1]
+    min_need = min_need.masked_fill(covered, 0.0).squeeze(1)  # [M]
+    return vals.masked_fill(drop, float("-inf")), idx, min_need
+
+
+def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``logits[rows]`` ([len(rows), V]); ``logits`` itself, not a copy, when ``rows`` is every
+    row in order (a batch that is all greedy or all random). Callers only read it."""
+    if len(rows) == logits.shape[0]:  # rows are distinct, ascending: every row in order
+        return logits
+    return logits[rows]
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Per-row argmax of ``logits`` [M, V] -> [M] long: the first maximal index, NaN counting
+    as maximal, exactly as ``torch.argmax``.
+
+    NOTE: ``max(dim).indices`` gives the same indices in about half the CPU time of
+    ``argmax`` on [32, 49152] float32 rows (measured 1.0 vs 2.3 ms, one thread), and greedy
+    decoding runs it on every step.
+    """
+    return logits.max(dim=-1).indices
 
 
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:

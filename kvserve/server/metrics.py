@@ -1,8 +1,9 @@
 """Prometheus metrics (``kvserve:`` prefix) on a per-app CollectorRegistry.
 
-Engine figures (running / waiting / swapped requests, KV usage, prefix cache, preemptions,
-token counts) come from ``engine.stats()`` taken when /metrics is scraped; latency histograms
-are observed here from the outputs the async engine routes to live requests.
+Engine figures (running / waiting / swapped requests, KV usage, prefix cache hits per tier,
+preemptions, token counts, host-tier copy times and load vs recompute) come from
+``engine.stats()`` taken when /metrics is scraped; latency histograms are observed here from
+the outputs the async engine routes to live requests.
 """
 
 from __future__ import annotations
@@ -26,6 +27,21 @@ _GAUGES: list[tuple[str, tuple[str, ...], str]] = [
     ("num_requests_swapped", ("num_swapped",), "Requests swapped out to the host tier"),
     ("kv_usage", ("kv_usage",), "KV blocks referenced by live requests / total blocks"),
     ("kv_utilization", ("kv_utilization",), "Tokens stored / (allocated blocks x block_size)"),
+    (
+        "host_load_seconds_per_token",
+        ("host_load_seconds_per_token",),
+        "Measured seconds per token loading host-tier prefix blocks to the device",
+    ),
+    (
+        "prefill_seconds_per_token",
+        ("prefill_seconds_per_token",),
+        "Measured forward seconds per token of steps that computed prefill tokens",
+    ),
+    (
+        "host_tier_load_vs_recompute",
+        ("host_tier_load_vs_recompute",),
+        "Host-tier load time / the prefill time the loaded tokens would have cost (< 1: cheaper)",
+    ),
 ]
 _COUNTERS: list[tuple[str, tuple[str, ...], str]] = [
     ("prefix_cache_queries", ("prefix_cache_queries",), "Prompt tokens looked up"),
@@ -34,6 +50,14 @@ _COUNTERS: list[tuple[str, tuple[str, ...], str]] = [
     ("prefix_cache_evictions", ("prefix_cache_evictions",), "Cached blocks evicted"),
     ("prompt_tokens", ("num_prompt_tokens",), "Prompt tokens of accepted requests"),
     ("generation_tokens", ("num_generation_tokens",), "Generated tokens"),
+    ("device_hit_tokens", ("device_hit_tokens",), "Prefix-cache hit tokens on the device"),
+    ("host_hit_tokens", ("host_hit_tokens",), "Prefix-cache hit tokens loaded from the host"),
+    ("host_load_blocks", ("host_load_blocks",), "Host-tier prefix blocks loaded to the device"),
+    ("host_load_seconds", ("host_load_seconds",), "Seconds loading host-tier prefix blocks"),
+    ("host_offload_blocks", ("host_offload_blocks",), "Evicted prefix blocks saved to the host"),
+    ("host_offload_seconds", ("host_offload_seconds",), "Seconds saving prefix blocks to host"),
+    ("swap_in_seconds", ("swap_in_seconds",), "Seconds swapping preempted requests back in"),
+    ("swap_out_seconds", ("swap_out_seconds",), "Seconds swapping preempted requests out"),
 ]
 
 _LATENCY_BUCKETS = (

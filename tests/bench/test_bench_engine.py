@@ -104,3 +104,115 @@ def test_capacity_sweep_grid_and_table() -> None:
         sweep_points([0], [1])
     table = format_table([{"num_kv_blocks": 8, "max_num_seqs": 2, "kv_usage_peak": 0.5}])
     assert "blocks" in table.splitlines()[0] and "0.500" in table.splitlines()[1]
+
+
+def test_capacity_grid_budget_and_ratios() -> None:
+    from kvserve.bench.capacity import SweepPoint, allocator_ratios, format_ratios, sweep_grid
+
+    grid = sweep_grid(
+        allocators=["paged", "contiguous"],
+        block_sizes=[1, 16, 64],
+        max_seqs=[8],
+        kv_budget_tokens=[1024],
+    )
+    # Same memory at every block size: budget // block_size blocks; allocators innermost.
+    assert [(p.kv_allocator, p.block_size, p.num_kv_blocks) for p in grid] == [
+        ("paged", 1, 1024),
+        ("contiguous", 1, 1024),
+        ("paged", 16, 64),
+        ("contiguous", 16, 64),
+        ("paged", 64, 16),
+        ("contiguous", 64, 16),
+    ]
+    assert grid[0] == SweepPoint("paged", 1, 1024, 8, kv_budget_tokens=1024)
+    blocks = sweep_grid(allocators=["paged"], block_sizes=[16], max_seqs=[2, 4], kv_blocks=[32])
+    assert [(p.num_kv_blocks, p.max_num_seqs, p.kv_budget_tokens) for p in blocks] == [
+        (32, 2, None),
+        (32, 4, None),
+    ]
+    with pytest.raises(ValueError, match="exactly one"):
+        sweep_grid(allocators=["paged"], block_sizes=[16], max_seqs=[1])
+    with pytest.raises(ValueError, match="holds no block"):
+        sweep_grid(allocators=["paged"], block_sizes=[64], max_seqs=[1], kv_budget_tokens=[32])
+    with pytest.raises(ValueError, match="allocator must be"):
+        sweep_grid(allocators=["buddy"], block_sizes=[16], max_seqs=[1], kv_blocks=[8])
+    rows = [
+        {
+            "kv_allocator": a,
+            "kv_budget_tokens": 1024,
+            "num_kv_blocks": 64,
+            "block_size": 16,
+            "max_num_seqs": 8,
+            "max_concurrent_requests": c,
+            "mean_running_requests": m,
+            "kv_utilization": u,
+            "num_requests": 8,
+        }
+        for a, c, m, u in (("paged", 8, 5.0, 0.98), ("contiguous", 2, 2.5, 0.4))
+    ] + [{"kv_allocator": "paged", "block_size": 1, "error": "x"}]
+    (ratio,) = allocator_ratios(rows)
+    assert ratio["concurrency_ratio"] == 4.0 and ratio["mean_concurrency_ratio"] == 2.0
+    assert ratio["paged_capped_by_max_num_seqs"] and ratio["paged_ran_every_request"]
+    text = format_ratios([ratio])
+    assert "8 / 2 = 4.00x" in text and "capped by max_num_seqs" in text
+    assert "5.0 / 2.5 = 2.00x" in text and "lower bound" in text
+
+
+def test_max_tokens_cap_ends_requests_at_their_trace_length() -> None:
+    engine = LLMEngine(num_kv_blocks=64, num_threads=2, kv_allocator="contiguous")
+    trace = finalize(
+        generate_workload(
+            "random",
+            3,
+            0,
+            vocab_size=engine.arch.vocab_size,
+            min_prompt_len=5,
+            max_prompt_len=9,
+            min_output_len=2,
+            max_output_len=4,
+        ),
+        engine.arch.vocab_size,
+    )
+    exact = run_offline(engine, trace)
+    capped = run_offline(engine, trace, max_tokens=40)
+    assert [o.outputs[0].token_ids for o in capped.outputs] == [
+        o.outputs[0].token_ids for o in exact.outputs
+    ]
+    assert [len(o.outputs[0].token_ids) for o in capped.outputs] == [r.output_len for r in trace]
+    assert all(o.finished and o.outputs[0].finish_reason == "stop" for o in capped.outputs)
+    assert all(o.metrics.e2e >= o.metrics.ttft > 0 for o in capped.outputs)
+    # The contiguous allocator reserved prompt + 40 tokens instead of prompt + output_len.
+    assert capped.figures["kv_utilization"] < exact.figures["kv_utilization"]
+    assert engine.stats()["kv_usage"] == 0
+    tl = capped.timeline
+    assert len(tl["t_s"]) == capped.figures["num_steps"] and max(tl["num_running"]) >= 1
+    assert tl["t_s"] == sorted(tl["t_s"])
+    assert len(capped.latency_samples["ttft"]) == 3
+    with pytest.raises(ValueError, match="max_tokens"):
+        run_offline(engine, trace, max_tokens=0)
+
+
+def test_bench_capacity_compares_allocators_at_one_budget(tmp_path, capsys) -> None:
+    out = tmp_path / "cap.json"
+    argv = ["bench", "capacity", "--kv-budget-tokens", "256", "--allocators", "paged"]
+    argv += ["contiguous", "--block-sizes", "16", "--num-prompts", "3", "--input-len", "8"]
+    argv += ["--output-len", "3", "--max-tokens", "24", "--num-threads", "2", "--quiet"]
+    assert _run_cli([*argv, "--no-warmup", "--output-json", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    rows = rec["results"]
+    assert [(r["kv_allocator"], r["num_kv_blocks"]) for r in rows] == [
+        ("paged", 16),
+        ("contiguous", 16),
+    ]
+    for r in rows:
+        assert r["num_output_tokens"] == 9 and r["kv_budget_tokens"] == 256
+        assert r["kv_budget_bytes"] == 256 * r["kv_bytes_per_token"]
+        assert len(r["timeline"]["kv_usage"]) == r["num_steps"]
+    # 3 x 8-token prompts fit paged at once (1 block each); contiguous reserves 8 + 24 = 2
+    # blocks each, which also fit: both run all 3.
+    (ratio,) = rec["ratios"]
+    assert (
+        ratio["paged_max_concurrent_requests"] == 3 == ratio["contiguous_max_concurrent_requests"]
+    )
+    assert rows[1]["kv_utilization"] < rows[0]["kv_utilization"]
+    assert "paged/contiguous max concurrency" in capsys.readouterr().out

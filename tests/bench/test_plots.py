@@ -71,3 +71,118 @@ def test_write_json_turns_nan_into_null(tmp_path) -> None:
     path = tmp_path / "r.json"
     write_json(str(path), make_record("serve", {"ttft": {"mean": float("nan")}}))
     assert json.loads(path.read_text())["results"]["ttft"]["mean"] is None
+
+
+def _timeline(n: int) -> dict:
+    return {
+        "t_s": [0.1 * i for i in range(n)],
+        "kv_usage": [min(1.0, 0.1 * i) for i in range(n)],
+        "kv_utilization": [0.9] * n,
+        "num_running": [i % 4 for i in range(n)],
+        "num_waiting": [0] * n,
+    }
+
+
+def _samples() -> dict:
+    return {"ttft": [0.1, 0.2, 0.4], "tpot": [0.01, 0.02], "itl": [0.01, 0.015, 0.03], "e2e": [1.0]}
+
+
+def _budget_row(alloc: str, bs: int) -> dict:
+    conc = {"paged": 12, "contiguous": 4}[alloc]
+    return {
+        "kv_allocator": alloc,
+        "block_size": bs,
+        "kv_budget_tokens": 1024,
+        "num_kv_blocks": 1024 // bs,
+        "max_num_seqs": 64,
+        "max_concurrent_requests": conc,
+        "kv_utilization": 0.97 if alloc == "paged" else 0.5,
+        "kv_usage_peak": 0.95,
+        "preemptions_per_1k_scheduled": 3.0,
+        "output_tokens_per_s": 100.0 - bs,
+        "timeline": _timeline(7),
+        "latency_samples": _samples(),
+    }
+
+
+def test_new_plots_write_pngs_from_synthetic_records(tmp_path) -> None:
+    from kvserve.bench.plots import (
+        plot_allocators,
+        plot_block_size_sweep,
+        plot_latency_cdf,
+        plot_memory_timeline,
+    )
+
+    rows = [_budget_row(a, bs) for a in ("paged", "contiguous") for bs in (1, 16, 64)]
+    rows.append({"kv_allocator": "paged", "block_size": 4, "kv_budget_tokens": 1024, "error": "x"})
+    cap = make_record("capacity", rows)
+    serve = make_record(
+        "serve",
+        {"num_requests": 3, "output_tokens_per_s": 5.0, "ttft": _lat(0.1)},
+        mode="server",
+        max_concurrency=2,
+        latency_samples=_samples(),
+    )
+    tp = make_record(
+        "throughput",
+        {"num_requests": 3, "output_tokens_per_s": 4.0},
+        mode="offline",
+        timeline=_timeline(5),
+        label="x",
+    )
+    records = [cap, serve, tp]
+    made = [
+        plot_latency_cdf(records, tmp_path / "cdf.png"),
+        plot_memory_timeline(records, tmp_path / "mem.png"),
+        plot_block_size_sweep(records, tmp_path / "bs.png"),
+        plot_allocators(records, tmp_path / "alloc.png"),
+    ]
+    for p in made:
+        assert p is not None
+        data = p.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    names = sorted(x.rsplit("/", 1)[-1] for x in plot_all(records, str(tmp_path / "all")))
+    assert names == [
+        "block_size_sweep.png",
+        "latency_cdf.png",
+        "latency_percentiles.png",
+        "memory_timeline.png",
+        "paged_vs_contiguous.png",
+        "throughput_vs_concurrency.png",
+    ]  # no --kv-blocks capacity rows, no prefix records
+
+
+def test_new_plots_skip_records_without_their_data(tmp_path) -> None:
+    from kvserve.bench.plots import (
+        plot_allocators,
+        plot_block_size_sweep,
+        plot_latency_cdf,
+        plot_memory_timeline,
+    )
+
+    # One allocator at one block size: no sweep, no comparison; no samples, no timeline.
+    row = {k: v for k, v in _budget_row("paged", 16).items() if k not in ("timeline",)}
+    row.pop("latency_samples")
+    recs = [make_record("capacity", [row])]
+    for fn in (plot_latency_cdf, plot_memory_timeline, plot_block_size_sweep, plot_allocators):
+        assert fn(recs, tmp_path / "x.png") is None
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_cdf_points_and_timeline_downsampling() -> None:
+    import pytest
+
+    from kvserve.bench.report import cdf_points, downsample_columns
+
+    assert cdf_points([3.0, 1.0, 2.0]) == [1.0, 2.0, 3.0]
+    thin = cdf_points([float(i) for i in range(10_001)], max_points=101)
+    assert len(thin) == 101 and thin[0] == 0.0 and thin[-1] == 10_000.0 and thin[50] == 5_000.0
+    cols = {"t": list(range(1000)), "u": [i * 2 for i in range(1000)]}
+    small = downsample_columns(cols, max_points=500)
+    assert len(small["t"]) == 500 and small["t"][0] == 0 and small["t"][-1] == 999
+    assert all(u == 2 * t for t, u in zip(small["t"], small["u"], strict=True))
+    assert downsample_columns({"t": [1, 2]}) == {"t": [1, 2]}
+    with pytest.raises(ValueError, match="differ in length"):
+        downsample_columns({"a": [1], "b": [1, 2]})
+    with pytest.raises(ValueError, match="max_points"):
+        cdf_points([1.0], max_points=1)

@@ -67,3 +67,19 @@ def test_goodput_without_slo_counts_every_completed_request() -> None:
 def test_compute_metrics_rejects_bad_duration() -> None:
     with pytest.raises(ValueError, match="duration_s"):
         compute_metrics([], 0.0)
+
+
+def test_latency_samples_keep_every_completed_request_sorted() -> None:
+    from kvserve.bench.serve_metrics import latency_samples
+
+    recs = [
+        _rec("a", 0.0, [0.4, 0.6, 0.8], 0.8, 3),
+        _rec("b", 0.0, [0.1, 0.2, 0.3], 0.3, 3),
+        _rec("c", 1.0, [1.2], 1.2, 1),  # one token: no TPOT, no ITL
+        RequestRecord("d", 10, 3, send_time=1.0, error="HTTP 500"),
+    ]
+    s = latency_samples(recs)
+    assert s["ttft"] == pytest.approx([0.1, 0.2, 0.4])
+    assert s["tpot"] == pytest.approx([0.1, 0.2])
+    assert s["itl"] == pytest.approx([0.1, 0.1, 0.2, 0.2])
+    assert s["e2e"] == pytest.approx([0.2, 0.3, 0.8])

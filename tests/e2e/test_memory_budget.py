@@ -103,6 +103,30 @@ def test_cpu_swap_tier_is_carved_from_the_budget() -> None:
     assert sized.kv_cache_bytes + sized.host_cache_bytes <= plain.kv_cache_bytes
 
 
+def test_kernel_scratch_is_its_own_term_carved_from_the_pool() -> None:
+    def plan(scratch):  # type: ignore[no-untyped-def]
+        return plan_kv_blocks(
+            EngineConfig(memory_budget=2 * GiB),
+            ARCH,
+            weights_bytes=WEIGHTS,
+            kv_bytes_per_token=KV_PER_TOKEN,
+            max_model_len=2048,
+            activation_bytes=50 * MiB,
+            kernel_scratch_bytes=scratch,
+        )
+
+    unmeasured, measured = plan(None), plan(10 * MiB)
+    block_bytes = 16 * KV_PER_TOKEN
+    assert abs(unmeasured.kv_cache_bytes - measured.kv_cache_bytes - 10 * MiB) < block_bytes
+    assert measured.activation_bytes == unmeasured.activation_bytes == 50 * MiB
+    assert "kernel scratch (GEMM library buffers, measured at start-up): 10.0 MiB" in "\n".join(
+        measured.lines()
+    )
+    assert "not measured" in "\n".join(unmeasured.lines())
+    with pytest.raises(ValueError, match="kernel_scratch_bytes=-1"):
+        plan(-1)
+
+
 def test_report_lines_show_the_breakdown() -> None:
     text = "\n".join(_plan(2 * GiB).lines())
     for key in ("memory budget", "weights", "activations", "headroom", "KV cache", "max tokens"):
@@ -127,6 +151,7 @@ _RUN = textwrap.dedent(
         "vm_hwm": int(status["VmHWM"].split()[0]) * 1024,
         "weights": rep.weights_bytes, "kv": rep.kv_cache_bytes,
         "activations": rep.activation_bytes, "headroom": rep.headroom_bytes,
+        "kernel_scratch": rep.kernel_scratch_bytes,
         "num_outputs": sum(len(o.outputs[0].token_ids) for o in outs),
     }))
     """
@@ -152,7 +177,8 @@ def test_peak_rss_stays_within_the_budget() -> None:
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["num_outputs"] == 8 * 24
     # The pool took what the budget left (less than one block of 16 tokens is unused) ...
-    fixed = got["weights"] + got["activations"] + got["headroom"]
+    assert got["kernel_scratch"] is not None  # measured: the engine has a budget
+    fixed = got["weights"] + got["activations"] + got["kernel_scratch"] + got["headroom"]
     assert 0 <= budget - fixed - got["kv"] < 16 * KV_PER_TOKEN
     # ... it is really resident (zero-filled), and the whole process stayed in the budget.
     assert got["vm_hwm"] >= got["weights"] + got["kv"]

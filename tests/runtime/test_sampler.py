@@ -53,6 +53,59 @@ def test_greedy_is_argmax_and_leaves_logits_untouched() -> None:
     assert torch.equal(logits, before)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    num_rows=st.integers(1, 6),
+    vocab=st.integers(1, 300),
+    num_values=st.integers(1, 4),
+    specials=st.lists(st.sampled_from(["nan", "inf", "-inf", "-inf row"]), max_size=3),
+)
+def test_greedy_argmax_matches_torch_argmax_on_ties_and_non_finite_values(
+    seed: int, num_rows: int, vocab: int, num_values: int, specials: list[str]
+) -> None:
+    """The greedy pick is torch.argmax's: first maximal index, NaN maximal, all -inf -> 0."""
+    gen = torch.Generator().manual_seed(seed)
+    # Few distinct values: most rows have ties for the maximum.
+    logits = torch.randint(0, num_values, (num_rows, vocab), generator=gen).float()  # [N, V]
+    for k, special in enumerate(specials):
+        row, col = k % num_rows, int(torch.randint(0, vocab, (1,), generator=gen))
+        if special == "-inf row":
+            logits[row] = float("-inf")
+        else:
+            logits[row, col] = float(special)
+    reqs = [make_req(f"r{i}", SamplingParams(temperature=0.0)) for i in range(num_rows)]
+    token_ids, _ = Sampler(vocab).sample(logits, reqs)
+    assert token_ids == logits.argmax(dim=-1).tolist()
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), num_logprobs=st.sampled_from([None, 0, 3]))
+def test_greedy_fast_path_matches_the_general_path(seed: int, num_logprobs: int | None) -> None:
+    """An all-greedy batch (one argmax) picks the same tokens and logprobs as the same greedy
+    rows sampled inside a batch that takes the general path (a random and a penalised row)."""
+    num_greedy = 5
+    logits = random_logits(num_greedy + 2, seed=seed)
+    logits[1, 7] = logits[1].max()  # a tie for the maximum
+    greedy = [
+        make_req(f"g{i}", SamplingParams(temperature=0.0, logprobs=num_logprobs))
+        for i in range(num_greedy)
+    ]
+    others = [
+        make_req("random", SamplingParams(temperature=0.9, logprobs=num_logprobs), seed=seed),
+        make_req("penalised", SamplingParams(temperature=0.0, repetition_penalty=1.5)),
+    ]
+    fast_ids, fast_lps = Sampler(VOCAB).sample(logits[:num_greedy], greedy)
+    mixed_ids, mixed_lps = Sampler(VOCAB).sample(logits, greedy + others)
+    assert fast_ids == mixed_ids[:num_greedy]
+    assert fast_ids == logits[:num_greedy].argmax(dim=-1).tolist()
+    assert fast_lps == mixed_lps[:num_greedy]
+    if num_logprobs is None:
+        assert fast_lps == [None] * num_greedy
+    else:
+        assert all(e is not None and fast_ids[i] in e for i, e in enumerate(fast_lps))
+
+
 def test_top_k_one_is_greedy_inside_a_mixed_batch() -> None:
     logits = random_logits(4, seed=1)
     before = logits.clone()
@@ -244,8 +297,15 @@ def test_top_k_top_p_mask_matches_reference_on_a_large_vocab(scale: float) -> No
     logits = random_logits(6, vocab=vocab, seed=17) * scale
     top_ks = [vocab, vocab, 300, 40, vocab, 5]
     top_ps = [0.9, 0.5, 0.95, 1.0, 0.99, 0.7]
+    _check_top_k_top_p_mask(logits, top_ks, top_ps)
+
+
+def _check_top_k_top_p_mask(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> None:
+    """_top_k_top_p keeps exactly the reference top-k-then-nucleus set of every row (up to
+    float rounding at the top_p boundary), with the kept logits unchanged."""
+    vocab = logits.shape[1]
     masked = _top_k_top_p(logits.clone(), top_ks, top_ps)
-    for i in range(6):
+    for i in range(logits.shape[0]):
         kept = set(torch.nonzero(masked[i] > float("-inf")).flatten().tolist())
         top = sorted(_top_k_set(logits[i], top_ks[i])) if top_ks[i] < vocab else list(range(vocab))
         probs = torch.softmax(logits[i, top].double(), dim=-1)
@@ -253,6 +313,43 @@ def test_top_k_top_p_mask_matches_reference_on_a_large_vocab(scale: float) -> No
         strict = {top[j] for j in _top_p_set(probs, top_ps[i], slack=-1e-5)}
         assert strict <= kept <= loose
         assert torch.equal(masked[i, sorted(kept)], logits[i, sorted(kept)])
+
+
+def _nucleus_rows(vocab: int, widths: list[int], seed: int) -> torch.Tensor:
+    """[len(widths), vocab] logits whose top_p=0.9 nucleus spans about ``width`` tokens: that
+    many tokens near logit 0 (shuffled through the row), the rest at -12."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.full((len(widths), vocab), -12.0)
+    for i, width in enumerate(widths):
+        cols = torch.randperm(vocab, generator=gen)[:width]
+        rows[i, cols] = torch.randn(width, generator=gen) * 0.3
+    return rows
+
+
+@pytest.mark.parametrize(
+    "widths",
+    [
+        [10, 40],  # every nucleus inside the first candidates
+        [10, 1000, 40],  # one row needs the widened search
+        [10, 1000, 6000],  # one row needs the whole vocabulary
+        [3000, 6000, 7000],
+    ],
+)
+def test_top_p_nucleus_wider_than_the_candidates(widths: list[int]) -> None:
+    vocab = 8192
+    logits = _nucleus_rows(vocab, widths, seed=len(widths) + widths[-1])
+    top_ps = [0.9] * len(widths)
+    _check_top_k_top_p_mask(logits, [vocab] * len(widths), top_ps)
+    # The sampler draws inside each nucleus: every row truncated (the candidate path), and
+    # with an untruncated row added (the masked full-vocabulary path).
+    reqs = [make_req(f"r{i}", SamplingParams(temperature=1.0, top_p=0.9)) for i in widths]
+    plain = make_req("plain", SamplingParams(temperature=1.0))
+    with_plain = torch.cat([logits, logits[:1]])
+    for seed in range(5):
+        for batch, batch_reqs in ((logits, reqs), (with_plain, [*reqs, plain])):
+            token_ids, _ = Sampler(vocab, seed=seed).sample(batch, batch_reqs)
+            for i, tok in enumerate(token_ids[: len(widths)]):
+                assert tok in _top_p_set(torch.softmax(logits[i].double(), dim=-1), 0.9)
 
 
 def test_top_p_tiny_keeps_only_the_most_likely() -> None:

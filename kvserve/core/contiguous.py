@@ -1,0 +1,299 @@
+"""Contiguous per-request reservation: the naive KV allocator, kept as a real mode to compare.
+
+The allocator the seeds call naive (../shared/seeds/): on a request's first allocation it
+reserves, as **one run of consecutive block ids**, every block the request could ever need,
+and never grows. The run is freed whole when the request ends (or is preempted).
+
+- Reservation: ``ceil(max_len / block_size)`` blocks, with
+  ``max_len = min(prompt + max_tokens, max_model_len)`` (``max_model_len`` when max_tokens is
+  None), capped at the pool: the scheduler finishes a request before its KV could outgrow the
+  pool, so a longer run could never be used. *Choice*: ``max_tokens`` is what the client
+  asked for, the longest the request may become; a client that asks for more than it uses
+  wastes the difference (internal fragmentation).
+- Placement: first fit (the lowest-id free run long enough). A run must be consecutive ids:
+  when no free run is long enough the allocation fails, even when enough blocks are free in
+  total (external fragmentation; counted in ``fragmented_alloc_failures``).
+- No sharing: prefix caching is off (``get_computed_blocks`` finds nothing) and an n > 1
+  child gets its own run at its first write (its computed blocks are copied, as
+  copy-on-write does in the paged mode); until then it only refers to its parent's run.
+- Swap preemption moves only the blocks holding computed tokens; ``swap_in`` reserves a
+  fresh run (anywhere) and copies them back.
+- ``reserve`` (admission headroom plus the blocks the rest of the prompt will need, from the
+  scheduler): the allocation needs a free run and ``num_free_blocks >= needed + reserve``,
+  ``needed`` being the blocks the step's tokens fill, as in the paged mode. The run's other
+  blocks are the request's own growth, which is what the reserve stands for.
+
+The runtime is unchanged: it still reads K/V through the block table (which here lists
+consecutive ids), so the mode changes how many requests fit, not how attention addresses
+memory. ``kv_utilization`` is tokens stored / tokens reserved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvserve.core.block_pool import BlockPool, KVBlock
+from kvserve.core.kv_cache_manager import KVCacheManager, _HostTable, _Table
+from kvserve.core.metrics import ratio
+from kvserve.request import Request
+
+_FREE = 1
+_HELD = 0
+
+
+class _RunBlockPool(BlockPool):
+    """A ``BlockPool`` that also keeps a byte per block (1 = free) to find free runs fast.
+
+    NOTE: ``bytearray.find`` scans at C speed, so first fit is O(num_blocks) bytes per
+    allocation attempt without a Python loop; every ref-count change goes through the three
+    methods below, which keep the map in step.
+    """
+
+    def __init__(self, num_blocks: int, **kwargs: object) -> None:
+        super().__init__(num_blocks, **kwargs)  # type: ignore[arg-type]
+        self.free_map = bytearray([_FREE]) * num_blocks
+
+    def allocate(self, num_blocks: int) -> list[KVBlock]:
+        out = super().allocate(num_blocks)
+        for block in out:
+            self.free_map[block.block_id] = _HELD
+        return out
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        blocks = list(blocks)
+        super().touch(blocks)
+        for block in blocks:
+            self.free_map[block.block_id] = _HELD
+
+    def free(self, blocks: Iterable[KVBlock]) -> None:
+        blocks = list(blocks)
+        super().free(blocks)
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_map[block.block_id] = _FREE
+
+    def find_run(self, num_blocks: int) -> int | None:
+        """First id of the lowest free run of ``num_blocks`` consecutive blocks, or None."""
+        if num_blocks == 0:
+            return 0
+        start = self.free_map.find(bytes([_FREE]) * num_blocks)
+        return None if start < 0 else start
+
+    def largest_free_run(self) -> int:
+        """Length of the longest run of consecutive free blocks."""
+        return max(map(len, self.free_map.split(bytes([_HELD]))), default=0)
+
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        for block in self.blocks:
+            want = _FREE if block.ref_cnt == 0 else _HELD
+            assert self.free_map[block.block_id] == want, (
+                f"free map: block {block.block_id} marked {self.free_map[block.block_id]} "
+                f"with ref {block.ref_cnt}"
+            )
+
+
+class ContiguousKVCacheManager(KVCacheManager):
+    """Per-request contiguous reservation for the maximum length. See the module docstring."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        max_model_len: int,
+        enable_prefix_caching: bool = False,
+        num_host_blocks: int = 0,
+    ) -> None:
+        if enable_prefix_caching:
+            raise ValueError(
+                "the contiguous allocator needs enable_prefix_caching=False: a per-request "
+                "reservation shares no blocks"
+            )
+        if not isinstance(max_model_len, int) or isinstance(max_model_len, bool):
+            raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
+        super().__init__(
+            num_blocks, block_size, enable_prefix_caching=False, num_host_blocks=num_host_blocks
+        )
+        self.max_model_len = max_model_len
+        self._pool = _RunBlockPool(num_blocks, on_evict=self._on_device_evict)
+        self.num_fragmented_failures = 0
+
+    # ------------------------------------------------------------------ reservation
+
+    def num_reserved_blocks(self, request: Request) -> int:
+        """Blocks reserved for ``request``: its maximum length in blocks, at most the pool."""
+        max_tokens = request.max_tokens
+        max_len = self.max_model_len
+        if max_tokens is not None:
+            max_len = min(request.num_prompt_tokens + max_tokens, max_len)
+        return min(self.num_blocks_for(max_len), self.num_blocks)
+
+    @property
+    def largest_free_run(self) -> int:
+        """The longest run of consecutive free blocks: the largest reservation possible now."""
+        return self._pool.largest_free_run()
+
+    def _take_run(self, num_run: int, num_needed: int, reserve: int) -> list[KVBlock] | None:
+        """Hold the first free run of ``num_run`` blocks, or None (nothing changed).
+
+        Needs the run and ``num_free_blocks >= num_needed + reserve`` (module docstring).
+        """
+        pool = self._pool
+        if num_run > pool.num_free_blocks or num_needed + reserve > pool.num_free_blocks:
+            return None
+        start = pool.find_run(num_run)
+        if start is None:
+            self.num_fragmented_failures += 1  # enough blocks in total, none contiguous
+            return None
+        run = pool.blocks[start : start + num_run]
+        pool.touch(run)
+        return run
+
+    # ------------------------------------------------------------------ allocation
+
+    def _allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_ids: list[int],
+        num_new_computed_tokens: int,
+        reserve: int,
+    ) -> list[int] | None:
+        if num_new_tokens < 0 or num_new_computed_tokens < 0 or reserve < 0:
+            raise ValueError(
+                f"allocate_slots: num_new_tokens={num_new_tokens}, num_new_computed_tokens="
+                f"{num_new_computed_tokens} and reserve={reserve} must all be >= 0"
+            )
+        rid = request.request_id
+        if computed_ids or num_new_computed_tokens:
+            raise ValueError(
+                f"allocate_slots: request {rid!r} got prefix hits, but the contiguous "
+                "allocator shares no blocks (get_computed_blocks finds none)"
+            )
+        if rid in self._host_tables:
+            raise ValueError(f"request {rid!r} is swapped out: swap_in() before allocate_slots()")
+        num_total = request.num_computed_tokens + num_new_tokens
+        num_needed = self.num_blocks_for(num_total)
+        num_run = self.num_reserved_blocks(request)
+        if num_needed > num_run:
+            raise ValueError(
+                f"allocate_slots: request {rid!r} needs {num_needed} blocks for {num_total} "
+                f"tokens, past its reservation of {num_run} (prompt + max_tokens, at most "
+                f"max_model_len={self.max_model_len} and the pool)"
+            )
+        table = self._tables.get(rid)
+        if table is None:
+            run = self._take_run(num_run, num_needed, reserve)
+            if run is None:
+                return None
+            self._tables[rid] = _Table(request, run)
+            return [b.block_id for b in run]
+        if num_new_tokens and self._is_shared(table):
+            return self._unshare(table, num_needed, reserve)
+        return []
+
+    def _is_shared(self, table: _Table) -> bool:
+        """True while another table holds the run (a fork not yet written to).
+
+        NOTE: copy-on-write pins do not count: the runner executes the step's copies before
+        its forward pass, so the last holder may write into blocks copied from in this step.
+        """
+        # NOTE: fork shares a whole run and unsharing replaces a whole table, so every block
+        # of a run has the same holders: the first block tells.
+        first = table.blocks[0]
+        num_pins = sum(1 for src, _ in self._pending_copies if src is first)
+        return first.ref_cnt - num_pins != 1
+
+    def _unshare(self, table: _Table, num_needed: int, reserve: int) -> list[int] | None:
+        """A forked child's first write: its own run, computed blocks copied from the parent's.
+
+        The copy sources keep this table's reference (a pin) until ``take_pending_copies``.
+        """
+        request = table.request
+        run = self._take_run(len(table.blocks), num_needed, reserve)
+        if run is None:
+            return None
+        old = table.blocks
+        num_copied = self.num_blocks_for(request.num_computed_tokens)
+        self._pending_copies.extend(zip(old[:num_copied], run[:num_copied], strict=True))
+        self.counters.cow_copies += num_copied
+        self._pool.free(reversed(old[num_copied:]))
+        table.blocks = run
+        return [b.block_id for b in run]
+
+    # ------------------------------------------------------------------ swap
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Move the blocks holding computed tokens to the host tier; free the whole run.
+
+        Returns (device, host) pairs in table order, or None (nothing changed) if the host
+        tier has too few free blocks.
+        """
+        rid = request.request_id
+        table = self._tables.get(rid)
+        if table is None:
+            raise ValueError(f"swap_out: request {rid!r} has no device block table")
+        if any(dst in table.blocks for _, dst in self._pending_copies):
+            raise ValueError(f"swap_out: request {rid!r} has a copy-on-write pending in this step")
+        num_used = min(self.num_blocks_for(request.num_computed_tokens), len(table.blocks))
+        if num_used > self._host.num_free_blocks:
+            return None
+        hosts = self._host.allocate(num_used)
+        del self._tables[rid]
+        self._pool.free(reversed(table.blocks))
+        self._host_tables[rid] = _HostTable(request, hosts)
+        self.counters.swap_out_blocks += num_used
+        used = table.blocks[:num_used]
+        return [(b.block_id, h.host_block_id) for b, h in zip(used, hosts, strict=True)]
+
+    def _swap_in(self, request: Request, reserve: int) -> list[tuple[int, int]] | None:
+        if not isinstance(reserve, int) or isinstance(reserve, bool) or reserve < 0:
+            raise ValueError(f"reserve must be a non-negative int, got {reserve!r}")
+        rid = request.request_id
+        host = self._host_tables.get(rid)
+        if host is None:
+            raise ValueError(f"swap_in: request {rid!r} is not swapped out")
+        hosts = host.host_blocks
+        run = self._take_run(self.num_reserved_blocks(request), len(hosts), reserve)
+        if run is None:
+            return None
+        del self._host_tables[rid]
+        self._host.pin(hosts)
+        self._host.release(reversed(hosts))
+        self._tables[rid] = _Table(request, run)
+        self.counters.swap_in_blocks += len(hosts)
+        return [(h.host_block_id, b.block_id) for h, b in zip(hosts, run, strict=False)]
+
+    # ------------------------------------------------------------------ figures
+
+    def snapshot(self) -> dict[str, float | int]:
+        """The base figures plus the free-run figures of contiguous allocation.
+
+        ``largest_free_run_blocks``: the biggest reservation possible now;
+        ``external_fragmentation``: 1 - largest free run / free blocks (0 when none is free);
+        ``fragmented_alloc_failures``: allocation attempts that failed for want of a run
+        although enough blocks were free in total (the scheduler retries its queue head
+        every step, so one waiting request can count many times).
+        """
+        d = super().snapshot()
+        largest = self.largest_free_run
+        num_free = self.num_free_blocks
+        d["largest_free_run_blocks"] = largest
+        d["external_fragmentation"] = 1.0 - ratio(largest, num_free) if num_free else 0.0
+        d["fragmented_alloc_failures"] = self.num_fragmented_failures
+        return d
+
+    def check_integrity(self) -> None:
+        """Base invariants, plus: every table is one run of consecutive ids of its reservation."""
+        super().check_integrity()
+        for rid, table in self._tables.items():
+            ids = [b.block_id for b in table.blocks]
+            want = self.num_reserved_blocks(table.request)
+            assert len(ids) == want, f"request {rid!r}: holds {len(ids)} blocks, reserved {want}"
+            assert not ids or ids == list(range(ids[0], ids[0] + len(ids))), (
+                f"request {rid!r}: its blocks {ids} are not one consecutive run"
+            )
+            assert table.num_cached_blocks == 0, f"request {rid!r}: contiguous blocks cached"

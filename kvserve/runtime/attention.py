@@ -81,6 +81,8 @@ class ChunkMeta:
     seq_len: int
     # Additive mask [num_query_tokens, ctx_len] (0 / -inf); None = plain causal (is_causal).
     mask: torch.Tensor | None
+    # Row ids of ``ctx_block_ids`` for the gather, by cache size (see ``_gather_rows``).
+    gather_rows: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -99,6 +101,8 @@ class AttentionMetadata:
     decode_max_blocks: int = 0
     decode_mask: torch.Tensor | None = None  # [num_decode_seqs, 1, 1, max_blocks * block_size]
     chunks: list[ChunkMeta] = field(default_factory=list)  # the other sequences
+    # Row ids of ``decode_block_ids`` for the gather, by cache size (see ``_gather_rows``).
+    decode_gather_rows: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 def _slots_for(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -347,18 +351,35 @@ def _write_slots(
     return read_back[0], read_back[1]
 
 
+def _gather_rows(
+    block_ids: torch.Tensor, num_blocks: int, memo: dict[int, torch.Tensor]
+) -> torch.Tensor:  # [2 * len(block_ids)] long
+    """Rows of K blocks then V blocks in a layer cache viewed as ``[2 * num_blocks, ...]``.
+
+    Made once per step (all layers share ``num_blocks``) and kept in ``memo``.
+    """
+    rows = memo.get(num_blocks)
+    if rows is None:
+        rows = block_ids.repeat(2)
+        rows[block_ids.shape[0] :].add_(num_blocks)
+        memo[num_blocks] = rows
+    return rows
+
+
 def _gather_blocks(
-    kv_cache: LayerCache, block_ids: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:  # [2, len(block_ids) * block_size, kvh, d]
-    """Fast read of whole blocks (K and V) in ``block_ids`` order, dequantized."""
+    kv_cache: LayerCache, rows: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:  # [2, len(rows) // 2 * block_size, kvh, d]
+    """Fast read of whole blocks (K and V) at ``rows`` (from ``_gather_rows``), dequantized."""
     _, num_blocks, _, num_kv_heads, head_dim = kv_cache.shape
-    # NOTE: gather whole blocks as flat rows of a 3-D view: ~2x faster than index_select
-    # on the 5-D cache (one contiguous copy per block instead of a strided walk).
+    # NOTE: gather whole blocks as rows of the 2-D view [2 * num_blocks, block numel]: one
+    # contiguous copy per block (~2x faster than index_select on the 5-D cache), on dim 0,
+    # which index_select splits across threads; on dim 1 of a [2, num_blocks, -1] view it
+    # runs on one (2 threads, B=32, ctx 192, 30 layers: 28 vs 57-78 ms; equal on 1 thread).
     if not isinstance(kv_cache, QuantizedLayerCache):
-        kv = kv_cache.view(2, num_blocks, -1).index_select(1, block_ids)
+        kv = kv_cache.view(2 * num_blocks, -1).index_select(0, rows)
         return kv.view(2, -1, num_kv_heads, head_dim)
-    data = kv_cache.data.view(2, num_blocks, -1).index_select(1, block_ids)
-    scales = kv_cache.scales.view(2, num_blocks, -1).index_select(1, block_ids)
+    data = kv_cache.data.view(2 * num_blocks, -1).index_select(0, rows)
+    scales = kv_cache.scales.view(2 * num_blocks, -1).index_select(0, rows)
     return dequantize_kv(
         data.view(2, -1, num_kv_heads, head_dim),
         scales.view(2, -1, num_kv_heads),
@@ -399,7 +420,8 @@ class TorchSDPABackend(AttentionBackend):
         num_kv_heads = kv_cache.shape[3]
         max_len = meta.decode_max_blocks * meta.block_size
         assert meta.decode_block_ids is not None and meta.decode_mask is not None
-        kv = _gather_blocks(kv_cache, meta.decode_block_ids, q.dtype)
+        rows = _gather_rows(meta.decode_block_ids, kv_cache.shape[1], meta.decode_gather_rows)
+        kv = _gather_blocks(kv_cache, rows, q.dtype)
         kv = kv.view(2, num_seqs, max_len, num_kv_heads, head_dim).transpose(2, 3)  # [2,B,kvh,L,d]
         # NOTE: GQA without copying K/V: the query heads of one KV head share its keys and the
         # same mask, so they ride in SDPA's query-length axis: [B, kvh, group, d].
@@ -418,7 +440,8 @@ class TorchSDPABackend(AttentionBackend):
         if c.ctx_block_ids is None:
             keys, values = k, v  # the chunk is the whole context so far
         else:
-            kv = _gather_blocks(kv_cache, c.ctx_block_ids, q.dtype)  # [2, ctx_len, kvh, d]
+            rows = _gather_rows(c.ctx_block_ids, kv_cache.shape[1], c.gather_rows)
+            kv = _gather_blocks(kv_cache, rows, q.dtype)  # [2, ctx_len, kvh, d]
             keys, values = kv[0], kv[1]  # [ctx_len, kvh, d]
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),  # [1, H, n, d]

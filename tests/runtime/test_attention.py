@@ -164,3 +164,24 @@ def test_unknown_backend_name() -> None:
     assert isinstance(get_attention_backend("torch_ref"), TorchReferenceBackend)
     with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
         get_attention_backend("flash")
+
+
+def test_one_metadata_serves_caches_of_different_sizes() -> None:
+    """The gather rows are kept per cache size: the same step's metadata on a cache with more
+    blocks (V blocks start elsewhere in the flat view) still reads the right K and V."""
+    mix = [(5, 1), (12, 1), (7, 6)]  # decodes and a chunk with cached context
+    data, seqs, cache0 = _case(mix, seed=11)
+    meta = build_attention_metadata(seqs, block_size=BLOCK_SIZE, device=CPU, dtype=torch.float32)
+    big = torch.zeros(2, 3 * NUM_BLOCKS, *cache0.shape[2:])
+    big[:, :NUM_BLOCKS] = cache0
+    backend = TorchSDPABackend()
+    outs = [
+        backend.forward(data["q"], data["k"], data["v"], cache, meta)
+        for cache in (cache0.clone(), big, cache0.clone())
+    ]
+    expected = TorchReferenceBackend().forward(
+        data["q"], data["k"], data["v"], cache0.clone(), meta
+    )
+    for out in outs:
+        torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+    assert sorted(meta.decode_gather_rows) == [NUM_BLOCKS, 3 * NUM_BLOCKS]

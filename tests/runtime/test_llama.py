@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.models.llama import LlamaForCausalLM, compute_inv_freq
+from kvserve.models.llama import LlamaForCausalLM, Workspace, compute_inv_freq, rope_cos_sin
 from kvserve.runtime.attention import SeqSpec, build_attention_metadata
 from kvserve.runtime.kv_cache import KVCache
 from tests.runtime.runtime_testutil import ToyAllocator, hf_logits, ours_from_hf, tiny_hf_model
@@ -176,3 +176,45 @@ def test_gqa_heads_must_divide() -> None:
 
     with pytest.raises(ValueError, match="must be a multiple of num_key_value_heads"):
         LlamaForCausalLM(replace(arch, num_key_value_heads=3))
+
+
+def test_linear_weights_are_stored_transposed_through_dtype_moves() -> None:
+    """Linear weights keep the HF [out, in] shape but [in, out] contiguous storage (the fast
+    right operand of x @ w.t()), also after Module.to; the embedding table stays row-major."""
+    model, _ = ours_from_hf(tiny_hf_model("llama"))
+    for m in (model, model.to(torch.float64)):
+        layer = m.layers[0]
+        for w in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight):
+            assert w.t().is_contiguous() and not w.is_contiguous(), w.shape
+        assert m.embed_tokens.is_contiguous()
+
+
+def test_layer_with_shared_step_views_equals_fresh_buffers() -> None:
+    """Layers that share one step's workspace views give bitwise the same output as a layer
+    run with its own fresh buffers."""
+    model, arch = ours_from_hf(tiny_hf_model("qwen2"))
+    gen = torch.Generator().manual_seed(4)
+    n = 7
+    seqs = [SeqSpec(0, n, 0, [0, 1])]
+    meta = build_attention_metadata(
+        seqs, block_size=4, device=torch.device("cpu"), dtype=torch.float32
+    )
+    hidden = torch.randn(n, arch.hidden_size, generator=gen)
+    cos, sin = rope_cos_sin(model._inv_freq, torch.arange(n), torch.float32)
+    results = []
+    for shared in (True, False):
+        caches = KVCache(
+            num_layers=len(model.layers),
+            num_blocks=4,
+            block_size=4,
+            num_kv_heads=arch.num_key_value_heads,
+            head_dim=arch.head_dim,
+        ).layer_caches
+        h = hidden.clone()
+        ws = Workspace()
+        views = model.layers[0].step_views(ws, h) if shared else None
+        with torch.inference_mode():
+            for layer, cache in zip(model.layers, caches, strict=True):
+                layer(h, cos, sin, cache, meta, ws if shared else None, views)
+        results.append(h)
+    assert torch.equal(results[0], results[1])

@@ -33,7 +33,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kvserve.core.block_pool import BlockPool, KVBlock
-from kvserve.core.kv_cache_manager import KVCacheManager, _HostTable, _Table
+from kvserve.core.kv_cache_manager import (
+    KVCacheManager,
+    _check_allocate_args,
+    _HostTable,
+    _Table,
+)
 from kvserve.core.metrics import ratio
 from kvserve.request import Request
 
@@ -162,11 +167,7 @@ class ContiguousKVCacheManager(KVCacheManager):
         num_new_computed_tokens: int,
         reserve: int,
     ) -> list[int] | None:
-        if num_new_tokens < 0 or num_new_computed_tokens < 0 or reserve < 0:
-            raise ValueError(
-                f"allocate_slots: num_new_tokens={num_new_tokens}, num_new_computed_tokens="
-                f"{num_new_computed_tokens} and reserve={reserve} must all be >= 0"
-            )
+        _check_allocate_args(num_new_tokens, num_new_computed_tokens, reserve)
         rid = request.request_id
         if computed_ids or num_new_computed_tokens:
             raise ValueError(

@@ -67,6 +67,15 @@ from kvserve.core.prefix_cache import CacheEntry, PrefixCache, RadixPrefixCache,
 from kvserve.request import Request
 
 
+def _check_allocate_args(num_new_tokens: int, num_new_computed_tokens: int, reserve: int) -> None:
+    """ValueError naming the counts when any of ``allocate_slots``' counts is negative."""
+    if num_new_tokens < 0 or num_new_computed_tokens < 0 or reserve < 0:
+        raise ValueError(
+            f"allocate_slots: num_new_tokens={num_new_tokens}, num_new_computed_tokens="
+            f"{num_new_computed_tokens} and reserve={reserve} must all be >= 0"
+        )
+
+
 @dataclass(slots=True, eq=False)
 class _Table:
     """The device block table of one request."""
@@ -247,11 +256,7 @@ class KVCacheManager:
         num_new_computed_tokens: int,
         reserve: int,
     ) -> list[int] | None:
-        if num_new_tokens < 0 or num_new_computed_tokens < 0 or reserve < 0:
-            raise ValueError(
-                f"allocate_slots: num_new_tokens={num_new_tokens}, num_new_computed_tokens="
-                f"{num_new_computed_tokens} and reserve={reserve} must all be >= 0"
-            )
+        _check_allocate_args(num_new_tokens, num_new_computed_tokens, reserve)
         rid = request.request_id
         if rid in self._host_tables:
             raise ValueError(f"request {rid!r} is swapped out: swap_in() before allocate_slots()")

@@ -35,7 +35,6 @@ from collections.abc import Iterable
 from kvserve.core.block_pool import BlockPool, KVBlock
 from kvserve.core.kv_cache_manager import (
     KVCacheManager,
-    _check_allocate_args,
     _HostTable,
     _Table,
 )
@@ -167,15 +166,12 @@ class ContiguousKVCacheManager(KVCacheManager):
         num_new_computed_tokens: int,
         reserve: int,
     ) -> list[int] | None:
-        _check_allocate_args(num_new_tokens, num_new_computed_tokens, reserve)
         rid = request.request_id
         if computed_ids or num_new_computed_tokens:
             raise ValueError(
                 f"allocate_slots: request {rid!r} got prefix hits, but the contiguous "
                 "allocator shares no blocks (get_computed_blocks finds none)"
             )
-        if rid in self._host_tables:
-            raise ValueError(f"request {rid!r} is swapped out: swap_in() before allocate_slots()")
         num_total = request.num_computed_tokens + num_new_tokens
         num_needed = self.num_blocks_for(num_total)
         num_run = self.num_reserved_blocks(request)

@@ -67,15 +67,6 @@ from kvserve.core.prefix_cache import CacheEntry, PrefixCache, RadixPrefixCache,
 from kvserve.request import Request
 
 
-def _check_allocate_args(num_new_tokens: int, num_new_computed_tokens: int, reserve: int) -> None:
-    """ValueError naming the counts when any of ``allocate_slots``' counts is negative."""
-    if num_new_tokens < 0 or num_new_computed_tokens < 0 or reserve < 0:
-        raise ValueError(
-            f"allocate_slots: num_new_tokens={num_new_tokens}, num_new_computed_tokens="
-            f"{num_new_computed_tokens} and reserve={reserve} must all be >= 0"
-        )
-
-
 @dataclass(slots=True, eq=False)
 class _Table:
     """The device block table of one request."""
@@ -241,6 +232,17 @@ class KVCacheManager:
         """
         t0 = time.perf_counter()
         try:
+            # NOTE: checked here for every allocator (subclasses override _allocate_slots).
+            if num_new_tokens < 0 or num_new_computed_tokens < 0 or reserve < 0:
+                raise ValueError(
+                    f"allocate_slots: num_new_tokens={num_new_tokens}, num_new_computed_tokens="
+                    f"{num_new_computed_tokens} and reserve={reserve} must all be >= 0"
+                )
+            if request.request_id in self._host_tables:
+                raise ValueError(
+                    f"request {request.request_id!r} is swapped out: "
+                    "swap_in() before allocate_slots()"
+                )
             return self._allocate_slots(
                 request, num_new_tokens, new_computed_blocks or [], num_new_computed_tokens, reserve
             )
@@ -256,10 +258,7 @@ class KVCacheManager:
         num_new_computed_tokens: int,
         reserve: int,
     ) -> list[int] | None:
-        _check_allocate_args(num_new_tokens, num_new_computed_tokens, reserve)
         rid = request.request_id
-        if rid in self._host_tables:
-            raise ValueError(f"request {rid!r} is swapped out: swap_in() before allocate_slots()")
         table = self._tables.get(rid)
         bs = self.block_size
         computed, host_hits = self._computed_blocks(

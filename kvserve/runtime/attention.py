@@ -15,12 +15,13 @@ Two backends share one call, ``forward(q, k, v, kv_cache, meta)``:
 
 - ``TorchReferenceBackend``: exact and simple; per sequence it computes slots from the block
   table in Python, gathers K/V token by token and runs explicit masked softmax attention.
-- ``TorchSDPABackend``: the fast path. All single-token queries (decodes) of the step run as
-  one batch: whole blocks are gathered into ``[B, max_len, kv_heads, head_dim]`` and one SDPA
-  call attends with a length mask (the GQA query heads of one KV head ride in SDPA's query
-  axis). Multi-token chunks run one SDPA call each: a chunk starting at position 0 attends
-  its own fresh K/V with ``is_causal``; a chunk starting mid-sequence gathers its context
-  from the cache and uses an offset causal mask.
+- ``TorchSDPABackend``: the fast path. The single-token queries (decodes) of the step run
+  in a few batches ("decode groups", see ``plan_decode_groups``): per group, whole blocks are
+  gathered into ``[B_g, max_len_g, kv_heads, head_dim]`` and one SDPA call attends with a
+  length mask (the GQA query heads of one KV head ride in SDPA's query axis). Multi-token
+  chunks run one SDPA call each: a chunk starting at position 0 attends its own fresh K/V
+  with ``is_causal``; a chunk starting mid-sequence gathers its context from the cache and
+  uses an offset causal mask.
 
 All metadata (slot mapping, gather indices, masks) is built once per step by
 ``build_attention_metadata`` and shared by every layer.
@@ -86,6 +87,19 @@ class ChunkMeta:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Fast-path data for a run of decode rows ``[row_start, row_end)`` batched together."""
+
+    row_start: int
+    row_end: int
+    block_ids: torch.Tensor  # [num_seqs * max_blocks] long, padded with block 0
+    max_blocks: int  # the longest sequence of the group, in blocks
+    mask: torch.Tensor  # [num_seqs, 1, 1, max_blocks * block_size] additive (0 / -inf)
+    # Row ids of ``block_ids`` for the gather, by cache size (see ``_gather_rows``).
+    gather_rows: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Everything attention needs for one step; built once, shared by all layers."""
 
@@ -95,14 +109,11 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long: cache slot of each new token
     sliding_window: int | None = None
     num_sink_tokens: int = 0  # with sliding_window: the first S positions stay visible
-    # Fast path, decode group: the leading run of sequences with one query token each.
+    # Fast path: the leading run of sequences with one query token each (decodes), split
+    # into groups of consecutive rows (``plan_decode_groups``).
     num_decode_seqs: int = 0
-    decode_block_ids: torch.Tensor | None = None  # [num_decode_seqs * max_blocks] long
-    decode_max_blocks: int = 0
-    decode_mask: torch.Tensor | None = None  # [num_decode_seqs, 1, 1, max_blocks * block_size]
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     chunks: list[ChunkMeta] = field(default_factory=list)  # the other sequences
-    # Row ids of ``decode_block_ids`` for the gather, by cache size (see ``_gather_rows``).
-    decode_gather_rows: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 def _slots_for(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -131,6 +142,88 @@ def _visible(
     return valid
 
 
+# NOTE: what one more decode group costs, in padded token-rows. A group adds a gather and an
+# SDPA call per layer, ~60-100 us each on this 2-core CPU (the caches are cold after a weight
+# matmul); one gathered-and-attended token-row costs ~0.15 us per layer (B=32 at ~200 tokens
+# of context: 28.5 ms of gather + SDPA per step over 30 layers and 32 x 200 rows).
+DECODE_GROUP_COST_TOKENS = 512
+# The planner is quadratic in the number of distinct lengths; past this many it considers
+# only this many evenly spaced split points (a group boundary anywhere else is never needed
+# for correctness, only for less padding).
+MAX_DECODE_SPLIT_POINTS = 48
+
+
+def plan_decode_groups(
+    num_blocks: list[int],
+    block_size: int,
+    group_cost_tokens: int | None = None,
+) -> list[tuple[int, int]]:
+    """Split decode rows into runs ``[(start, end), ...]`` that each pad to their longest.
+
+    ``num_blocks[i]`` is row i's context length in blocks. A run costs its padded token-rows
+    (``(end - start) * max(num_blocks[start:end]) * block_size``) plus ``group_cost_tokens``
+    (default ``DECODE_GROUP_COST_TOKENS``); the split minimizes the total over runs that
+    start where the length changes (dynamic programming). Rows sorted by length (as
+    ``build_input_batch`` orders decodes) make that the best split of the batch; any order
+    gives a correct one.
+    """
+    if group_cost_tokens is None:
+        group_cost_tokens = DECODE_GROUP_COST_TOKENS
+    n = len(num_blocks)
+    if n == 0:
+        return []
+    cuts = [0] + [i for i in range(1, n) if num_blocks[i] != num_blocks[i - 1]]
+    if len(cuts) > MAX_DECODE_SPLIT_POINTS:
+        step = len(cuts) / MAX_DECODE_SPLIT_POINTS
+        cuts = sorted({cuts[int(k * step)] for k in range(MAX_DECODE_SPLIT_POINTS)})
+    cuts.append(n)
+    m = len(cuts) - 1
+    run_max = [max(num_blocks[cuts[k] : cuts[k + 1]]) for k in range(m)]
+    best = [0.0] + [math.inf] * m  # best[i]: cost of rows [0, cuts[i])
+    prev = [0] * (m + 1)
+    for i in range(1, m + 1):
+        longest = 0
+        for j in range(i - 1, -1, -1):  # a group of runs j .. i-1
+            longest = max(longest, run_max[j])
+            cost = best[j] + (cuts[i] - cuts[j]) * longest * block_size + group_cost_tokens
+            if cost < best[i]:
+                best[i], prev[i] = cost, j
+    groups = []
+    i = m
+    while i > 0:
+        groups.append((cuts[prev[i]], cuts[i]))
+        i = prev[i]
+    return groups[::-1]
+
+
+def _decode_group_meta(
+    dec: list[SeqSpec],
+    row_start: int,
+    block_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    sliding_window: int | None,
+    num_sink_tokens: int,
+) -> DecodeGroup:
+    """Gather ids and length mask for decode sequences ``dec`` (rows from ``row_start``)."""
+    max_blocks = max(-(-s.seq_len // block_size) for s in dec)
+    # NOTE: pad with block 0: its content is masked out (all cache values are finite).
+    table = [
+        _readable(s.block_ids[:max_blocks]) + [0] * (max_blocks - len(s.block_ids)) for s in dec
+    ]
+    seq_lens = torch.tensor([s.seq_len for s in dec], dtype=torch.long, device=device)
+    key_pos = torch.arange(max_blocks * block_size, device=device)  # [L]
+    valid = _visible(seq_lens[:, None] - 1, key_pos[None, :], sliding_window, num_sink_tokens)
+    mask = torch.zeros(valid.shape, dtype=dtype, device=device).masked_fill_(~valid, -math.inf)
+    return DecodeGroup(
+        row_start=row_start,
+        row_end=row_start + len(dec),
+        block_ids=torch.tensor(table, dtype=torch.long, device=device).view(-1),
+        max_blocks=max_blocks,
+        mask=mask.view(len(dec), 1, 1, -1),  # [B_g, 1, 1, L]
+    )
+
+
 def build_attention_metadata(
     seqs: list[SeqSpec],
     *,
@@ -147,8 +240,8 @@ def build_attention_metadata(
     (freed, out of the window) are allowed only where no query can see them.
 
     ``seqs`` must tile the flat batch in order (offsets 0, n0, n0+n1, ...). Sequences with one
-    query token at the head of the list form the batched decode group; put decodes first for
-    the fast path (any order is correct).
+    query token at the head of the list form the batched decode groups; put decodes first, by
+    length, for the fast path (any order is correct).
     """
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
@@ -184,21 +277,15 @@ def build_attention_metadata(
     while num_decode < len(seqs) and seqs[num_decode].num_query_tokens == 1:
         num_decode += 1
     neg_inf = float("-inf")
+    meta.num_decode_seqs = num_decode
     if num_decode:
-        dec = seqs[:num_decode]
-        max_blocks = max(-(-s.seq_len // block_size) for s in dec)
-        # NOTE: pad with block 0: its content is masked out (all cache values are finite).
-        table = [
-            _readable(s.block_ids[:max_blocks]) + [0] * (max_blocks - len(s.block_ids)) for s in dec
-        ]
-        meta.num_decode_seqs = num_decode
-        meta.decode_max_blocks = max_blocks
-        meta.decode_block_ids = torch.tensor(table, dtype=torch.long, device=device).view(-1)
-        seq_lens = torch.tensor([s.seq_len for s in dec], dtype=torch.long, device=device)
-        key_pos = torch.arange(max_blocks * block_size, device=device)  # [L]
-        valid = _visible(seq_lens[:, None] - 1, key_pos[None, :], sliding_window, sinks)  # [B, L]
-        mask = torch.zeros(valid.shape, dtype=dtype, device=device).masked_fill_(~valid, neg_inf)
-        meta.decode_mask = mask.view(num_decode, 1, 1, -1)
+        blocks = [-(-s.seq_len // block_size) for s in seqs[:num_decode]]
+        for start, end in plan_decode_groups(blocks, block_size):
+            meta.decode_groups.append(
+                _decode_group_meta(
+                    seqs[start:end], start, block_size, device, dtype, sliding_window, sinks
+                )
+            )
     for s in seqs[num_decode:]:
         n, start, end = s.num_query_tokens, s.start_pos, s.seq_len
         needs_window = sliding_window is not None and end > sliding_window
@@ -416,17 +503,32 @@ class TorchSDPABackend(AttentionBackend):
     @staticmethod
     def _decode(q: torch.Tensor, kv_cache: LayerCache, meta: AttentionMetadata) -> torch.Tensor:
         # q: [B, H, d]; every query is the last position of its sequence.
+        groups = meta.decode_groups
+        if len(groups) == 1:
+            return TorchSDPABackend._decode_group(q, kv_cache, groups[0], meta.block_size)
+        out = torch.empty_like(q)
+        for g in groups:
+            rows = slice(g.row_start, g.row_end)
+            out[rows] = TorchSDPABackend._decode_group(q[rows], kv_cache, g, meta.block_size)
+        return out
+
+    @staticmethod
+    def _decode_group(
+        q: torch.Tensor,  # [B_g, H, d]
+        kv_cache: LayerCache,
+        g: DecodeGroup,
+        block_size: int,
+    ) -> torch.Tensor:  # [B_g, H, d]
         num_seqs, num_heads, head_dim = q.shape
         num_kv_heads = kv_cache.shape[3]
-        max_len = meta.decode_max_blocks * meta.block_size
-        assert meta.decode_block_ids is not None and meta.decode_mask is not None
-        rows = _gather_rows(meta.decode_block_ids, kv_cache.shape[1], meta.decode_gather_rows)
+        max_len = g.max_blocks * block_size
+        rows = _gather_rows(g.block_ids, kv_cache.shape[1], g.gather_rows)
         kv = _gather_blocks(kv_cache, rows, q.dtype)
         kv = kv.view(2, num_seqs, max_len, num_kv_heads, head_dim).transpose(2, 3)  # [2,B,kvh,L,d]
         # NOTE: GQA without copying K/V: the query heads of one KV head share its keys and the
         # same mask, so they ride in SDPA's query-length axis: [B, kvh, group, d].
         qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        o = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=meta.decode_mask)
+        o = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=g.mask)
         return o.reshape(num_seqs, num_heads, head_dim)
 
     @staticmethod

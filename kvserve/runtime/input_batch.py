@@ -1,9 +1,10 @@
 """SchedulerOutput -> flat (ragged) batch tensors for one forward pass.
 
 The scheduled tokens of all requests are concatenated into one batch of ``T`` tokens.
-NOTE: requests with exactly one new token (decodes) are placed first, so the attention fast
-path runs them as one batched call and writes its output straight into rows ``[0, B)``.
-The order is internal: results go back by request id.
+NOTE: requests with exactly one new token (decodes) are placed first, shortest context
+first, so the attention fast path runs them as a few batched calls over consecutive rows
+(``plan_decode_groups``: sequences of similar length pad to each other, not to the longest
+of the step). The order is internal: results go back by request id.
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ class InputBatch:
         return int(self.input_ids.shape[0])
 
 
+def _batch_order(r: ScheduledRequest) -> tuple[bool, int]:
+    """Sort key: decodes first, by context length; other requests keep their order (stable)."""
+    is_decode = len(r.token_ids) == 1
+    return (not is_decode, r.start_pos if is_decode else 0)
+
+
 def build_input_batch(
     sched: SchedulerOutput,
     *,
@@ -43,7 +50,7 @@ def build_input_batch(
     num_sink_tokens: int = 0,
 ) -> InputBatch:
     """Flatten ``sched.scheduled`` into one batch (decodes first); validates block tables."""
-    reqs = sorted(sched.scheduled, key=lambda r: len(r.token_ids) != 1)  # stable: decodes first
+    reqs = sorted(sched.scheduled, key=_batch_order)
     input_ids: list[int] = []
     positions: list[int] = []
     seqs: list[SeqSpec] = []

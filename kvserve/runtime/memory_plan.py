@@ -351,11 +351,11 @@ def worst_case_steps(
 
     - ``prefill``: one chunk of the whole token budget at the end of a max-length context
       (it gathers that context and builds a [chunk, context] mask);
-    - ``decode``: as many decodes as the limits allow, each at max_model_len (the batched
-      decode gathers every sequence's blocks, padded to the longest). NOTE: not an
-      over-reservation: because of the padding, one max-length decode beside short ones
-      already gathers this much; what tightens it is a smaller ``max_model_len``, which
-      ``memory_budget.max_sequence_tokens`` bounds by the pool's size when that is fixed;
+    - ``decode``: as many decodes as the limits allow, each at max_model_len (each decode
+      group gathers its sequences' blocks, padded to its longest; equal lengths make one
+      group). NOTE: the true worst case, not an over-reservation; what tightens it is a
+      smaller ``max_model_len``, which ``memory_budget.max_sequence_tokens`` bounds by the
+      pool's size when that is fixed;
     - ``mixed``: decodes for all sequences but one, plus a chunk of the remaining budget.
     Every sequence samples. Block ids repeat freely: only shapes matter to the plan.
     """

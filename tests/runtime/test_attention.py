@@ -7,14 +7,21 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
+from kvserve.runtime import attention
 from kvserve.runtime.attention import (
     SeqSpec,
     TorchReferenceBackend,
     TorchSDPABackend,
     build_attention_metadata,
     get_attention_backend,
+    plan_decode_groups,
 )
+from kvserve.runtime.input_batch import build_input_batch
+from kvserve.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
 BLOCK_SIZE = 4
@@ -76,9 +83,14 @@ MIXES = [
 ]
 
 
+@pytest.mark.parametrize("group_cost", [None, 0])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("mix", MIXES)
-def test_backends_match_dense_attention(mix: list[tuple[int, int]], window: int | None) -> None:
+def test_backends_match_dense_attention(
+    mix: list[tuple[int, int]], window: int | None, group_cost: int | None, monkeypatch
+) -> None:
+    if group_cost is not None:  # every distinct decode length in a group of its own
+        monkeypatch.setattr(attention, "DECODE_GROUP_COST_TOKENS", group_cost)
     data, seqs, cache0 = _case(mix, seed=len(mix))
     meta = build_attention_metadata(
         seqs, block_size=BLOCK_SIZE, device=CPU, dtype=torch.float32, sliding_window=window
@@ -136,7 +148,9 @@ def test_decode_group_is_leading_run_of_single_token_queries() -> None:
     seqs = [SeqSpec(0, 1, 3, [0]), SeqSpec(1, 1, 8, [1, 2, 3]), SeqSpec(2, 5, 0, [4, 5])]
     meta = build_attention_metadata(seqs, block_size=4, device=CPU, dtype=torch.float32)
     assert meta.num_decode_seqs == 2
-    assert meta.decode_max_blocks == 3
+    (group,) = meta.decode_groups  # 2 short sequences: not worth two calls
+    assert (group.row_start, group.row_end, group.max_blocks) == (0, 2, 3)
+    assert group.block_ids.tolist() == [0, 0, 0, 1, 2, 3]  # padded with block 0
     assert meta.slot_mapping.tolist() == [
         3,
         3 * 4 + 0,
@@ -147,7 +161,7 @@ def test_decode_group_is_leading_run_of_single_token_queries() -> None:
         20,
     ]  # pos 8 -> block_ids[2] = 3
     # lengths 4 and 9: keys beyond each length are masked
-    mask = meta.decode_mask.view(2, -1)
+    mask = group.mask.view(2, -1)
     assert torch.isinf(mask[0, 4:]).all() and (mask[0, :4] == 0).all()
     assert torch.isinf(mask[1, 9:]).all() and (mask[1, :9] == 0).all()
     assert len(meta.chunks) == 1 and meta.chunks[0].mask is None  # fresh prefill: is_causal
@@ -184,4 +198,68 @@ def test_one_metadata_serves_caches_of_different_sizes() -> None:
     )
     for out in outs:
         torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
-    assert sorted(meta.decode_gather_rows) == [NUM_BLOCKS, 3 * NUM_BLOCKS]
+    assert sorted(meta.decode_groups[0].gather_rows) == [NUM_BLOCKS, 3 * NUM_BLOCKS]
+
+
+def test_decode_groups_split_where_padding_costs_more_than_a_call() -> None:
+    # 4 rows of 1 block and 2 of 10 (block 16): one group pads 6 x 160 = 960 token-rows
+    # (+512 for the call); two groups pad 64 + 320 (+2 x 512): cheaper.
+    assert plan_decode_groups([1, 1, 1, 1, 10, 10], 16) == [(0, 4), (4, 6)]
+    # 1 and 2 blocks: splitting saves 16 padded rows, less than a call: one group.
+    assert plan_decode_groups([1, 1, 2, 2], 16) == [(0, 4)]
+    assert plan_decode_groups([3, 3, 3], 16, group_cost_tokens=0) == [(0, 3)]
+    assert plan_decode_groups([1, 2, 3], 16, group_cost_tokens=0) == [(0, 1), (1, 2), (2, 3)]
+    assert plan_decode_groups([1, 40, 2, 40], 16, group_cost_tokens=0) == [
+        (0, 1),
+        (1, 2),
+        (2, 3),
+        (3, 4),
+    ]
+    assert plan_decode_groups([], 16) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(1, 80), min_size=1, max_size=150),
+    st.integers(0, 2048),
+    st.booleans(),
+)
+def test_decode_groups_tile_the_rows_and_never_pad_more(
+    blocks: list[int], cost: int, sort: bool
+) -> None:
+    if sort:
+        blocks = sorted(blocks)
+    groups = plan_decode_groups(blocks, 16, group_cost_tokens=cost)
+    assert groups[0][0] == 0 and groups[-1][1] == len(blocks)
+    assert all(a < b for a, b in groups)
+    assert all(b == c for (_, b), (c, _) in zip(groups, groups[1:], strict=False))
+
+    def total(gs: list[tuple[int, int]]) -> int:
+        return sum((b - a) * max(blocks[a:b]) * 16 + cost for a, b in gs)
+
+    assert total(groups) <= total([(0, len(blocks))])  # never worse than one group
+    distinct = len(set(blocks))
+    if sort and cost == 0 and distinct <= attention.MAX_DECODE_SPLIT_POINTS:
+        assert total(groups) == sum(blocks) * 16  # no padding at all
+
+
+def test_input_batch_orders_decodes_by_context_length() -> None:
+    def req(rid: str, start: int, n: int) -> ScheduledRequest:
+        tokens = list(range(1, start + n + 1))
+        return ScheduledRequest(
+            request_id=rid,
+            token_ids=tokens[start:],
+            start_pos=start,
+            block_ids=list(range(-(-(start + n) // 4))),
+            sample=True,
+            sampling_params=SamplingParams(),
+            prompt_token_ids=tokens,
+            output_token_ids=[],
+        )
+
+    sched = SchedulerOutput(
+        scheduled=[req("long", 30, 1), req("chunk", 0, 5), req("short", 2, 1), req("mid", 9, 1)]
+    )
+    batch = build_input_batch(sched, block_size=4, num_blocks=16, device=CPU, dtype=torch.float32)
+    assert [r.request_id for r in batch.requests] == ["short", "mid", "long", "chunk"]
+    assert [r.request_id for r in batch.sample_requests] == ["short", "mid", "long", "chunk"]

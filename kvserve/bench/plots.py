@@ -37,11 +37,18 @@ def load_records(paths: list[str]) -> list[Record]:
 
 
 def concurrency(rec: Record) -> int:
-    """The concurrency a throughput / serve record ran at (batch size or request bound)."""
+    """The concurrency a throughput / serve record ran at.
+
+    The batch size or request bound when the record has one; else its request count,
+    capped by the engine's ``max_num_seqs`` (an offline kvserve run of more requests than
+    ``max_num_seqs`` never had more in flight).
+    """
     for key in ("batch_size", "max_concurrency"):
         if rec.get(key):
             return int(rec[key])
-    return int(rec["results"]["num_requests"])
+    num_requests = int(rec["results"]["num_requests"])
+    max_num_seqs = (rec.get("engine") or {}).get("max_num_seqs")
+    return min(num_requests, int(max_num_seqs)) if max_num_seqs else num_requests
 
 
 def series_name(rec: Record) -> str:

@@ -2,6 +2,7 @@
 
     .venv/bin/python -m kvserve.bench.runtime_speed [--batch-sizes 1 32] [--steps 64]
         [--prompt-len 128] [--threads 2] [--repeats 1] [--model PATH] [--profile]
+        [--floor] [--json PATH]
 
 Each batch size: B distinct random prompts of ``prompt_len`` tokens are prefilled (in chunks of
 at most ``--max-batched-tokens``), then ``steps`` greedy decode steps run for all B sequences
@@ -9,11 +10,22 @@ at once. Reported: prefill tokens/s and decode tokens/s (B x steps / decode wall
 With ``--repeats R`` the decode phase runs R times from the same prefilled state (rewriting
 the same cache slots) and the best and median of the R runs are reported: on a shared
 machine the best run is the least disturbed one.
+
+Bounds printed next to the figures:
+
+- the memory-bandwidth bound: weight bytes one decode step reads (``decode_weight_bytes``)
+  over the machine's read bandwidth (``read_bandwidth``: ``torch.sum`` over 1 GiB, best of 5),
+  i.e. the tokens/s of one stream if a step did nothing but stream its weights once;
+- with ``--floor``: the weight matmuls alone (``matmul_floor_step``: the step's GEMMs with
+  the same shapes, nothing else), run right after each decode run so that both see the same
+  machine. On a shared machine whose speed drifts, ``decode_vs_floor`` (decode step time /
+  matmul time, medians) is the figure that stays put: it is the engine's own overhead.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import time
@@ -42,6 +54,70 @@ def _req(rid: str, tokens: list[int], start: int, end: int, blocks: list[int]) -
     )
 
 
+def decode_weight_bytes(model: LlamaForCausalLM) -> int:
+    """Bytes of weights one decode step reads: every parameter once.
+
+    An untied input embedding is left out (a step reads only its T rows); a tied one is read
+    whole by the lm_head and counted once.
+    """
+    total = 0
+    for name, p in model.named_parameters():  # NOTE: yields a tied tensor once
+        if name == "embed_tokens" and model.lm_head is not model.embed_tokens:
+            continue
+        total += p.numel() * p.element_size()
+    return total
+
+
+def read_bandwidth(
+    nbytes: int = 1 << 30, repeats: int = 5, device: str | torch.device = "cpu"
+) -> float:
+    """Memory read bandwidth in bytes/s: the best of ``repeats`` ``torch.sum`` over ``nbytes``.
+
+    NOTE: a sum reads every byte once and writes nothing, like a decode step's weight
+    stream; it runs on the current torch thread count.
+    """
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first run warms the pages up
+        _sync(x.device)
+        t = time.perf_counter()
+        x.sum()
+        _sync(x.device)
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def matmul_floor_step(model: LlamaForCausalLM, batch_size: int, steps: int) -> float:
+    """Seconds per step of only the weight matmuls of a ``batch_size``-row decode step.
+
+    The same GEMM shapes and weights as the model's linear layers and lm_head, fed with
+    random activations, ``steps`` times; no attention, norms or sampling.
+    """
+    ref = model.norm
+    arch = model.arch
+    q_size = arch.num_attention_heads * arch.head_dim
+    x = torch.randn(batch_size, arch.hidden_size, dtype=ref.dtype, device=ref.device)
+    attn = torch.randn(batch_size, q_size, dtype=ref.dtype, device=ref.device)
+    act = torch.randn(batch_size, arch.intermediate_size, dtype=ref.dtype, device=ref.device)
+    _sync(ref.device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        for layer in model.layers:
+            torch.mm(x, layer.qkv_weight.t())
+            torch.mm(attn, layer.o_weight.t())
+            torch.mm(x, layer.gate_up_weight.t())
+            torch.mm(act, layer.down_weight.t())
+        torch.mm(x, model.lm_head.t())
+    _sync(ref.device)
+    return (time.perf_counter() - t) / steps
+
+
 def run_batch(
     runner: ModelRunner,
     batch_size: int,
@@ -51,12 +127,16 @@ def run_batch(
     seed: int = 0,
     repeats: int = 1,
     profile: bool = False,
+    floor: bool = False,
 ) -> dict[str, float | str]:
     """Prefill ``batch_size`` random prompts, then decode ``steps`` tokens for all of them.
 
     The decode phase runs ``repeats`` times from the same prefilled state; the figures are
     those of the fastest run, plus ``decode_tok_s_median`` over all runs. With ``profile``
     one more decode run goes under ``torch.profiler`` and ``profile`` holds its op table.
+    With ``floor`` (needs a ``LlamaForCausalLM``) each decode run is followed by
+    ``matmul_floor_step`` over as many steps: ``floor_tok_s`` (best), ``floor_tok_s_median``
+    and ``decode_vs_floor`` (median decode step / median matmul step).
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -86,7 +166,12 @@ def run_batch(
         for rid, tok in out.sampled_token_ids.items():
             seqs[rid].append(tok)
     t_prefill = time.perf_counter() - t0
-    runs = [_decode(runner, seqs, tables, steps) for _ in range(repeats)]
+    runs = []
+    floors = []
+    for _ in range(repeats):
+        runs.append(_decode(runner, seqs, tables, steps))
+        if floor:
+            floors.append(matmul_floor_step(runner.model, batch_size, steps - 1))
     t_decode, cpu_decode = min(runs)
     table = ""
     if profile:
@@ -96,7 +181,16 @@ def run_batch(
         with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
             _decode(runner, seqs, tables, steps)
         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+    extra: dict[str, float] = {}
+    if floors:
+        median_step = statistics.median(t for t, _ in runs) / (steps - 1)
+        extra = {
+            "floor_tok_s": batch_size / min(floors),
+            "floor_tok_s_median": batch_size / statistics.median(floors),
+            "decode_vs_floor": median_step / statistics.median(floors),
+        }
     return {
+        **extra,
         "profile": table,
         "batch_size": batch_size,
         "prefill_tok_s": batch_size * prompt_len / t_prefill,
@@ -140,8 +234,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--profile", action="store_true", help="print a torch.profiler table of one decode run"
     )
+    ap.add_argument(
+        "--floor",
+        action="store_true",
+        help="after each decode run, time the same weight matmuls alone (see module doc)",
+    )
+    ap.add_argument("--json", default=None, help="write the figures to this JSON file")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    bandwidth = read_bandwidth(device=args.device)
     t0 = time.perf_counter()
     loaded = load_model(args.model, torch.float32)
     model = LlamaForCausalLM(loaded.arch, device=args.device, attn_backend=args.attn_backend)
@@ -155,7 +256,22 @@ def main(argv: list[str] | None = None) -> None:
         block_size=args.block_size,
         device=args.device,
     )
+    weight_bytes = decode_weight_bytes(model)
+    bound = bandwidth / weight_bytes
     print(f"loaded in {time.perf_counter() - t0:.1f}s; threads={torch.get_num_threads()}")
+    print(
+        f"weights read per decode step {weight_bytes / 1e6:.1f} MB; read bandwidth "
+        f"{bandwidth / 1e9:.1f} GB/s (torch.sum over 1 GiB, best of 5) -> bandwidth bound "
+        f"{bound:.1f} steps/s (tok/s per stream)"
+    )
+    record: dict[str, object] = {
+        "benchmark": "runtime_speed",
+        "settings": {k: v for k, v in vars(args).items() if k != "json"},
+        "weight_bytes_per_step": weight_bytes,
+        "read_bandwidth_bytes_per_s": bandwidth,
+        "bandwidth_bound_steps_per_s": bound,
+        "results": [],
+    }
     run_batch(runner, 1, 16, 4, args.max_batched_tokens)  # warm-up
     for b in args.batch_sizes:
         r = run_batch(
@@ -166,17 +282,29 @@ def main(argv: list[str] | None = None) -> None:
             args.max_batched_tokens,
             repeats=args.repeats,
             profile=args.profile,
+            floor=args.floor,
         )
         if r["profile"]:
             print(r["profile"])
+        record["results"].append({k: v for k, v in r.items() if k != "profile"})
         median = (
             f", median of {args.repeats} {r['decode_tok_s_median']:.1f}" if args.repeats > 1 else ""
         )
+        share = 100 * r["decode_tok_s"] / (b * bound)
         print(
             f"B={b:3d}  prefill {r['prefill_tok_s']:7.1f} tok/s  decode {r['decode_tok_s']:7.1f} "
             f"tok/s  ({r['decode_step_ms']:.1f} ms/step, {r['decode_cpu_ms']:.1f} cpu-ms/step"
-            f"{median})"
+            f"{median}); steps/s = {share:.0f} % of the bandwidth bound"
         )
+        if args.floor:
+            print(
+                f"       weight matmuls alone {r['floor_tok_s']:7.1f} tok/s (median "
+                f"{r['floor_tok_s_median']:.1f}); decode step = {r['decode_vs_floor']:.2f} x "
+                "the matmul time (medians)"
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=2)
 
 
 if __name__ == "__main__":

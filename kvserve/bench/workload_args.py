@@ -40,6 +40,12 @@ def add_workload_args(p: argparse.ArgumentParser, *, num_prompts: int = 32) -> N
     g.add_argument(
         "--output-len", type=int, default=None, help="random/shared-prefix: output tokens each"
     )
+    g.add_argument(
+        "--max-output-len",
+        type=int,
+        default=None,
+        help="sharegpt: clip the long-tailed output lengths to at most this many tokens",
+    )
     g.add_argument("--num-groups", type=int, default=None, help="shared-prefix: prefix groups")
     g.add_argument("--prefix-len", type=int, default=None, help="shared-prefix: prefix tokens")
     g.add_argument("--suffix-len", type=int, default=None, help="shared-prefix: question tokens")
@@ -74,8 +80,13 @@ def workload_options(args: argparse.Namespace) -> dict[str, object]:
             kw["num_turns"] = args.num_turns
         # NOTE: offline replay sends every turn at once; think time only matters for arrivals.
         kw["think_time"] = 0.0
-    elif kind == "sharegpt" and args.output_len is not None:
-        kw.update(min_output_len=args.output_len, max_output_len=args.output_len)
+    elif kind == "sharegpt":
+        if args.output_len is not None:
+            kw.update(min_output_len=args.output_len, max_output_len=args.output_len)
+        elif args.max_output_len is not None:
+            kw["max_output_len"] = args.max_output_len
+    if args.max_output_len is not None and kind != "sharegpt":
+        raise ValueError(f"--max-output-len applies to --workload sharegpt, not {kind!r}")
     return kw
 
 

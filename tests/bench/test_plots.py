@@ -186,3 +186,11 @@ def test_cdf_points_and_timeline_downsampling() -> None:
         downsample_columns({"a": [1], "b": [1, 2]})
     with pytest.raises(ValueError, match="max_points"):
         cdf_points([1.0], max_points=1)
+
+
+def test_offline_concurrency_is_capped_by_max_num_seqs() -> None:
+    rec = {"results": {"num_requests": 64}, "engine": {"max_num_seqs": 32}}
+    assert concurrency(rec) == 32
+    assert concurrency({"results": {"num_requests": 8}, "engine": {"max_num_seqs": 32}}) == 8
+    assert concurrency({"results": {"num_requests": 8}}) == 8
+    assert concurrency({"batch_size": 4, "results": {"num_requests": 8}}) == 4

@@ -44,6 +44,18 @@ def test_random_fixed_lengths_and_jsonl_round_trip(tmp_path) -> None:
     assert [r.to_dict() for r in replayed] == [r.to_dict() for r in reqs]
 
 
+def test_sharegpt_max_output_len_clips_the_tail_only() -> None:
+    full = build_workload(_args("--workload", "sharegpt", "--num-prompts", "64"))
+    clipped = build_workload(
+        _args("--workload", "sharegpt", "--num-prompts", "64", "--max-output-len", "200")
+    )
+    assert max(r.output_len for r in full) > 200  # the default tail reaches past the clip
+    assert [min(r.output_len, 200) for r in full] == [r.output_len for r in clipped]
+    assert [r.prompt_len for r in full] == [r.prompt_len for r in clipped]
+    with pytest.raises(ValueError, match="--max-output-len applies to --workload sharegpt"):
+        build_workload(_args("--workload", "random", "--max-output-len", "8"))
+
+
 def test_shared_prefix_groups_share_their_prefix() -> None:
     reqs = build_workload(
         _args(

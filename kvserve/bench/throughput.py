@@ -13,7 +13,7 @@ import dataclasses
 import sys
 from typing import TYPE_CHECKING, Any
 
-from kvserve.bench.offline import OfflineRun, call_in_worker_thread, run_offline, warm_up
+from kvserve.bench.offline import run_trace
 from kvserve.bench.report import make_record, print_figures, write_json
 from kvserve.bench.workload_args import (
     add_workload_args,
@@ -93,19 +93,16 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     engine = build_engine(args)
     check_vocab(requests, engine.arch.vocab_size)
 
-    def run() -> OfflineRun:
-        if args.warmup:
-            warm_up(engine)
-        return run_offline(
-            engine,
-            requests,
-            ignore_eos=args.ignore_eos,
-            temperature=args.sampling_temperature,
-            replay_arrivals=args.replay_arrivals,
-            max_concurrency=args.max_concurrency,
-        )
-
-    run = call_in_worker_thread(run) if args.step_thread else run()
+    run = run_trace(
+        engine,
+        requests,
+        warmup=args.warmup,
+        step_thread=args.step_thread,
+        ignore_eos=args.ignore_eos,
+        temperature=args.sampling_temperature,
+        replay_arrivals=args.replay_arrivals,
+        max_concurrency=args.max_concurrency,
+    )
     title = f"kvserve throughput ({args.workload_file or args.workload}, {len(requests)} requests)"
     print_figures(run.figures, title)
     write_json(

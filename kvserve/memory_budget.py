@@ -105,7 +105,7 @@ class MemoryReport:
                 f"  activation lower bound: {_fmt(plan.lower_bound_bytes)}",
                 f"  naive activation sum: {_fmt(plan.naive_bytes)} "
                 f"({plan.num_layers_traced} layers traced)",
-                f"  of which kernel scratch (cpu flash attention, {plan.num_threads} threads, "
+                f"  of which kernel scratch (attention kernels, {plan.num_threads} threads, "
                 f"modelled): {_fmt(plan.kernel_scratch_bytes)}",
                 f"  largest step: {plan.step_name} ({plan.num_tokens} tokens, "
                 f"{plan.num_seqs} sequences)",

@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=1, help="decode runs per batch size")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--attn-backend", default="torch_sdpa")
+    ap.add_argument("--attn-backend", default="auto")
     ap.add_argument(
         "--profile", action="store_true", help="print a torch.profiler table of one decode run"
     )

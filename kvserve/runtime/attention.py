@@ -114,6 +114,8 @@ class AttentionMetadata:
     num_decode_seqs: int = 0
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     chunks: list[ChunkMeta] = field(default_factory=list)  # the other sequences
+    # NativeCPUBackend's decode block tables and lengths (int32), made on first use.
+    native_decode: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _slots_for(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -562,11 +564,26 @@ _BACKENDS: dict[str, type[AttentionBackend]] = {
 }
 
 
-def get_attention_backend(name: str = "torch_sdpa") -> AttentionBackend:
-    """Instantiate an attention backend by name ('torch_sdpa' or 'torch_ref')."""
+def get_attention_backend(name: str = "auto") -> AttentionBackend:
+    """Instantiate an attention backend by name.
+
+    'torch_sdpa', 'torch_ref', 'native' (the C++ CPU kernels, see ``kvserve.runtime.native``;
+    ValueError if they cannot be built) or 'auto': 'native' where the kernels load, else
+    'torch_sdpa'.
+    """
+    if name in ("native", "auto"):
+        from kvserve.runtime import native
+        from kvserve.runtime.native.backend import NativeCPUBackend
+
+        if native.available():
+            return NativeCPUBackend()
+        if name == "native":
+            raise ValueError(f"attention backend 'native' is unavailable: {native.reason()}")
+        return TorchSDPABackend()
     try:
         return _BACKENDS[name]()
     except KeyError:
         raise ValueError(
-            f"unknown attention backend {name!r}; choose one of {sorted(_BACKENDS)}"
+            f"unknown attention backend {name!r}; choose one of "
+            f"{sorted([*_BACKENDS, 'native', 'auto'])}"
         ) from None

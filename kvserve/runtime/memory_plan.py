@@ -13,9 +13,11 @@ a pre-allocated arena so that tensors whose lifetimes do not overlap reuse the s
    NOTE: the paged-attention code is plain eager PyTorch with Python control flow over the
    step's sequences, which torch.fx cannot trace; a dispatch mode sees the ops it issues.
    Op-internal workspace (a kernel's scratch) is invisible to it, so the recorder adds what
-   ``kernel_scratch.py`` models (CPU flash attention's per-thread buffers) as a buffer live
-   at that op only, and collects the step's GEMM shapes, whose library buffers the engine
-   measures at start-up (``kernel_scratch.measure_gemm_scratch``).
+   ``kernel_scratch.py`` models (the per-thread buffers of CPU flash attention and of the
+   native decode kernel) as a buffer live at that op only, and collects the step's GEMM
+   shapes, whose library buffers the engine measures at start-up
+   (``kernel_scratch.measure_gemm_scratch``). The native kernels are custom ops with fake
+   kernels (``kvserve.runtime.native``), so the trace sees them as one op each.
 2. **Pack.** ``pack_intervals``: greedy by size (largest first) with best-fit offsets, the
    "greedy by size" strategy of TFLite's arena planner (Pisarchyk & Lee, 2020).
 3. **Report** (``ArenaPlan``): planned peak (arena size), naive sum (one buffer per tensor,
@@ -41,7 +43,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvserve.config import ModelArchConfig
 from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
-from kvserve.runtime.kernel_scratch import GemmShape, gemm_shape, sdpa_cpu_flash_scratch_bytes
+from kvserve.runtime.kernel_scratch import (
+    GemmShape,
+    gemm_shape,
+    native_decode_scratch_bytes,
+    sdpa_cpu_flash_scratch_bytes,
+)
 from kvserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 ARENA_ALIGNMENT = 64  # bytes; every offset and size in a plan is a multiple of it
@@ -219,9 +226,11 @@ class LifetimeRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        if func.namespace != "aten":  # prim.device and friends: no tensors come out
+        if func.namespace not in ("aten", "kvserve"):  # prim.device and friends
             return func(*args, **kwargs)
-        if func not in _NEW_BUFFER_OPS:
+        # NOTE: kvserve's native ops only write into their arguments: they are uses of the
+        # buffers they touch (and may hold kernel scratch), never new buffers.
+        if func.namespace == "aten" and func not in _NEW_BUFFER_OPS:
             with self:
                 out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:
@@ -249,9 +258,19 @@ class LifetimeRecorder(TorchDispatchMode):
             size = sdpa_cpu_flash_scratch_bytes(
                 q.shape, k.shape, q.dtype, self.num_threads, is_causal=is_causal
             )
-            label = "kernel scratch: cpu flash attention"
-            self.buffers.append(_Buffer(size, step, step, label, freed=step))
-            self.scratch_bytes = max(self.scratch_bytes, size)
+            self._add_scratch(size, step, "kernel scratch: cpu flash attention")
+        elif func._schema.name == "kvserve::paged_decode_attention":
+            q, kv_cache, block_tables = args[1], args[2], args[3]
+            max_context = block_tables.shape[1] * kv_cache.shape[2]
+            size = native_decode_scratch_bytes(
+                q.shape[1], max_context, q.shape[2], self.num_threads
+            )
+            self._add_scratch(size, step, "kernel scratch: native decode attention")
+
+    def _add_scratch(self, size: int, step: int, label: str) -> None:
+        """A kernel's own buffer, live at its op only."""
+        self.buffers.append(_Buffer(size, step, step, label, freed=step))
+        self.scratch_bytes = max(self.scratch_bytes, size)
 
     def _record_outputs(self, func, args, kwargs, out, step: int) -> None:  # type: ignore[no-untyped-def]
         returns = func._schema.returns
@@ -497,7 +516,7 @@ def plan_activations(
     block_size: int = 16,
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
-    attn_backend: str = "torch_sdpa",
+    attn_backend: str = "auto",
     steps: Sequence[str] | None = None,
     alignment: int = ARENA_ALIGNMENT,
     max_layers: int | None = None,
@@ -620,7 +639,7 @@ def describe(plan: ActivationPlan) -> list[str]:
         f"naive activation sum: {plan.naive_bytes} bytes",
         f"activation lower bound: {plan.lower_bound_bytes} bytes",
         f"eager activation peak: {plan.eager_peak_bytes} bytes",
-        f"kernel scratch in the plan (cpu flash attention, {plan.num_threads} threads): "
+        f"kernel scratch in the plan (attention kernels, {plan.num_threads} threads): "
         f"{plan.kernel_scratch_bytes} bytes",
         f"largest step: {plan.step_name} ({plan.num_tokens} tokens, {plan.num_seqs} seqs, "
         f"{plan.num_tensors} tensors, {plan.num_layers_traced} layers traced)",

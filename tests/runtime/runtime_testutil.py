@@ -67,11 +67,16 @@ def tiny_hf_model(kind: str, **overrides: object) -> transformers.PreTrainedMode
 
 
 def ours_from_hf(
-    hf_model: transformers.PreTrainedModel, attn_backend: str = "torch_sdpa"
+    hf_model: transformers.PreTrainedModel,
+    attn_backend: str = "torch_sdpa",
+    native_ops: bool | None = None,
 ) -> tuple[LlamaForCausalLM, ModelArchConfig]:
-    """Our model with the HF model's weights, and its arch config."""
+    """Our model with the HF model's weights, and its arch config.
+
+    ``native_ops`` None: the native CPU kernels where they load (the engine's default).
+    """
     arch = hf_arch_config(hf_model.config.to_dict(), "tiny")
-    model = LlamaForCausalLM(arch, attn_backend=attn_backend)
+    model = LlamaForCausalLM(arch, attn_backend=attn_backend, native_ops=native_ops)
     model.load_weights(hf_model.state_dict())
     return model, arch
 

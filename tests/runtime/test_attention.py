@@ -1,4 +1,7 @@
-"""Paged attention: the fast backend equals the reference, which equals dense attention."""
+"""Paged attention: the fast backends equal the reference, which equals dense attention.
+
+NativeCPUBackend runs the C++ decode kernel where it loads (tests/runtime/test_native.py
+fails when it does not) and TorchSDPABackend's path elsewhere."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from kvserve.runtime.attention import (
     plan_decode_groups,
 )
 from kvserve.runtime.input_batch import build_input_batch
+from kvserve.runtime.native.backend import NativeCPUBackend
 from kvserve.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -108,13 +112,14 @@ def test_backends_match_dense_attention(
         ]
     )
     caches = {}
-    for backend in (TorchReferenceBackend(), TorchSDPABackend()):
+    for backend in (TorchReferenceBackend(), TorchSDPABackend(), NativeCPUBackend()):
         cache = cache0.clone()
         out = backend.forward(data["q"], data["k"], data["v"], cache, meta)
         torch.testing.assert_close(out, expected, atol=ATOL, rtol=0, msg=backend.name)
         caches[backend.name] = cache
     # Both wrote exactly the same cache, and every token sits at its block-table slot.
     assert torch.equal(caches["torch_ref"], caches["torch_sdpa"])
+    assert torch.equal(caches["torch_ref"], caches["native"])
     for s, (keys, values) in zip(seqs, data["full"], strict=True):
         for p in range(s.seq_len):
             blk, off = s.block_ids[p // BLOCK_SIZE], p % BLOCK_SIZE
@@ -122,7 +127,9 @@ def test_backends_match_dense_attention(
             assert torch.equal(caches["torch_sdpa"][1, blk, off], values[p])
 
 
-@pytest.mark.parametrize("backend", [TorchReferenceBackend(), TorchSDPABackend()])
+@pytest.mark.parametrize(
+    "backend", [TorchReferenceBackend(), TorchSDPABackend(), NativeCPUBackend()]
+)
 def test_block_written_this_step_is_readable_by_another_sequence(backend) -> None:
     """Sequence B's context block is filled by sequence A in the same step (prefix hit on
     a block cached this step): B must see A's fresh K/V, so all writes precede all reads."""
@@ -188,10 +195,10 @@ def test_one_metadata_serves_caches_of_different_sizes() -> None:
     meta = build_attention_metadata(seqs, block_size=BLOCK_SIZE, device=CPU, dtype=torch.float32)
     big = torch.zeros(2, 3 * NUM_BLOCKS, *cache0.shape[2:])
     big[:, :NUM_BLOCKS] = cache0
-    backend = TorchSDPABackend()
     outs = [
         backend.forward(data["q"], data["k"], data["v"], cache, meta)
-        for cache in (cache0.clone(), big, cache0.clone())
+        for backend in (TorchSDPABackend(), NativeCPUBackend())
+        for cache in (cache0.clone(), big.clone(), cache0.clone())
     ]
     expected = TorchReferenceBackend().forward(
         data["q"], data["k"], data["v"], cache0.clone(), meta

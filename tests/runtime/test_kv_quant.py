@@ -24,6 +24,7 @@ from kvserve.runtime.kv_cache import (
     quantize_kv,
 )
 from kvserve.runtime.model_runner import ModelRunner
+from kvserve.runtime.native.backend import NativeCPUBackend
 from tests.runtime.runtime_testutil import ToyAllocator, generate, ours_from_hf, tiny_hf_model
 
 CPU = torch.device("cpu")
@@ -240,7 +241,7 @@ def test_window_with_sinks_matches_dense_mask_with_freed_blocks(kind, window, si
         num_sink_tokens=sinks,
     )
     expected = _expected(q, full, seqs, kind, window, sinks)
-    for backend in (TorchReferenceBackend(), TorchSDPABackend()):
+    for backend in (TorchReferenceBackend(), TorchSDPABackend(), NativeCPUBackend()):
         layer = cache.layer_caches[0]
         layer = (
             QuantizedLayerCache(layer.data.clone(), layer.scales.clone(), kind)

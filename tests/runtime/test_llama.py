@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvserve.models.llama import LlamaForCausalLM, Workspace, compute_inv_freq, rope_cos_sin
+from kvserve.runtime import native
 from kvserve.runtime.attention import SeqSpec, build_attention_metadata
 from kvserve.runtime.kv_cache import KVCache
 from tests.runtime.runtime_testutil import ToyAllocator, hf_logits, ours_from_hf, tiny_hf_model
@@ -82,10 +83,18 @@ def _prompts(lengths: list[int], vocab: int, seed: int) -> dict[str, list[int]]:
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
-@pytest.mark.parametrize("backend", ["torch_sdpa", "torch_ref"])
-def test_ragged_chunked_prefill_then_decode_matches_hf(kind: str, backend: str) -> None:
+@pytest.mark.parametrize(
+    ("backend", "native_ops"),
+    [("torch_sdpa", False), ("torch_ref", False), ("native", True)],
+    ids=["torch_sdpa", "torch_ref", "native"],
+)
+def test_ragged_chunked_prefill_then_decode_matches_hf(
+    kind: str, backend: str, native_ops: bool
+) -> None:
+    if native_ops and not native.available():
+        pytest.skip(f"native kernels unavailable: {native.reason()}")
     hf = tiny_hf_model(kind)
-    model, _ = ours_from_hf(hf, attn_backend=backend)
+    model, _ = ours_from_hf(hf, attn_backend=backend, native_ops=native_ops)
     seqs = _prompts([1, 7, 23, 40], hf.config.vocab_size, seed=11)
     # Chunked prefill (several chunk sizes, some mid-block), then one token per step (decode).
     chunks = {
@@ -100,10 +109,11 @@ def test_ragged_chunked_prefill_then_decode_matches_hf(kind: str, backend: str) 
         torch.testing.assert_close(ours[rid], ref, atol=ATOL, rtol=0, msg=f"{kind} {rid}")
 
 
-def test_sliding_window_matches_hf() -> None:
+@pytest.mark.parametrize("backend", ["torch_sdpa", "auto"])
+def test_sliding_window_matches_hf(backend: str) -> None:
     hf = tiny_hf_model("mistral", sliding_window=6)
     hf.config._attn_implementation = "eager"
-    model, arch = ours_from_hf(hf)
+    model, arch = ours_from_hf(hf, attn_backend=backend)
     assert arch.sliding_window == 6
     seqs = _prompts([30, 11], hf.config.vocab_size, seed=5)
     ours = _run_schedule(model, seqs, {"s0": [9, 8, 1], "s1": [11, 1]})

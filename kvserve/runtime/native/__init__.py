@@ -1,0 +1,138 @@
+"""Native CPU kernels: fused per-layer ops and paged decode attention, in C++.
+
+``kvserve_cpu_ops.cpp`` registers five torch custom ops in the ``kvserve`` namespace
+(``torch.ops.kvserve.*``): ``add_rms_norm``, ``rope_``, ``write_kv``,
+``paged_decode_attention`` and ``silu_mul``. They are built on first use with
+``torch.utils.cpp_extension`` (g++ and ninja, ~1 minute on 2 cores) into
+``$KVSERVE_CACHE_DIR/native/`` (default ``~/.cache/kvserve/native/``), keyed by the source,
+the torch version and the CPU's feature flags (the build uses ``-march=native``), so a later
+process only loads the built library.
+
+``load()`` never raises: without a compiler, or with ``KVSERVE_NATIVE=0`` in the
+environment, it returns False once, logs why, and the model runs its torch ops instead
+(``reason()`` says why). ``make install`` builds the kernels, so the first request does not
+wait for the compiler.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("kvserve_cpu_ops.cpp")
+DISABLE_ENV = "KVSERVE_NATIVE"  # "0" turns the native kernels off
+CACHE_ENV = "KVSERVE_CACHE_DIR"
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+# NOTE: linking -fopenmp records a need for libgomp.so.1; torch's own libgomp.so.1 is loaded
+# first and has that soname, so the kernels' at::parallel_for shares torch's OpenMP threads.
+LDFLAGS = ("-fopenmp",)
+
+log = logging.getLogger(__name__)
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (from /proc/cpuinfo), which ``-march=native`` compiles for."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def build_name() -> str:
+    """Extension name: source, flags, torch version and CPU features hashed together."""
+    h = hashlib.sha256(SOURCE.read_bytes())
+    for part in (*CFLAGS, *LDFLAGS, torch.__version__, _cpu_flags()):
+        h.update(part.encode())
+    return f"kvserve_cpu_ops_{h.hexdigest()[:16]}"
+
+
+def build_dir() -> Path:
+    """Where the kernels are built and kept."""
+    base = os.environ.get(CACHE_ENV) or os.path.join(Path.home(), ".cache", "kvserve")
+    return Path(base) / "native" / build_name()
+
+
+def _ensure_ninja_on_path() -> None:
+    """Put the venv's ninja on PATH: ``.venv/bin/python`` runs without the venv activated."""
+    if shutil.which("ninja"):
+        return
+    dirs = [os.path.dirname(sys.executable)]
+    try:
+        import ninja  # the PyPI package ships the binary
+
+        dirs.insert(0, ninja.BIN_DIR)
+    except (ImportError, AttributeError):
+        pass
+    os.environ["PATH"] = os.pathsep.join([*dirs, os.environ.get("PATH", "")])
+
+
+def _register_fakes() -> None:
+    """Fake kernels: every op only writes into its arguments, so tracing has nothing to do."""
+    for op in ("add_rms_norm", "rope_", "write_kv", "paged_decode_attention", "silu_mul"):
+        torch.library.register_fake(f"kvserve::{op}")(lambda *args, **kwargs: None)
+
+
+def _build(verbose: bool) -> None:
+    from torch.utils import cpp_extension
+
+    _ensure_ninja_on_path()
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name=build_name(),
+        sources=[str(SOURCE)],
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=list(LDFLAGS),
+        build_directory=str(directory),
+        is_python_module=False,
+        verbose=verbose,
+    )
+    _register_fakes()
+
+
+def load(verbose: bool = False) -> bool:
+    """Build (first time) and load the kernels; True when ``torch.ops.kvserve`` has them."""
+    with _lock:
+        if "ok" not in _state:
+            if os.environ.get(DISABLE_ENV, "1") == "0":
+                _state.update(ok=False, reason=f"disabled by {DISABLE_ENV}=0")
+            else:
+                try:
+                    _build(verbose)
+                    _state.update(ok=True, reason=None)
+                except Exception as exc:  # noqa: BLE001 - any build failure means "use torch"
+                    _state.update(ok=False, reason=f"{type(exc).__name__}: {exc}")
+                    log.warning(
+                        "native CPU kernels unavailable, using torch ops: %s", _state["reason"]
+                    )
+        return bool(_state["ok"])
+
+
+def available() -> bool:
+    """Whether the native kernels are loaded (building them on the first call)."""
+    return load()
+
+
+def reason() -> str | None:
+    """Why the kernels are unavailable (None when loaded or not tried yet)."""
+    return _state.get("reason")  # type: ignore[return-value]
+
+
+def ops() -> object:
+    """``torch.ops.kvserve``; call only after ``load()`` returned True."""
+    return torch.ops.kvserve

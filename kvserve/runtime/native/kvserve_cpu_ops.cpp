@@ -1,0 +1,533 @@
+// kvserve native CPU kernels: the per-layer ops around the weight matmuls of a decode step.
+//
+// Registered as torch custom ops in the `kvserve` namespace (torch.ops.kvserve.*), CPU only;
+// Python-side fake kernels (kvserve/runtime/native/__init__.py) let FakeTensorMode trace
+// them. Every op writes into tensors the caller owns and returns nothing: the model's
+// Workspace keeps all activations, so a step allocates nothing here either.
+//
+// NOTE: why native code at all. A decode step of the embedded model at B=1 is ~27 ms of
+// weight matmuls that stream 538 MB from DRAM and ~13 ms of everything else: ~25 small aten
+// ops per layer (RMSNorm alone is 6), each paying dispatch plus a cold start after the
+// matmul has flushed the caches. Each op here replaces several of those with one pass over
+// the data. At B=32 the torch decode attention first gathers every sequence's blocks into a
+// padded copy and then runs SDPA over it; `paged_decode_attention` reads the blocks where
+// they lie, once.
+//
+// Numerics: float accumulation for every dtype; results differ from the torch path only by
+// summation order and by `exp_approx` (relative error < 2e-7 over the range softmax and
+// SiLU use, next to the 1-ulp exp of ATen's vectorized kernels).
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <utility>
+#include <vector>
+
+namespace kvserve {
+namespace {
+
+using at::Tensor;
+
+// Cephes-style expf: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-6 polynomial.
+// Pure arithmetic and integer bit tricks, so `#pragma omp simd` loops vectorize it (libm's
+// expf is a scalar call). Inputs below -87.3 give 0, as exp underflows there anyway.
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.33654f), 88.37626f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  // ln2 split in two so that n * ln2 is subtracted without rounding loss.
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &p, sizeof(bits));
+  bits += static_cast<int32_t>(n) << 23;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  // NOTE: n = -127 (x near -88) would carry into the sign bit; such terms are 0 in float.
+  return n < -126.0f ? 0.0f : out;
+}
+
+template <typename T>
+inline float to_float(T x) {
+  return static_cast<float>(x);
+}
+
+// Rows of at least this many elements of work run in parallel; below it the OpenMP fork
+// costs more than it saves (a decode step's rows at B=1 are 576-1536 elements).
+constexpr int64_t kParallelWork = 1 << 15;
+
+inline int64_t grain_for(int64_t work_per_item) {
+  return std::max<int64_t>(1, kParallelWork / std::max<int64_t>(1, work_per_item));
+}
+
+void check_cpu(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), "kvserve native op: ", name, " must be a CPU tensor");
+}
+
+void check_rows(const Tensor& t, const char* name) {
+  check_cpu(t, name);
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, "kvserve native op: ", name,
+              " must be 2-D with contiguous rows, got sizes ", t.sizes(), " strides ",
+              t.strides());
+}
+
+// One row of add_rms_norm: h += r (if r), o = (h * rsqrt(mean(h^2) + eps)) * w.
+// NOTE: the loops live outside AT_DISPATCH's macro argument, where a #pragma cannot go.
+template <typename scalar_t>
+void rms_row(scalar_t* h, const scalar_t* r, const scalar_t* w, scalar_t* o, int64_t n,
+             float eps) {
+  // NOTE: the sum of squares in double: the float mean then carries one rounding, where
+  // float sums in any lane order (torch's or ours) carry several. This scale multiplies
+  // every element of the row and the error grows through the layers: on a 140-token prompt
+  // of the embedded model a float sum put the logits 4.8e-3 from a float64 run, this
+  // 9.7e-4 (transformers in float32: 7.1e-4; kvserve's torch ops: 1.8e-4).
+  double sumsq = 0.0;
+  if (r != nullptr) {
+#pragma omp simd reduction(+ : sumsq)
+    for (int64_t i = 0; i < n; ++i) {
+      const scalar_t x = static_cast<scalar_t>(to_float(h[i]) + to_float(r[i]));
+      h[i] = x;
+      sumsq += static_cast<double>(to_float(x)) * to_float(x);
+    }
+  } else {
+#pragma omp simd reduction(+ : sumsq)
+    for (int64_t i = 0; i < n; ++i) sumsq += static_cast<double>(to_float(h[i])) * to_float(h[i]);
+  }
+  const float mean = static_cast<float>(sumsq / static_cast<double>(n));
+  const float scale = 1.0f / std::sqrt(mean + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    o[i] = static_cast<scalar_t>((to_float(h[i]) * scale) * to_float(w[i]));
+  }
+}
+
+// hidden += residual (if given); out = rms_norm(hidden) * weight, row by row. out may be
+// residual itself: a row's residual is read before its output is written.
+void add_rms_norm(Tensor hidden, const std::optional<Tensor>& residual, Tensor weight,
+                  double eps, Tensor out) {
+  check_rows(hidden, "hidden");
+  check_rows(out, "out");
+  check_cpu(weight, "weight");
+  const int64_t rows = hidden.size(0), n = hidden.size(1);
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == n, "weight must have ", n,
+              " contiguous elements");
+  TORCH_CHECK(out.sizes() == hidden.sizes(), "out must match hidden's shape");
+  TORCH_CHECK(out.scalar_type() == hidden.scalar_type() &&
+                  weight.scalar_type() == hidden.scalar_type(),
+              "hidden, weight and out must share a dtype");
+  if (residual.has_value()) {
+    check_rows(*residual, "residual");
+    TORCH_CHECK(residual->sizes() == hidden.sizes() &&
+                    residual->scalar_type() == hidden.scalar_type(),
+                "residual must match hidden's shape and dtype");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, hidden.scalar_type(), "add_rms_norm",
+                                  [&] {
+    scalar_t* h = hidden.data_ptr<scalar_t>();
+    const scalar_t* res = residual.has_value() ? residual->data_ptr<scalar_t>() : nullptr;
+    const scalar_t* w = weight.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const int64_t hs = hidden.stride(0), rs = res ? residual->stride(0) : 0, os = out.stride(0);
+    at::parallel_for(0, rows, grain_for(n), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        rms_row<scalar_t>(h + t * hs, res ? res + t * rs : nullptr, w, o + t * os, n,
+                          static_cast<float>(eps));
+      }
+    });
+  });
+}
+
+// One token of rope_: heads rows of d, cos/sin rows c/s of d.
+template <typename scalar_t>
+void rope_row(scalar_t* x, const scalar_t* c, const scalar_t* s, int64_t heads, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t hd = 0; hd < heads; ++hd) {
+    scalar_t* lo = x + hd * d;
+    scalar_t* hi = lo + half;
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float xl = to_float(lo[i]), xh = to_float(hi[i]);
+      lo[i] = static_cast<scalar_t>(xl * to_float(c[i]) + xh * to_float(s[i]));
+      hi[i] = static_cast<scalar_t>(xh * to_float(c[half + i]) + xl * to_float(s[half + i]));
+    }
+  }
+}
+
+// Rotate-half RoPE in place on x [T, heads, d] (rows may be strided; heads contiguous).
+// cos, sin: [T, 1, d] contiguous, sin's first half negated (see rope_cos_sin in llama.py).
+void rope_(Tensor x, Tensor cos, Tensor sin) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
+              "x must be [T, heads, d] with contiguous heads, got strides ", x.strides());
+  const int64_t rows = x.size(0), heads = x.size(1), d = x.size(2);
+  TORCH_CHECK(d % 2 == 0, "head_dim must be even");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == rows * d &&
+                  sin.numel() == rows * d,
+              "cos and sin must be contiguous [T, 1, d]");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "cos and sin must have x's dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rope_", [&] {
+    scalar_t* base = x.data_ptr<scalar_t>();
+    const scalar_t* c = cos.data_ptr<scalar_t>();
+    const scalar_t* s = sin.data_ptr<scalar_t>();
+    const int64_t xs = x.stride(0);
+    at::parallel_for(0, rows, grain_for(heads * d), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        rope_row<scalar_t>(base + t * xs, c + t * d, s + t * d, heads, d);
+      }
+    });
+  });
+}
+
+// Write k, v [T, kvh, d] (rows may be strided; each row contiguous) into cache
+// [2, num_blocks, block_size, kvh, d] at flat slots slot_mapping[T].
+template <typename scalar_t>
+void write_kv_impl(scalar_t* cache, int64_t slots_per_plane, const Tensor& k, const Tensor& v,
+                   const int64_t* slots, int64_t rows, int64_t row_elems) {
+  const scalar_t* kp = k.data_ptr<scalar_t>();
+  const scalar_t* vp = v.data_ptr<scalar_t>();
+  const int64_t ks = k.stride(0), vs = v.stride(0);
+  const size_t nbytes = static_cast<size_t>(row_elems) * sizeof(scalar_t);
+  for (int64_t t = 0; t < rows; ++t) {
+    const int64_t slot = slots[t];
+    TORCH_CHECK(slot >= 0 && slot < slots_per_plane, "slot ", slot, " out of range [0, ",
+                slots_per_plane, ")");
+    std::memcpy(cache + slot * row_elems, kp + t * ks, nbytes);
+    std::memcpy(cache + (slots_per_plane + slot) * row_elems, vp + t * vs, nbytes);
+  }
+}
+
+void check_cache(const Tensor& cache) {
+  check_cpu(cache, "kv_cache");
+  TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous(),
+              "kv_cache must be a contiguous [2, num_blocks, block_size, kvh, d] tensor");
+}
+
+void check_kv_rows(const Tensor& x, const Tensor& cache, const char* name) {
+  check_cpu(x, name);
+  TORCH_CHECK(x.dim() == 3 && x.size(1) == cache.size(3) && x.size(2) == cache.size(4) &&
+                  x.stride(2) == 1 && x.stride(1) == x.size(2),
+              name, " must be [T, kvh, d] with contiguous rows matching the cache");
+  TORCH_CHECK(x.scalar_type() == cache.scalar_type(), name, " must have the cache's dtype");
+}
+
+void write_kv(Tensor kv_cache, Tensor k, Tensor v, Tensor slot_mapping) {
+  check_cache(kv_cache);
+  check_kv_rows(k, kv_cache, "k");
+  check_kv_rows(v, kv_cache, "v");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == k.size(0) && v.size(0) == k.size(0),
+              "slot_mapping must be a contiguous int64 [T] tensor matching k and v");
+  const int64_t slots_per_plane = kv_cache.size(1) * kv_cache.size(2);
+  const int64_t row_elems = kv_cache.size(3) * kv_cache.size(4);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, kv_cache.scalar_type(), "write_kv",
+                                  [&] {
+    write_kv_impl<scalar_t>(kv_cache.data_ptr<scalar_t>(), slots_per_plane, k, v,
+                            slot_mapping.data_ptr<int64_t>(), k.size(0), row_elems);
+  });
+}
+
+// Visible positions of a query at seq_len - 1: [0, r1_end) u [r2_begin, seq_len); without a
+// window that is all of [0, seq_len), with a window W and S sinks [0, S) u [L - W, L).
+struct Visible {
+  int64_t r1_end, r2_begin;
+};
+
+inline Visible visible_ranges(int64_t seq_len, int64_t window, int64_t sinks) {
+  if (window <= 0 || seq_len <= window) return {seq_len, seq_len};
+  const int64_t r1_end = std::min(sinks, seq_len);
+  return {r1_end, std::max(seq_len - window, r1_end)};
+}
+
+// Calls f(j, row, n) for each run of n visible positions that lie in one block, in order:
+// j counts visible positions from 0, row points at the run's first [kvh, d] row in `plane`
+// (the next rows follow at a stride of kvh * d). With `prefetch_to` != 0, each run's rows
+// `prefetch_to` elements further on (the other plane) and the next run's rows are
+// prefetched while f works on this one.
+// NOTE: a run is at most one block (12 KB of K for the embedded model), in whatever order
+// the allocator gave out blocks: too short for the hardware prefetcher to ramp up on. At
+// B=32 the K/V of a layer come cold from DRAM (the weight stream evicted them).
+template <typename scalar_t, typename F>
+inline void for_each_visible_run(const scalar_t* plane, const int32_t* table, int64_t block_size,
+                                 int64_t row_elems, Visible vis, int64_t seq_len,
+                                 int64_t prefetch_to, F&& f) {
+  constexpr int64_t kLine = 64 / sizeof(scalar_t);  // elements per cache line
+  auto prefetch = [&](const scalar_t* from, int64_t n) {
+    for (int64_t e = 0; e < n * row_elems; e += kLine) __builtin_prefetch(from + e);
+  };
+  int64_t j = 0;
+  for (const auto [lo, hi] : {std::pair<int64_t, int64_t>{0, vis.r1_end},
+                              std::pair<int64_t, int64_t>{vis.r2_begin, seq_len}}) {
+    for (int64_t pos = lo; pos < hi;) {
+      const int64_t off = pos % block_size;
+      const int64_t n = std::min(block_size - off, hi - pos);
+      const scalar_t* row = plane + (table[pos / block_size] * block_size + off) * row_elems;
+      if (prefetch_to != 0) {
+        prefetch(row + prefetch_to, n);
+        const int64_t next = pos + n;
+        if (next < hi) {
+          const int64_t next_n = std::min(block_size, hi - next);
+          prefetch(plane + table[next / block_size] * block_size * row_elems, next_n);
+        }
+      }
+      f(j, row, n);
+      pos += n;
+      j += n;
+    }
+  }
+}
+
+// scores[r] = q . k_r for n key rows k_r = k + r * stride (d floats each).
+// NOTE: four rows per loop: four independent FMA chains. One dot product alone is a chain
+// of d / 8 dependent FMAs plus a horizontal sum, latency-bound at ~4x this loop's time.
+template <typename scalar_t>
+inline void dot_rows(const float* q, const scalar_t* k, int64_t stride, int64_t n, int64_t d,
+                     float* scores) {
+  int64_t r = 0;
+  for (; r + 4 <= n; r += 4) {
+    const scalar_t* k0 = k + r * stride;
+    const scalar_t* k1 = k0 + stride;
+    const scalar_t* k2 = k1 + stride;
+    const scalar_t* k3 = k2 + stride;
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int64_t i = 0; i < d; ++i) {
+      s0 += q[i] * to_float(k0[i]);
+      s1 += q[i] * to_float(k1[i]);
+      s2 += q[i] * to_float(k2[i]);
+      s3 += q[i] * to_float(k3[i]);
+    }
+    scores[r] = s0;
+    scores[r + 1] = s1;
+    scores[r + 2] = s2;
+    scores[r + 3] = s3;
+  }
+  for (; r < n; ++r) {
+    const scalar_t* kr = k + r * stride;
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < d; ++i) s += q[i] * to_float(kr[i]);
+    scores[r] = s;
+  }
+}
+
+// acc += sum_r p[r] * v_r for n value rows v_r = v + r * stride (d floats each).
+template <typename scalar_t>
+inline void axpy_rows(const float* p, const scalar_t* v, int64_t stride, int64_t n, int64_t d,
+                      float* acc) {
+  int64_t r = 0;
+  for (; r + 4 <= n; r += 4) {
+    const scalar_t* v0 = v + r * stride;
+    const scalar_t* v1 = v0 + stride;
+    const scalar_t* v2 = v1 + stride;
+    const scalar_t* v3 = v2 + stride;
+    const float p0 = p[r], p1 = p[r + 1], p2 = p[r + 2], p3 = p[r + 3];
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) {
+      acc[i] += (p0 * to_float(v0[i]) + p1 * to_float(v1[i])) +
+                (p2 * to_float(v2[i]) + p3 * to_float(v3[i]));
+    }
+  }
+  for (; r < n; ++r) {
+    const scalar_t* vr = v + r * stride;
+    const float pr = p[r];
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) acc[i] += pr * to_float(vr[i]);
+  }
+}
+
+// Decode attention of one sequence for kv heads [h0, h1): each kv head's `group` query heads
+// attend over the visible positions, read in place from the cache blocks.
+template <typename scalar_t>
+void decode_seq(const scalar_t* q,        // [H, d] this sequence's query heads
+                scalar_t* out,            // [H, d]
+                const scalar_t* k_plane,  // cache[0] as [num_blocks * block_size, kvh, d]
+                const scalar_t* v_plane,  // cache[1]
+                const int32_t* table, int64_t seq_len, int64_t block_size, int64_t kvh,
+                int64_t h0, int64_t h1, int64_t group, int64_t d, float scale, int64_t window,
+                int64_t sinks, std::vector<float>& buf) {
+  const Visible vis = visible_ranges(seq_len, window, sinks);
+  const int64_t n_vis = vis.r1_end + (seq_len - vis.r2_begin);
+  const int64_t nq = (h1 - h0) * group;  // query heads handled here
+  buf.resize(static_cast<size_t>(nq * (n_vis + 2 * d)));
+  float* scores = buf.data();         // [nq, n_vis]
+  float* acc = scores + nq * n_vis;   // [nq, d]
+  float* qf = acc + nq * d;           // [nq, d] queries, pre-scaled, in float
+  const scalar_t* q0 = q + h0 * group * d;
+  for (int64_t i = 0; i < nq * d; ++i) qf[i] = to_float(q0[i]) * scale;
+  const int64_t row_elems = kvh * d;
+  // NOTE: the K pass prefetches the V rows too: the V pass then reads them from L2.
+  for_each_visible_run(k_plane, table, block_size, row_elems, vis, seq_len, v_plane - k_plane,
+                       [&](int64_t j, const scalar_t* row, int64_t n) {
+    for (int64_t iq = 0; iq < nq; ++iq) {
+      const int64_t h = h0 + iq / group;
+      dot_rows(qf + iq * d, row + h * d, row_elems, n, d, scores + iq * n_vis + j);
+    }
+  });
+  for (int64_t iq = 0; iq < nq; ++iq) {
+    float* sq = scores + iq * n_vis;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < n_vis; ++t) m = std::max(m, sq[t]);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n_vis; ++t) {
+      const float e = exp_approx(sq[t] - m);
+      sq[t] = e;
+      sum += e;
+    }
+    // NOTE: normalize the probabilities, not the output: the same rounding as softmax.
+    const float inv = 1.0f / sum;
+#pragma omp simd
+    for (int64_t t = 0; t < n_vis; ++t) sq[t] *= inv;
+  }
+  std::fill(acc, acc + nq * d, 0.0f);
+  for_each_visible_run(v_plane, table, block_size, row_elems, vis, seq_len, 0,
+                       [&](int64_t j, const scalar_t* row, int64_t n) {
+    for (int64_t iq = 0; iq < nq; ++iq) {
+      const int64_t h = h0 + iq / group;
+      axpy_rows(scores + iq * n_vis + j, row + h * d, row_elems, n, d, acc + iq * d);
+    }
+  });
+  scalar_t* o0 = out + h0 * group * d;
+  for (int64_t i = 0; i < nq * d; ++i) o0[i] = static_cast<scalar_t>(acc[i]);
+}
+
+// Decode attention for B single-token queries straight from the paged cache.
+// q: [B, H, d] (rows may be strided, heads contiguous); out: [B, H, d] contiguous;
+// block_tables: [B, max_blocks] int32 (entries past a sequence's length are never read);
+// seq_lens: [B] int32, each query at position seq_len - 1. sliding_window 0 = none.
+void paged_decode_attention(Tensor out, Tensor q, Tensor kv_cache, Tensor block_tables,
+                            Tensor seq_lens, double scale, int64_t sliding_window,
+                            int64_t num_sink_tokens) {
+  check_cache(kv_cache);
+  check_cpu(q, "q");
+  check_cpu(out, "out");
+  const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t kvh = kv_cache.size(3), block_size = kv_cache.size(2);
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == d,
+              "q must be [B, H, d] with contiguous heads");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous like q");
+  TORCH_CHECK(d == kv_cache.size(4) && heads % kvh == 0, "q's heads/head_dim don't fit the cache");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() &&
+                  out.scalar_type() == kv_cache.scalar_type(),
+              "q, out and kv_cache must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                  block_tables.dim() == 2 && block_tables.size(0) == batch,
+              "block_tables must be a contiguous int32 [B, max_blocks] tensor");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
+                  seq_lens.numel() == batch,
+              "seq_lens must be a contiguous int32 [B] tensor");
+  const int64_t max_blocks = block_tables.size(1), num_blocks = kv_cache.size(1);
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  int64_t total_len = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_blocks * block_size, "seq_lens[", b, "] = ",
+                lens[b], " does not fit ", max_blocks, " blocks of ", block_size);
+    // NOTE: only blocks holding visible positions are read: a block freed out of the window
+    // (-1 in the table) may sit between the sinks and the window.
+    const auto [r1_end, r2_begin] = visible_ranges(lens[b], sliding_window, num_sink_tokens);
+    for (const auto [lo, hi] : {std::pair<int64_t, int64_t>{0, r1_end},
+                                std::pair<int64_t, int64_t>{r2_begin, lens[b]}}) {
+      if (lo >= hi) continue;
+      for (int64_t i = lo / block_size; i <= (hi - 1) / block_size; ++i) {
+        const int32_t blk = tables[b * max_blocks + i];
+        TORCH_CHECK(blk >= 0 && blk < num_blocks, "block_tables[", b, ", ", i, "] = ", blk,
+                    " is visible but not a block of the cache (", num_blocks, " blocks)");
+      }
+    }
+    total_len += lens[b];
+  }
+  const int64_t group = heads / kvh;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(),
+                                  "paged_decode_attention", [&] {
+    const scalar_t* k_plane = kv_cache.data_ptr<scalar_t>();
+    const scalar_t* v_plane = k_plane + kv_cache.stride(0);
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t qs = q.stride(0);
+    // NOTE: a task is a whole sequence (its blocks read front to back, all heads) when there
+    // are enough sequences to keep every thread busy; else one kv head of one sequence.
+    const int64_t heads_per_task = batch >= 2 * at::get_num_threads() ? kvh : 1;
+    const int64_t per_seq = kvh / heads_per_task;
+    const int64_t tasks = batch * per_seq;
+    const int64_t work_per_task =
+        std::max<int64_t>(1, total_len / batch) * heads_per_task * group * d * 2;
+    at::parallel_for(0, tasks, grain_for(work_per_task), [&](int64_t begin, int64_t end) {
+      std::vector<float> buf;
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t b = task / per_seq, h0 = task % per_seq * heads_per_task;
+        decode_seq<scalar_t>(qp + b * qs, op + b * heads * d, k_plane, v_plane,
+                             tables + b * max_blocks, lens[b], block_size, kvh, h0,
+                             h0 + heads_per_task, group, d, static_cast<float>(scale),
+                             sliding_window, num_sink_tokens, buf);
+      }
+    });
+  });
+}
+
+// One row of silu_mul: o[i] = silu(gu[i]) * gu[inter + i], silu rounded like torch's.
+template <typename scalar_t>
+void silu_mul_row(const scalar_t* gu, scalar_t* o, int64_t inter) {
+  const scalar_t* u = gu + inter;
+#pragma omp simd
+  for (int64_t i = 0; i < inter; ++i) {
+    const float x = to_float(gu[i]);
+    const float silu = static_cast<float>(static_cast<scalar_t>(x / (1.0f + exp_approx(-x))));
+    o[i] = static_cast<scalar_t>(silu * to_float(u[i]));
+  }
+}
+
+// out [T, I] = silu(gate_up[:, :I]) * gate_up[:, I:]
+void silu_mul(Tensor out, Tensor gate_up) {
+  check_rows(out, "out");
+  check_rows(gate_up, "gate_up");
+  const int64_t rows = gate_up.size(0), inter = out.size(1);
+  TORCH_CHECK(gate_up.size(1) == 2 * inter && out.size(0) == rows,
+              "gate_up must be [T, 2 I] for out [T, I]");
+  TORCH_CHECK(out.scalar_type() == gate_up.scalar_type(), "out and gate_up must share a dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "silu_mul", [&] {
+    const scalar_t* gu = gate_up.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const int64_t gs = gate_up.stride(0), os = out.stride(0);
+    at::parallel_for(0, rows, grain_for(inter), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) silu_mul_row<scalar_t>(gu + t * gs, o + t * os, inter);
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvserve, m) {
+  m.def("add_rms_norm(Tensor(a!) hidden, Tensor? residual, Tensor weight, float eps, "
+        "Tensor(b!) out) -> ()");
+  m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+  m.def("write_kv(Tensor(a!) kv_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
+  m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, "
+        "Tensor block_tables, Tensor seq_lens, float scale, int sliding_window, "
+        "int num_sink_tokens) -> ()");
+  m.def("silu_mul(Tensor(a!) out, Tensor gate_up) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rope_", &rope_);
+  m.impl("write_kv", &write_kv);
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("silu_mul", &silu_mul);
+}
+
+}  // namespace kvserve

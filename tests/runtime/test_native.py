@@ -1,0 +1,319 @@
+"""Native CPU kernels: each op against the torch ops it replaces, the decode kernel against
+dense attention (hypothesis), bad input, tracing, and the fallback when they are off."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.models.llama import Workspace, apply_rope_, rms_norm_into, rope_cos_sin
+from kvserve.runtime import native
+from kvserve.runtime.attention import (
+    NULL_BLOCK_ID,
+    SeqSpec,
+    TorchSDPABackend,
+    build_attention_metadata,
+    get_attention_backend,
+)
+from kvserve.runtime.native.backend import NativeCPUBackend
+
+CPU = torch.device("cpu")
+DISABLED = os.environ.get(native.DISABLE_ENV) == "0"
+pytestmark = pytest.mark.skipif(DISABLED, reason=f"{native.DISABLE_ENV}=0")
+
+
+def test_kernels_build_and_load() -> None:
+    """CI has g++: the kernels must load there (else every native test below would pass
+    through the torch fallback and test nothing)."""
+    assert native.load(), native.reason()
+    assert native.build_dir().is_dir()
+    assert isinstance(get_attention_backend("auto"), NativeCPUBackend)
+
+
+def _ops():
+    assert native.load(), native.reason()
+    return native.ops()
+
+
+# ------------------------------------------------------------------------ per-layer ops
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_matches_torch(rows: int, with_residual: bool) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    hidden = torch.randn(rows, 576, generator=gen) * 3
+    residual = torch.randn(rows, 576, generator=gen)
+    weight = torch.rand(576, generator=gen) + 0.5
+    expected_hidden = hidden + residual if with_residual else hidden.clone()
+    expected = torch.empty_like(hidden)
+    rms_norm_into(expected_hidden.clone(), weight, 1e-5, expected, Workspace())
+    out = torch.empty_like(hidden)
+    _ops().add_rms_norm(hidden, residual if with_residual else None, weight, 1e-5, out)
+    assert torch.equal(hidden, expected_hidden)  # the residual add is the same float add
+    # NOTE: only the sum of squares differs (accumulated in double): a few ulp.
+    torch.testing.assert_close(out, expected, rtol=2e-6, atol=1e-6)
+
+
+def test_add_rms_norm_may_write_over_its_residual() -> None:
+    """The model passes the o-projection buffer as both residual and out."""
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(5, 64, generator=gen)
+    x = torch.randn(5, 64, generator=gen)
+    weight = torch.rand(64, generator=gen)
+    expected = F.rms_norm(hidden + x, (64,), weight, 1e-6)
+    _ops().add_rms_norm(hidden, x, weight, 1e-6, x)
+    torch.testing.assert_close(x, expected, rtol=2e-6, atol=1e-6)
+
+
+def test_add_rms_norm_bfloat16() -> None:
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(4, 128, generator=gen).bfloat16()
+    weight = torch.rand(128, generator=gen).bfloat16()
+    out = torch.empty_like(hidden)
+    _ops().add_rms_norm(hidden, None, weight, 1e-6, out)
+    expected = F.rms_norm(hidden.float(), (128,), weight.float(), 1e-6)
+    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 33])
+def test_rope_matches_torch_on_a_strided_view(rows: int) -> None:
+    """q and k are views into the fused qkv buffer: rows strided, heads contiguous."""
+    heads, kv_heads, d = 9, 3, 64
+    gen = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=gen)
+    positions = torch.randint(0, 4000, (rows,), generator=gen)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    cos, sin = rope_cos_sin(inv_freq, positions, torch.float32)
+    expected = qkv.clone()
+    qk_ref = expected[:, : (heads + kv_heads) * d].view(rows, heads + kv_heads, d)
+    apply_rope_(qk_ref, cos, sin, torch.empty(rows, heads + kv_heads, d))
+    qk = qkv[:, : (heads + kv_heads) * d].view(rows, heads + kv_heads, d)
+    _ops().rope_(qk, cos, sin)
+    torch.testing.assert_close(qkv, expected, rtol=0, atol=2e-6)
+    assert torch.equal(qkv[:, (heads + kv_heads) * d :], expected[:, (heads + kv_heads) * d :])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_in_place_over_the_gate_half(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    gate_up = (torch.randn(6, 2 * 1536, generator=gen) * 6).to(dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -88.5])  # exp under/overflow edges
+    inter = 1536
+    expected = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    gate = gate_up[:, :inter]
+    _ops().silu_mul(gate, gate_up)
+    tol = {"rtol": 2e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(gate, expected, **tol)
+
+
+def test_write_kv_puts_each_token_at_its_slot() -> None:
+    cache = torch.zeros(2, 6, 4, 2, 8)
+    gen = torch.Generator().manual_seed(4)
+    qkv = torch.randn(3, 5 * 16, generator=gen)  # k and v as strided views
+    k = qkv[:, 16:32].view(3, 2, 8)
+    v = qkv[:, 32:48].view(3, 2, 8)
+    slots = torch.tensor([23, 0, 9])
+    _ops().write_kv(cache, k, v, slots)
+    flat = cache.view(2, 24, 2, 8)
+    for i, slot in enumerate(slots.tolist()):
+        assert torch.equal(flat[0, slot], k[i]) and torch.equal(flat[1, slot], v[i])
+    assert int((flat.abs().sum((2, 3)) > 0).sum()) == 6  # nothing else written
+
+
+# --------------------------------------------------------------------- decode attention
+def _dense(q, keys, values, seq_len, window, sinks):
+    """Reference for one decode query q [H, d] at position seq_len - 1."""
+    group = q.shape[0] // keys.shape[1]
+    keys = keys[:seq_len].repeat_interleave(group, 1)  # [L, H, d]
+    values = values[:seq_len].repeat_interleave(group, 1)
+    scores = torch.einsum("hd,khd->hk", q.double(), keys.double()) / math.sqrt(q.shape[-1])
+    pos = torch.arange(seq_len)
+    allowed = pos <= seq_len - 1
+    if window is not None:
+        allowed &= (pos > seq_len - 1 - window) | (pos < sinks)
+    probs = scores.masked_fill(~allowed, -math.inf).softmax(-1)
+    return torch.einsum("hk,khd->hd", probs, values.double()).float()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 70), min_size=1, max_size=9),
+    block_size=st.sampled_from([1, 4, 16]),
+    heads=st.sampled_from([(2, 2), (6, 2), (9, 3), (8, 1), (14, 2)]),
+    head_dim=st.sampled_from([8, 64, 80]),
+    window=st.sampled_from([None, 1, 5, 24]),
+    sinks=st.integers(0, 6),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+def test_paged_decode_attention_matches_dense(
+    lens, block_size, heads, head_dim, window, sinks, threads, seed
+) -> None:
+    """Shuffled block tables, GQA/MQA groups, windows with sinks and freed (-1) blocks."""
+    num_heads, num_kv_heads = heads
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n in lens) + 2
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    flat = cache.view(2, -1, num_kv_heads, head_dim)
+    width = max(-(-n // block_size) for n in lens)
+    tables, expected = [], []
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen)
+    for b, n in enumerate(lens):
+        table = [free.pop() for _ in range(-(-n // block_size))]
+        slots = [table[p // block_size] * block_size + p % block_size for p in range(n)]
+        keys, values = flat[0, slots], flat[1, slots]
+        expected.append(_dense(q[b], keys, values, n, window, sinks))
+        if window is not None:  # free the blocks nobody can see any more
+            for i in range(len(table)):
+                if i * block_size >= sinks and (i + 1) * block_size <= n - window:
+                    table[i] = NULL_BLOCK_ID
+        tables.append(table + [0] * (width - len(table)))
+    out = torch.empty_like(q)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _ops().paged_decode_attention(
+            out,
+            q,
+            cache,
+            torch.tensor(tables, dtype=torch.int32),
+            torch.tensor(lens, dtype=torch.int32),
+            1.0 / math.sqrt(head_dim),
+            window or 0,
+            sinks,
+        )
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(out, torch.stack(expected), rtol=0, atol=2e-5)
+
+
+def test_decode_attention_bfloat16_close_to_float32() -> None:
+    gen = torch.Generator().manual_seed(5)
+    cache = torch.randn(2, 8, 4, 2, 64, generator=gen)
+    q = torch.randn(3, 6, 64, generator=gen)
+    tables = torch.tensor([[3, 1, 0], [7, 2, 5], [4, 6, 0]], dtype=torch.int32)
+    lens = torch.tensor([7, 12, 5], dtype=torch.int32)
+    outs = []
+    for dtype in (torch.float32, torch.bfloat16):
+        out = torch.empty(q.shape, dtype=dtype)
+        _ops().paged_decode_attention(out, q.to(dtype), cache.to(dtype), tables, lens, 0.125, 0, 0)
+        outs.append(out.float())
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=3e-2)
+
+
+def _decode_args(**changes):
+    args = {
+        "out": torch.empty(2, 4, 8),
+        "q": torch.randn(2, 4, 8),
+        "kv_cache": torch.randn(2, 5, 4, 2, 8),
+        "block_tables": torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+        "seq_lens": torch.tensor([5, 8], dtype=torch.int32),
+        "scale": 0.35,
+        "sliding_window": 0,
+        "num_sink_tokens": 0,
+    }
+    args.update(changes)
+    return list(args.values())
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"seq_lens": torch.tensor([5, 9], dtype=torch.int32)}, r"seq_lens\[1\] = 9"),
+        ({"seq_lens": torch.tensor([5, 8])}, "seq_lens must be a contiguous int32"),
+        ({"block_tables": torch.tensor([[0, 1], [2, 7]], dtype=torch.int32)}, "7 is visible"),
+        ({"block_tables": torch.tensor([[0, -1], [2, 3]], dtype=torch.int32)}, "-1 is visible"),
+        ({"q": torch.randn(2, 4, 8).double()}, "must share a dtype"),
+        ({"q": torch.randn(2, 3, 8), "out": torch.empty(2, 3, 8)}, "don't fit the cache"),
+        ({"kv_cache": torch.randn(2, 5, 4, 2, 8)[:, ::2]}, "contiguous"),
+    ],
+)
+def test_decode_attention_rejects_bad_input(changes, message) -> None:
+    with pytest.raises(RuntimeError, match=message):
+        _ops().paged_decode_attention(*_decode_args(**changes))
+
+
+def test_write_kv_rejects_out_of_range_slot() -> None:
+    cache = torch.zeros(2, 2, 4, 1, 8)
+    k = torch.randn(1, 1, 8)
+    with pytest.raises(RuntimeError, match="slot 8 out of range"):
+        _ops().write_kv(cache, k, k, torch.tensor([8]))
+
+
+# ------------------------------------------------------------------------- the backend
+def test_backend_falls_back_to_sdpa_for_quantized_caches() -> None:
+    """Same metadata and inputs: an int8 cache takes TorchSDPABackend's path verbatim."""
+    from kvserve.runtime.kv_cache import KVCache
+
+    gen = torch.Generator().manual_seed(6)
+    seqs = [SeqSpec(0, 1, 6, [2, 0]), SeqSpec(1, 3, 0, [1])]
+    meta = build_attention_metadata(
+        seqs, block_size=4, device=torch.device("cpu"), dtype=torch.float32
+    )
+    q = torch.randn(4, 4, 8, generator=gen)
+    k = torch.randn(4, 2, 8, generator=gen)
+    v = torch.randn(4, 2, 8, generator=gen)
+    outs = []
+    for backend in (NativeCPUBackend(), TorchSDPABackend()):
+        cache = KVCache(
+            num_layers=1,
+            num_blocks=4,
+            block_size=4,
+            num_kv_heads=2,
+            head_dim=8,
+            kv_cache_dtype="int8",
+        )
+        outs.append(backend.forward(q, k, v, cache.layer_caches[0], meta))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_kernels_off_by_environment_fall_back_to_torch() -> None:
+    code = (
+        "from kvserve.runtime import native;"
+        "from kvserve.runtime.attention import get_attention_backend;"
+        "from kvserve.models.llama import LlamaForCausalLM;"
+        "from kvserve.config import ModelArchConfig;"
+        "print(native.available(), native.reason());"
+        "print(type(get_attention_backend('auto')).__name__);"
+        "import pytest\n"
+        "try:\n get_attention_backend('native')\n"
+        "except ValueError as e:\n print(e)\n"
+    )
+    env = {**os.environ, native.DISABLE_ENV: "0"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert out == [
+        "False disabled by KVSERVE_NATIVE=0",
+        "TorchSDPABackend",
+        "attention backend 'native' is unavailable: disabled by KVSERVE_NATIVE=0",
+    ]
+
+
+def test_memory_plan_traces_the_native_ops_and_counts_their_scratch() -> None:
+    from kvserve.config import ModelArchConfig
+    from kvserve.runtime.kernel_scratch import native_decode_scratch_bytes
+    from kvserve.runtime.memory_plan import plan_activations
+
+    arch = ModelArchConfig(
+        architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        max_position_embeddings=64,
+    )  # fmt: skip
+    plan = plan_activations(
+        arch, max_num_batched_tokens=8, max_num_seqs=8, max_model_len=64, block_size=4,
+        steps=["decode"], num_threads=2, attn_backend="native",
+    )  # fmt: skip
+    # The decode step's 8 sequences of up to 64 tokens: one scratch per thread.
+    assert plan.kernel_scratch_bytes == native_decode_scratch_bytes(4, 64, 8, 2)

@@ -279,17 +279,26 @@ def test_backend_falls_back_to_sdpa_for_quantized_caches() -> None:
 
 
 def test_kernels_off_by_environment_fall_back_to_torch() -> None:
-    code = (
-        "from kvserve.runtime import native;"
-        "from kvserve.runtime.attention import get_attention_backend;"
-        "from kvserve.models.llama import LlamaForCausalLM;"
-        "from kvserve.config import ModelArchConfig;"
-        "print(native.available(), native.reason());"
-        "print(type(get_attention_backend('auto')).__name__);"
-        "import pytest\n"
-        "try:\n get_attention_backend('native')\n"
-        "except ValueError as e:\n print(e)\n"
-    )
+    code = """
+from kvserve.config import ModelArchConfig
+from kvserve.models.llama import LlamaForCausalLM
+from kvserve.runtime import native
+from kvserve.runtime.attention import get_attention_backend
+
+print(native.available(), native.reason())
+print(type(get_attention_backend("auto")).__name__)
+arch = ModelArchConfig("llama", 64, 32, 64, 1, 4, 2, 8, 64)
+print(LlamaForCausalLM(arch).native_ops)
+attempts = (
+    lambda: get_attention_backend("native"),
+    lambda: LlamaForCausalLM(arch, native_ops=True),
+)
+for attempt in attempts:
+    try:
+        attempt()
+    except ValueError as e:
+        print(e)
+"""
     env = {**os.environ, native.DISABLE_ENV: "0"}
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
@@ -297,7 +306,9 @@ def test_kernels_off_by_environment_fall_back_to_torch() -> None:
     assert out == [
         "False disabled by KVSERVE_NATIVE=0",
         "TorchSDPABackend",
+        "False",
         "attention backend 'native' is unavailable: disabled by KVSERVE_NATIVE=0",
+        "native CPU kernels unavailable: disabled by KVSERVE_NATIVE=0",
     ]
 
 

@@ -309,9 +309,13 @@ def run_trace(
 def call_in_worker_thread(fn: Callable[[], T]) -> T:
     """Run ``fn`` on a fresh thread and return its result (its exception is re-raised).
 
-    NOTE: measured 2026-11-29 on the 2-core box under load: engine steps ran ~20x faster on
-    a non-main thread (8 tokens: 1.1 s vs 23 s), the way the server runs them. Exposed as
-    ``bench throughput --step-thread`` so both numbers can be reported until it is understood.
+    NOTE: the thread that runs torch's parallel work matters (``bench throughput
+    --step-thread``). An engine built on the main thread and stepped on another ran at 19.5
+    tok/s vs 33.4 on the main thread (idle box, B=1): libgomp then has two helper pools and
+    cuts its spin-wait to 100 iterations (``async_engine.build_on_engine_thread``). Under
+    heavy load from other processes the short spin helped instead (8 tokens: 1.1 s vs 23 s,
+    measured earlier). ``--step-thread`` now builds the engine on a worker thread as well,
+    as the server does.
     """
     box: dict[str, Any] = {}
 

@@ -13,7 +13,7 @@ import dataclasses
 import sys
 from typing import TYPE_CHECKING, Any
 
-from kvserve.bench.offline import run_trace
+from kvserve.bench.offline import call_in_worker_thread, run_trace
 from kvserve.bench.report import make_record, print_figures, write_json
 from kvserve.bench.workload_args import (
     add_workload_args,
@@ -67,11 +67,18 @@ def register(sub: argparse._SubParsersAction, engine_parser: Any) -> None:
 
 
 def build_engine(args: argparse.Namespace, **changes: Any) -> LLMEngine:
-    """An engine from the engine flags (with ``changes``), its memory report on stderr."""
+    """An engine from the engine flags (with ``changes``), its memory report on stderr.
+
+    With ``--step-thread`` it is built on a worker thread too, as the server builds its
+    engine on its engine thread (``async_engine.build_on_engine_thread`` says why).
+    """
     from kvserve.engine import LLMEngine  # NOTE: lazy: torch import would slow `kvserve --help`
 
     config = EngineConfig.from_cli_args(args).replace(**changes)
-    engine = LLMEngine(config)
+    if getattr(args, "step_thread", False):
+        engine = call_in_worker_thread(lambda: LLMEngine(config))
+    else:
+        engine = LLMEngine(config)
     if not args.quiet:
         for line in engine.memory_report.lines():
             print(f"[kvserve] {line}", file=sys.stderr)

@@ -6,6 +6,7 @@ import hmac
 import logging
 import os
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -41,13 +42,16 @@ def build_app(
     api_key: str | None = None,
     max_queued_requests: int | None = None,
     debug_endpoints: bool = False,
+    executor: ThreadPoolExecutor | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app serving ``engine`` (an LLMEngine or the same interface).
 
     The step loop starts with the app (lifespan) or on the first request.
     """
     metrics = ServerMetrics()
-    async_engine = AsyncLLMEngine(engine, max_queued_requests=max_queued_requests, observer=metrics)
+    async_engine = AsyncLLMEngine(
+        engine, max_queued_requests=max_queued_requests, observer=metrics, executor=executor
+    )
     max_model_len = int(engine.max_model_len)  # type: ignore[attr-defined]
     kv = getattr(engine, "kv_cache_manager", None)
     pool_tokens = kv.num_blocks * kv.block_size if kv is not None else max_model_len

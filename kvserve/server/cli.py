@@ -44,11 +44,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Build the engine, then run uvicorn until interrupted."""
     import uvicorn
 
+    from kvserve.async_engine import build_on_engine_thread
     from kvserve.engine import LLMEngine
     from kvserve.engine_config import EngineConfig
     from kvserve.server.app import build_app
 
-    engine = LLMEngine(EngineConfig.from_cli_args(args))
+    config = EngineConfig.from_cli_args(args)
+    engine, executor = build_on_engine_thread(lambda: LLMEngine(config))
     if not args.quiet:
         for line in engine.memory_report.lines():
             print(f"[kvserve] {line}", file=sys.stderr)
@@ -58,6 +60,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_queued_requests=args.max_queued_requests,
         debug_endpoints=args.debug_endpoints,
+        executor=executor,
     )
     print(
         f"[kvserve] serving {app.state.ctx.model_name!r} on http://{args.host}:{args.port}",

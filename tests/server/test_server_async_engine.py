@@ -154,3 +154,45 @@ def test_dead_loop_fails_pending_and_new_requests() -> None:
         await eng.shutdown()
 
     _run(main())
+
+
+def test_engine_built_and_stepped_on_one_thread() -> None:
+    """build_on_engine_thread: the engine is made on the thread that later steps it."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvserve.async_engine import build_on_engine_thread
+
+    seen: dict[str, set[int]] = {"build": set(), "step": set()}
+
+    class RecordingEngine(FakeEngine):
+        def __init__(self) -> None:
+            seen["build"].add(threading.get_ident())
+            super().__init__()
+
+        def step(self):  # noqa: ANN201 - the fake's own signature
+            seen["step"].add(threading.get_ident())
+            return super().step()
+
+    async def main() -> None:
+        engine, executor = build_on_engine_thread(RecordingEngine)
+        eng = AsyncLLMEngine(engine, executor=executor)
+        stream = await eng.add_request("hello", SamplingParams(max_tokens=3))
+        assert [o async for o in stream][-1].finished
+        await eng.shutdown()
+
+    _run(main())
+    assert len(seen["build"]) == 1 and seen["build"] == seen["step"]
+    assert seen["build"] != {threading.get_ident()}  # not the caller's thread
+    with pytest.raises(ValueError, match="exactly one worker"):
+        AsyncLLMEngine(FakeEngine(), executor=ThreadPoolExecutor(max_workers=2))
+
+
+def test_a_failing_build_raises_to_the_caller() -> None:
+    from kvserve.async_engine import build_on_engine_thread
+
+    def broken() -> FakeEngine:
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        build_on_engine_thread(broken)

@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The native CPU kernels (C++, kvserve/runtime/native): built once per source version into
-# ~/.cache/kvserve/native, ~1 minute; later runs only load them. If they cannot be built the
+# ~/.cache/kvserve/native, ~15 s; later runs only load them. If they cannot be built the
 # engine says why and runs its torch ops.
 native: $(STAMP)
 	$(PY) -m kvserve.runtime.native || echo "kvserve: native kernels not built; using torch ops"

@@ -122,12 +122,11 @@ class AsyncLLMEngine:
         observer: OutputObserver | None = None,
         executor: ThreadPoolExecutor | None = None,
     ) -> None:
-        """``executor``: the one-worker engine thread, e.g. the one ``build_on_engine_thread``
-        built the engine on (None: a new one)."""
+        """``executor``: a one-worker executor, the engine thread (e.g. the one
+        ``build_on_engine_thread`` built the engine on; None: a new one). NOTE: one worker:
+        steps, adds and aborts must never run at once."""
         if max_queued_requests is not None and max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {max_queued_requests}")
-        if executor is not None and executor._max_workers != 1:
-            raise ValueError("the engine executor must have exactly one worker thread")
         self.engine = engine
         self.max_queued_requests = max_queued_requests
         self.observer = observer

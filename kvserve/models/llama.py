@@ -377,7 +377,7 @@ class LlamaDecoderLayer(nn.Module):
         linear_into(x, qkv_t, self.qkv_bias, sv.qkv)
         ops.rope_(sv.rope.x, cos, sin)  # q and k, in place
         attn = self.attn_backend.forward(sv.q, sv.k, sv.v, kv_cache, meta)  # [T, H, d]
-        linear_into(attn.view(hidden.shape[0], self.q_size), o_t, self.o_bias, x)
+        linear_into(attn.reshape(hidden.shape[0], self.q_size), o_t, self.o_bias, x)
         # hidden += o-projection, then x = norm(hidden): one pass.
         ops.add_rms_norm(hidden, x, self.post_attention_layernorm, self.eps, x)
         linear_into(x, gate_up_t, self.gate_up_bias, sv.gate_up)

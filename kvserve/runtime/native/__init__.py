@@ -3,15 +3,15 @@
 ``kvserve_cpu_ops.cpp`` registers five torch custom ops in the ``kvserve`` namespace
 (``torch.ops.kvserve.*``): ``add_rms_norm``, ``rope_``, ``write_kv``,
 ``paged_decode_attention`` and ``silu_mul``. They are built on first use with
-``torch.utils.cpp_extension`` (g++ and ninja, ~1 minute on 2 cores) into
+``torch.utils.cpp_extension`` (g++ and ninja, ~15 s on this 2-core box) into
 ``$KVSERVE_CACHE_DIR/native/`` (default ``~/.cache/kvserve/native/``), keyed by the source,
 the torch version and the CPU's feature flags (the build uses ``-march=native``), so a later
 process only loads the built library.
 
 ``load()`` never raises: without a compiler, or with ``KVSERVE_NATIVE=0`` in the
 environment, it returns False once, logs why, and the model runs its torch ops instead
-(``reason()`` says why). ``make install`` builds the kernels, so the first request does not
-wait for the compiler.
+(``reason()`` says why). ``make run`` and ``make test`` build the kernels first (``python -m
+kvserve.runtime.native``), so no request waits for the compiler.
 """
 
 from __future__ import annotations

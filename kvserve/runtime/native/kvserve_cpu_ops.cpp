@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -350,6 +351,99 @@ inline void axpy_rows(const float* p, const scalar_t* v, int64_t stride, int64_t
   }
 }
 
+// float32 fast path: the `G` query heads of one KV head against several key/value rows at
+// once, in GCC vector extensions (8 floats; the compiler maps them to AVX2/AVX-512/NEON).
+// NOTE: one head at a time (dot_rows) loads each K chunk for one FMA; G heads x R rows load
+// R + G chunks for R x G FMAs, and R x G independent accumulators hide the FMA latency.
+typedef float v8f __attribute__((vector_size(32)));
+
+inline v8f load8(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline float hsum8(v8f v) {
+  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+
+// scores[g * sstride + r] = q_g . k_r for g < G, n rows k_r = k + r * stride; d % 8 == 0.
+template <int G>
+void dot_group_f32(const float* q, const float* k, int64_t stride, int64_t n, int64_t d,
+                   float* scores, int64_t sstride) {
+  constexpr int R = G <= 4 ? 4 : 2;
+  int64_t r = 0;
+  for (; r + R <= n; r += R) {
+    v8f acc[G][R] = {};
+    for (int64_t i = 0; i < d; i += 8) {
+      v8f kv[R];
+      for (int j = 0; j < R; ++j) kv[j] = load8(k + (r + j) * stride + i);
+      for (int g = 0; g < G; ++g) {
+        const v8f qv = load8(q + g * d + i);
+        for (int j = 0; j < R; ++j) acc[g][j] += qv * kv[j];
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      for (int j = 0; j < R; ++j) scores[g * sstride + r + j] = hsum8(acc[g][j]);
+    }
+  }
+  for (; r < n; ++r) {
+    v8f acc[G] = {};
+    for (int64_t i = 0; i < d; i += 8) {
+      const v8f kv = load8(k + r * stride + i);
+      for (int g = 0; g < G; ++g) acc[g] += load8(q + g * d + i) * kv;
+    }
+    for (int g = 0; g < G; ++g) scores[g * sstride + r] = hsum8(acc[g]);
+  }
+}
+
+// acc[g] += sum_r p[g * pstride + r] * v_r for g < G, n rows v_r = v + r * stride; d % 8 == 0.
+template <int G>
+void axpy_group_f32(const float* p, int64_t pstride, const float* v, int64_t stride, int64_t n,
+                    int64_t d, float* acc) {
+  for (int64_t i = 0; i < d; i += 8) {
+    // NOTE: two accumulators per head (even and odd rows): twice the independent chains.
+    v8f a[G], b[G];
+    for (int g = 0; g < G; ++g) {
+      a[g] = load8(acc + g * d + i);
+      b[g] = v8f{};
+    }
+    int64_t r = 0;
+    for (; r + 2 <= n; r += 2) {
+      const v8f v0 = load8(v + r * stride + i);
+      const v8f v1 = load8(v + (r + 1) * stride + i);
+      for (int g = 0; g < G; ++g) {
+        a[g] += p[g * pstride + r] * v0;
+        b[g] += p[g * pstride + r + 1] * v1;
+      }
+    }
+    if (r < n) {
+      const v8f v0 = load8(v + r * stride + i);
+      for (int g = 0; g < G; ++g) a[g] += p[g * pstride + r] * v0;
+    }
+    for (int g = 0; g < G; ++g) {
+      const v8f sum = a[g] + b[g];
+      std::memcpy(acc + g * d + i, &sum, sizeof(sum));
+    }
+  }
+}
+
+struct GroupKernels {
+  void (*dot)(const float*, const float*, int64_t, int64_t, int64_t, float*, int64_t);
+  void (*axpy)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*);
+};
+
+// The float32 group kernels for `group` query heads per KV head (nullptr: none).
+inline const GroupKernels* group_kernels(int64_t group, int64_t d) {
+  static const GroupKernels table[] = {
+      {dot_group_f32<1>, axpy_group_f32<1>}, {dot_group_f32<2>, axpy_group_f32<2>},
+      {dot_group_f32<3>, axpy_group_f32<3>}, {dot_group_f32<4>, axpy_group_f32<4>},
+      {dot_group_f32<5>, axpy_group_f32<5>}, {dot_group_f32<6>, axpy_group_f32<6>},
+      {dot_group_f32<7>, axpy_group_f32<7>}, {dot_group_f32<8>, axpy_group_f32<8>},
+  };
+  return group >= 1 && group <= 8 && d % 8 == 0 ? &table[group - 1] : nullptr;
+}
+
 // Decode attention of one sequence for kv heads [h0, h1): each kv head's `group` query heads
 // attend over the visible positions, read in place from the cache blocks.
 template <typename scalar_t>
@@ -371,8 +465,19 @@ void decode_seq(const scalar_t* q,        // [H, d] this sequence's query heads
   for (int64_t i = 0; i < nq * d; ++i) qf[i] = to_float(q0[i]) * scale;
   const int64_t row_elems = kvh * d;
   // NOTE: the K pass prefetches the V rows too: the V pass then reads them from L2.
+  const GroupKernels* fast = nullptr;
+  if constexpr (std::is_same_v<scalar_t, float>) fast = group_kernels(group, d);
   for_each_visible_run(k_plane, table, block_size, row_elems, vis, seq_len, v_plane - k_plane,
                        [&](int64_t j, const scalar_t* row, int64_t n) {
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      if (fast != nullptr) {
+        for (int64_t h = h0; h < h1; ++h) {
+          const int64_t iq = (h - h0) * group;
+          fast->dot(qf + iq * d, row + h * d, row_elems, n, d, scores + iq * n_vis + j, n_vis);
+        }
+        return;
+      }
+    }
     for (int64_t iq = 0; iq < nq; ++iq) {
       const int64_t h = h0 + iq / group;
       dot_rows(qf + iq * d, row + h * d, row_elems, n, d, scores + iq * n_vis + j);
@@ -397,6 +502,15 @@ void decode_seq(const scalar_t* q,        // [H, d] this sequence's query heads
   std::fill(acc, acc + nq * d, 0.0f);
   for_each_visible_run(v_plane, table, block_size, row_elems, vis, seq_len, 0,
                        [&](int64_t j, const scalar_t* row, int64_t n) {
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      if (fast != nullptr) {
+        for (int64_t h = h0; h < h1; ++h) {
+          const int64_t iq = (h - h0) * group;
+          fast->axpy(scores + iq * n_vis + j, n_vis, row + h * d, row_elems, n, d, acc + iq * d);
+        }
+        return;
+      }
+    }
     for (int64_t iq = 0; iq < nq; ++iq) {
       const int64_t h = h0 + iq / group;
       axpy_rows(scores + iq * n_vis + j, row + h * d, row_elems, n, d, acc + iq * d);

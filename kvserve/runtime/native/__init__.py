@@ -93,6 +93,12 @@ def _build(verbose: bool) -> None:
     _ensure_ninja_on_path()
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
+    if not (directory / f"{build_name()}.so").exists():
+        print(
+            f"[kvserve] building the native CPU kernels into {directory} (once, ~15 s)",
+            file=sys.stderr,
+            flush=True,
+        )
     cpp_extension.load(
         name=build_name(),
         sources=[str(SOURCE)],

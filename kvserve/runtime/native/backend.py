@@ -2,7 +2,8 @@
 
 Decodes (one query token each) attend straight from the cache blocks with
 ``kvserve::paged_decode_attention``: no gathered copy of the context, no mask tensor, one
-call for the whole batch, split across threads by (sequence, KV head). New K/V go in with
+call for the whole batch, split across threads by sequence (by sequence and KV head when
+there are fewer than two sequences per thread). New K/V go in with
 ``kvserve::write_kv``, before any read (the backend invariant). Multi-token chunks attend
 as in ``TorchSDPABackend`` (one SDPA call each): a prefill is bound by its weight matmuls.
 

@@ -23,8 +23,10 @@ Two backends share one call, ``forward(q, k, v, kv_cache, meta)``:
   with ``is_causal``; a chunk starting mid-sequence gathers its context from the cache and
   uses an offset causal mask.
 
-All metadata (slot mapping, gather indices, masks) is built once per step by
-``build_attention_metadata`` and shared by every layer.
+All metadata (slot mapping, gather indices, masks) is built once per step and shared by
+every layer: by ``build_attention_metadata``, except the decodes' per-backend views (the SDPA
+decode groups, the native kernel's block tables), which ``AttentionMetadata`` makes on first
+use.
 
 Windowed attention with sinks (StreamingLLM): with ``sliding_window`` W and
 ``num_sink_tokens`` S, the query at position p attends to keys k <= p with k < S or
@@ -109,13 +111,52 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long: cache slot of each new token
     sliding_window: int | None = None
     num_sink_tokens: int = 0  # with sliding_window: the first S positions stay visible
-    # Fast path: the leading run of sequences with one query token each (decodes), split
-    # into groups of consecutive rows (``plan_decode_groups``).
+    # Fast path: the leading run of sequences with one query token each (decodes).
     num_decode_seqs: int = 0
-    decode_groups: list[DecodeGroup] = field(default_factory=list)
     chunks: list[ChunkMeta] = field(default_factory=list)  # the other sequences
-    # NativeCPUBackend's decode block tables and lengths (int32), made on first use.
-    native_decode: tuple[torch.Tensor, torch.Tensor] | None = None
+    dtype: torch.dtype = torch.float32  # of the masks
+    # NOTE: the decodes' views for each backend are made on first use (then shared by every
+    # layer): a step pays only for the one its backend reads.
+    _decode_groups: list[DecodeGroup] | None = None
+    _decode_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def decode_groups(self) -> list[DecodeGroup]:
+        """TorchSDPABackend's decode groups: runs of consecutive decode rows, each padded to
+        its own longest (``plan_decode_groups``)."""
+        if self._decode_groups is None:
+            dec = self.seqs[: self.num_decode_seqs]
+            bs = self.block_size
+            blocks = [-(-s.seq_len // bs) for s in dec]
+            self._decode_groups = [
+                _decode_group_meta(
+                    dec[start:end],
+                    start,
+                    bs,
+                    self.slot_mapping.device,
+                    self.dtype,
+                    self.sliding_window,
+                    self.num_sink_tokens,
+                )
+                for start, end in plan_decode_groups(blocks, bs)
+            ]
+        return self._decode_groups
+
+    @property
+    def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """NativeCPUBackend's ``[num_decode, max_blocks]`` int32 block tables and
+        ``[num_decode]`` int32 lengths. Rows shorter than the longest are padded with 0
+        (never read: past their length); freed entries stay ``NULL_BLOCK_ID``."""
+        if self._decode_tables is None:
+            dec = self.seqs[: self.num_decode_seqs]
+            width = max((-(-s.seq_len // self.block_size) for s in dec), default=0)
+            table = [s.block_ids[:width] + [0] * (width - len(s.block_ids[:width])) for s in dec]
+            device = self.slot_mapping.device
+            self._decode_tables = (
+                torch.tensor(table, dtype=torch.int32, device=device).view(len(dec), width),
+                torch.tensor([s.seq_len for s in dec], dtype=torch.int32, device=device),
+            )
+        return self._decode_tables
 
 
 def _slots_for(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -273,6 +314,7 @@ def build_attention_metadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         sliding_window=sliding_window,
         num_sink_tokens=num_sink_tokens if sliding_window is not None else 0,
+        dtype=dtype,
     )
     sinks = meta.num_sink_tokens
     num_decode = 0
@@ -280,14 +322,6 @@ def build_attention_metadata(
         num_decode += 1
     neg_inf = float("-inf")
     meta.num_decode_seqs = num_decode
-    if num_decode:
-        blocks = [-(-s.seq_len // block_size) for s in seqs[:num_decode]]
-        for start, end in plan_decode_groups(blocks, block_size):
-            meta.decode_groups.append(
-                _decode_group_meta(
-                    seqs[start:end], start, block_size, device, dtype, sliding_window, sinks
-                )
-            )
     for s in seqs[num_decode:]:
         n, start, end = s.num_query_tokens, s.start_pos, s.seq_len
         needs_window = sliding_window is not None and end > sliding_window

@@ -22,26 +22,6 @@ from kvserve.runtime.attention import AttentionMetadata, LayerCache, TorchSDPABa
 from kvserve.runtime.kv_cache import QuantizedLayerCache
 
 
-def decode_tables(
-    meta: AttentionMetadata, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[num_decode, max_blocks]`` int32 block tables and ``[num_decode]`` int32 lengths.
-
-    Made once per step on first use and kept in ``meta`` (every layer reads the same).
-    Rows shorter than the longest are padded with 0 (never read: past their length).
-    """
-    if meta.native_decode is None:
-        dec = meta.seqs[: meta.num_decode_seqs]
-        bs = meta.block_size
-        width = max(-(-s.seq_len // bs) for s in dec)
-        table = [s.block_ids[:width] + [0] * (width - len(s.block_ids[:width])) for s in dec]
-        meta.native_decode = (
-            torch.tensor(table, dtype=torch.int32, device=device),
-            torch.tensor([s.seq_len for s in dec], dtype=torch.int32, device=device),
-        )
-    return meta.native_decode
-
-
 class NativeCPUBackend(TorchSDPABackend):
     """Native decode attention on CPU; ``TorchSDPABackend`` for chunks and elsewhere."""
 
@@ -66,7 +46,7 @@ class NativeCPUBackend(TorchSDPABackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, d]
         nd = meta.num_decode_seqs
         if nd:
-            tables, lens = decode_tables(meta, q.device)
+            tables, lens = meta.decode_tables
             ops.paged_decode_attention(
                 out[:nd],
                 q[:nd],

@@ -109,10 +109,11 @@ def matmul_floor_step(model: LlamaForCausalLM, batch_size: int, steps: int) -> f
     t = time.perf_counter()
     for _ in range(steps):
         for layer in model.layers:
-            torch.mm(x, layer.qkv_weight.t())
-            torch.mm(attn, layer.o_weight.t())
-            torch.mm(x, layer.gate_up_weight.t())
-            torch.mm(act, layer.down_weight.t())
+            qkv_t, o_t, gate_up_t, down_t = layer.weights_t()  # the forward's own operands
+            torch.mm(x, qkv_t)
+            torch.mm(attn, o_t)
+            torch.mm(x, gate_up_t)
+            torch.mm(act, down_t)
         torch.mm(x, model.lm_head.t())
     _sync(ref.device)
     return (time.perf_counter() - t) / steps

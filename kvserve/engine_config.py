@@ -14,6 +14,9 @@ from typing import Any, get_args
 
 from kvserve.config import CacheConfig, SchedulerConfig
 
+# NOTE: mirrors kvserve.models.quant.QUANTIZATION_CHOICES (that module imports torch).
+QUANTIZATION_CHOICES = ("auto", "none", "q8_0", "q4_0", "q4_1")
+
 GiB = 1 << 30
 
 # NOTE: help texts live beside the fields so `kvserve --help` documents the same names as
@@ -52,6 +55,9 @@ _HELP: dict[str, str] = {
     "num_threads": "torch CPU threads (default: all cores)",
     "admission_headroom": "fraction of KV blocks kept free when admitting requests",
     "resume_watermark": "after a preemption, admit again only above this free fraction",
+    "quantization": "weight quantization (vLLM's flag): auto = a GGUF's quantized tensors run "
+    "as stored with the int8-dot kernels (an HF model stays dense); none = dequantize at "
+    "load; q8_0 / q4_0 / q4_1 = quantize the weights at load to that GGML format",
 }
 
 
@@ -82,8 +88,14 @@ class EngineConfig:
     num_threads: int | None = None
     admission_headroom: float = 0.02
     resume_watermark: float = 0.10
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
+                f"got {self.quantization!r}"
+            )
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not 0 < self.kv_cache_memory_fraction < 1:
@@ -168,6 +180,8 @@ class EngineConfig:
                 kwargs["choices"] = ["paged", "contiguous"]
             if f.name == "dtype":
                 kwargs["choices"] = ["float32", "bfloat16", "float16"]
+            if f.name == "quantization":
+                kwargs["choices"] = list(QUANTIZATION_CHOICES)
             group.add_argument(flag, **kwargs)
 
     @classmethod

@@ -9,7 +9,14 @@ import torch
 from kvserve.config import ModelArchConfig
 from kvserve.models.dequant import dequantize, single_threaded
 from kvserve.models.errors import ModelLoadError
-from kvserve.models.gguf_reader import GGUFArray, GGUFFile, read_gguf
+from kvserve.models.gguf_reader import GGUFArray, GGUFFile, GGUFTensorInfo, read_gguf
+from kvserve.models.quant import (
+    DENSE_GGUF_TYPES,
+    KERNEL_QTYPES,
+    QuantizedWeight,
+    from_gguf,
+    quantize_dense,
+)
 from kvserve.models.weights import check_complete, check_shape, expected_shapes
 
 # GGUF general.architecture -> our architecture name. NOTE: llama.cpp's converter writes
@@ -140,8 +147,17 @@ def unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, half, 2, *tail).transpose(1, 2).reshape(rows, *tail)
 
 
-def load_gguf(path: str, dtype: torch.dtype) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
-    """Read a GGUF file: its architecture and all weights dequantised to ``dtype`` (HF names)."""
+def load_gguf(
+    path: str, dtype: torch.dtype, quantization: str = "none"
+) -> tuple[ModelArchConfig, dict[str, torch.Tensor | QuantizedWeight]]:
+    """Read a GGUF file: its architecture and all weights under their HF names.
+
+    ``quantization``: "none" dequantizes every tensor to ``dtype``; "auto" keeps the
+    quantized 2-D tensors (embedding and linear weights) as ``QuantizedWeight`` in their
+    block format (K-quants repacked, see ``kvserve.models.quant``) and dense ones dense;
+    "q8_0" / "q4_0" / "q4_1" keeps tensors of that type and quantizes the other 2-D ones
+    to it (dequantizing first: lossy for quantized ones). 1-D tensors are always dense.
+    """
     gguf = read_gguf(path)
     arch = gguf_arch_config(gguf)
     expected = expected_shapes(arch)
@@ -159,14 +175,40 @@ def load_gguf(path: str, dtype: torch.dtype) -> tuple[ModelArchConfig, dict[str,
 
     # NOTE: only the "llama" converter permutes q/k (interleaved RoPE); qwen2 uses NeoX RoPE.
     permuted = gguf.metadata["general.architecture"] == "llama"
-    state_dict: dict[str, torch.Tensor] = {}
+    state_dict: dict[str, torch.Tensor | QuantizedWeight] = {}
     with single_threaded():
         for target, name in names.items():
             info = gguf.tensors[name]
-            tensor = dequantize(info.data, info.ggml_type, info.shape, dtype, name=name, path=path)
+            tensor = _load_tensor(info, dtype, quantization, path)
             if permuted and ".self_attn.q_proj." in target:
-                tensor = unpermute_rope(tensor, arch.num_attention_heads)
+                tensor = _unpermute(tensor, arch.num_attention_heads)
             elif permuted and ".self_attn.k_proj." in target:
-                tensor = unpermute_rope(tensor, arch.num_key_value_heads)
+                tensor = _unpermute(tensor, arch.num_key_value_heads)
             state_dict[target] = tensor
     return arch, state_dict
+
+
+def _load_tensor(
+    info: GGUFTensorInfo, dtype: torch.dtype, quantization: str, path: str
+) -> torch.Tensor | QuantizedWeight:
+    """One tensor as ``quantization`` asks (see ``load_gguf``)."""
+    name, kind = info.name, info.ggml_type
+    if quantization == "none" or len(info.shape) != 2:
+        return dequantize(info.data, kind, info.shape, dtype, name=name, path=path)
+    if quantization == "auto":
+        if kind in DENSE_GGUF_TYPES:
+            return dequantize(info.data, kind, info.shape, dtype, name=name, path=path)
+        return from_gguf(info.data, kind, info.shape, name=name, path=path)
+    if KERNEL_QTYPES[quantization] == kind:
+        return from_gguf(info.data, kind, info.shape, name=name, path=path)
+    dense = dequantize(info.data, kind, info.shape, torch.float32, name=name, path=path)
+    return quantize_dense(dense, quantization)
+
+
+def _unpermute(
+    tensor: torch.Tensor | QuantizedWeight, num_heads: int
+) -> torch.Tensor | QuantizedWeight:
+    # NOTE: a row permutation moves whole rows of blocks, so quantized rows move as bytes.
+    if isinstance(tensor, QuantizedWeight):
+        return tensor.with_rows(unpermute_rope(tensor.data, num_heads))
+    return unpermute_rope(tensor, num_heads)

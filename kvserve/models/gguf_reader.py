@@ -205,6 +205,7 @@ def read_gguf(path: str) -> GGUFFile:
     tensors: dict[str, GGUFTensorInfo] = {}
     for name, shape, type_id, offset in infos:
         tensors[name] = _tensor_info(path, buf, data_start, name, shape, type_id, offset)
+    _check_no_overlap(path, infos, tensors)
     return GGUFFile(path=path, version=version, metadata=metadata, tensors=tensors)
 
 
@@ -237,3 +238,26 @@ def _tensor_info(
             f"{start + num_bytes}) but the file has {buf.shape[0]} bytes"
         )
     return GGUFTensorInfo(name, shape, ggml_type, buf[start : start + num_bytes])
+
+
+def _check_no_overlap(
+    path: str,
+    infos: list[tuple[str, tuple[int, ...], int, int]],
+    tensors: dict[str, GGUFTensorInfo],
+) -> None:
+    """Each tensor's bytes (from its type and shape) must end before the next one starts.
+
+    NOTE: a tensor whose declared type or shape does not match the bytes written for it
+    shows up here: its size, computed from type and shape, runs into the next tensor.
+    """
+    by_offset = sorted(infos, key=lambda item: item[3])
+    for (name, shape, _, offset), (next_name, _, _, next_offset) in zip(
+        by_offset, by_offset[1:], strict=False
+    ):
+        info = tensors[name]
+        if offset + info.data.size > next_offset:
+            raise ModelLoadError(
+                f"{path}: tensor {name!r} of type {info.type_name} and shape {list(shape)} "
+                f"needs {info.data.size} bytes, but only {next_offset - offset} lie before "
+                f"the next tensor {next_name!r}: its type or shape does not match its data"
+            )

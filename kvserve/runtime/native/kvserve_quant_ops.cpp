@@ -110,6 +110,12 @@ inline uint16_t load_u16(const uint8_t* p) {
   return v;
 }
 
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
 inline float load_half(const uint8_t* p) { return half_to_float(load_u16(p)); }
 
 // ---- activations -----------------------------------------------------------------------
@@ -270,15 +276,21 @@ template <int QT, int R, int T>
 KVQ_AVX512 void tile_avx512(const uint8_t* w, int64_t row_bytes, const QAct& a, int64_t t0,
                             float* res) {
   constexpr int64_t BB = kBlockBytes[QT];
-  // int32 lanes of block b + 1 (the others hold block b): q8_0 keeps values in order
-  // (lanes 8..15); the nibble formats unpack to [b lo, b+1 lo, b hi, b+1 hi] (16 bytes each).
-  constexpr __mmask16 hi_lanes = QT == kQ8_0 ? 0xFF00 : 0xF0F0;
   __m512 acc[R][T];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
   const __m512i perm = _mm512_set_epi64(7, 6, 3, 2, 5, 4, 1, 0);  // qwords 0,1,4,5,2,3,6,7
   const __m512i sign_bit = _mm512_set1_epi8(static_cast<char>(0x80));
   const __m256i low4 = _mm256_set1_epi8(0x0F);
+  // The int32 lanes of block b + 1 (the others hold block b): q8_0 keeps values in order
+  // (lanes 8..15); the nibble formats unpack to [b lo, b+1 lo, b hi, b+1 hi] (16 bytes each,
+  // lanes 4..7 and 12..15). pick2: lane -> index into [s_b, s_b+1]; pick_d / pick_m: into
+  // the weights' fp16 fields [d_b, m_b, d_b+1, m_b+1].
+  const __m512i pick2 =
+      QT == kQ8_0 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
+                  : _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+  const __m512i pick_d = _mm512_add_epi32(pick2, pick2);
+  const __m512i pick_m = _mm512_add_epi32(pick_d, _mm512_set1_epi32(1));
   const int64_t pairs = a.nb / 2;
   for (int64_t p = 0; p < pairs; ++p) {
     const int64_t b = 2 * p;
@@ -289,19 +301,23 @@ KVQ_AVX512 void tile_avx512(const uint8_t* w, int64_t row_bytes, const QAct& a, 
       const __m512i v = _mm512_loadu_si512(a.q + row * a.k + b * kBlock);
       // q8_0: x + 128 as unsigned (the weights are the signed operand); nibbles: reorder.
       xv[t] = QT == kQ8_0 ? _mm512_xor_si512(v, sign_bit) : _mm512_permutexvar_epi64(perm, v);
-      const float* d = a.d + row * a.nb + b;
-      xd[t] = _mm512_mask_blend_ps(hi_lanes, _mm512_set1_ps(d[0]), _mm512_set1_ps(d[1]));
+      const __m128 d2 = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(a.d + row * a.nb + b)));
+      xd[t] = _mm512_permutexvar_ps(pick2, _mm512_castps128_ps512(d2));
       if constexpr (QT != kQ8_0) {
-        const float* s = a.s + row * a.nb + b;
-        const float f = QT == kQ4_0 ? -8.0f : 1.0f;
-        xs[t] = _mm512_mask_blend_ps(hi_lanes, _mm512_set1_ps(f * s[0]), _mm512_set1_ps(f * s[1]));
+        __m128 s2 = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(a.s + row * a.nb + b)));
+        if constexpr (QT == kQ4_0) s2 = _mm_mul_ps(s2, _mm_set1_ps(-8.0f));
+        xs[t] = _mm512_permutexvar_ps(pick2, _mm512_castps128_ps512(s2));
       }
     }
     for (int r = 0; r < R; ++r) {
       const uint8_t* blk = w + r * row_bytes + b * BB;
       _mm_prefetch(reinterpret_cast<const char*>(blk + 8 * BB), _MM_HINT_T0);
-      const __m512 dw = _mm512_mask_blend_ps(hi_lanes, _mm512_set1_ps(_cvtsh_ss(load_u16(blk))),
-                                             _mm512_set1_ps(_cvtsh_ss(load_u16(blk + BB))));
+      // fp16 fields of both blocks in one conversion: [d_b, m_b, d_b+1, m_b+1] (q4_0 / q8_0:
+      // the "m" halves are the first value bytes, unused).
+      const __m512 f = _mm512_castps128_ps512(
+          _mm_cvtph_ps(_mm_set_epi32(0, 0, static_cast<int>(load_u32(blk + BB)),
+                                     static_cast<int>(load_u32(blk)))));
+      const __m512 dw = _mm512_permutexvar_ps(pick_d, f);
       if constexpr (QT == kQ8_0) {
         const __m512i qw = _mm512_inserti64x4(
             _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2))),
@@ -324,14 +340,8 @@ KVQ_AVX512 void tile_avx512(const uint8_t* w, int64_t row_bytes, const QAct& a, 
             _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, low4)),
                                _mm256_and_si256(_mm256_srli_epi16(v, 4), low4), 1);
         // The offset term once per block: lanes 0 (block b) and 4 (block b + 1) only.
-        __m512 mw;
-        if constexpr (QT == kQ4_0) {
-          mw = _mm512_maskz_mov_ps(0x0011, dw);
-        } else {
-          mw = _mm512_maskz_mov_ps(
-              0x0011, _mm512_mask_blend_ps(hi_lanes, _mm512_set1_ps(_cvtsh_ss(load_u16(blk + 2))),
-                                           _mm512_set1_ps(_cvtsh_ss(load_u16(blk + BB + 2)))));
-        }
+        const __m512 mw = QT == kQ4_0 ? _mm512_maskz_mov_ps(0x0011, dw)
+                                      : _mm512_maskz_permutexvar_ps(0x0011, pick_m, f);
         for (int t = 0; t < T; ++t) {
           const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), qw, xv[t]);
           acc[r][t] =

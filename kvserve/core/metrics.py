@@ -53,12 +53,15 @@ def ratio(num: float, den: float) -> float:
     return num / den if den else 0.0
 
 
-def kv_utilization(tables: Iterable[tuple[Sequence[int], int]], block_size: int) -> float:
+def kv_utilization(
+    tables: Iterable[tuple[Sequence[int], int]], block_size: int, *, skip_id: int | None = None
+) -> float:
     """Tokens stored / (distinct allocated blocks x block_size).
 
     ``tables`` yields (block ids, number of computed tokens) per live request. Token p of
     a request sits in its block p // block_size, so a block is as full as the furthest any
     of its holders has computed into it. O(total table length), at C speed for full blocks.
+    Entries equal to ``skip_id`` (freed, skipped blocks) hold nothing and are not counted.
     """
     filled: dict[int, int] = {}
     for block_ids, num_computed in tables:
@@ -70,6 +73,8 @@ def kv_utilization(tables: Iterable[tuple[Sequence[int], int]], block_size: int)
             filled[partial] = max(filled.get(partial, 0), used)
             for block_id in block_ids[num_full + 1 :]:
                 filled.setdefault(block_id, 0)
+    if skip_id is not None:
+        filled.pop(skip_id, None)
     return ratio(sum(filled.values()), len(filled) * block_size)
 
 

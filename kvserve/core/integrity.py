@@ -1,8 +1,23 @@
 """The block-table invariant checks of ``KVCacheManager`` (they raise ``IntegrityError``).
 
 The functions below take the manager's state as arguments (they read no private
-attribute); ``KVCacheManager.check_integrity`` calls them. The invariants are listed in
-``kv_cache_manager``'s module docstring.
+attribute); ``KVCacheManager.check_integrity`` calls them.
+
+The invariants of ``KVCacheManager`` (``check_integrity``):
+
+- A block's ref count = block tables holding it + pending copy-on-write sources pinned
+  until ``take_pending_copies()``. Ref 0 <=> in the pool's free list. The null block is the
+  pool's (held forever) and may appear only where ``_skipped_blocks`` allows.
+- Writable = ref 1 and not cached. Cached blocks and shared blocks are never written: a
+  write goes to a fresh block, with a copy when the block already holds computed tokens.
+- Each table starts with a run of cached blocks that is a root path of the prefix cache,
+  and holds no cached block after it; its first ``num_cached_blocks`` are exactly what the
+  cache matches for the request's own tokens and salt.
+- Ancestor closure: a held cached block's parent is held; a free cached block comes before
+  its free parent in the free list, so the pool only ever evicts device leaves.
+- Residency: a cached device block's cached parent is a device block (host blocks have only
+  host children), so a match is device blocks then host blocks. Host-tier invariants:
+  ``core/host_prefix.py``.
 """
 
 from __future__ import annotations

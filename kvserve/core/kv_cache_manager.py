@@ -19,31 +19,18 @@ Life of a request:
 4. ``fork`` shares a whole table; ``swap_out`` / ``swap_in`` move it to and from the host
    tier; ``free`` drops it (tail first, so a request's tail is evicted before its head).
 
-Variants (``core/window.py``, ``core/contiguous.py``; ``create_kv_cache_manager`` picks
-one) change behaviour only through the protected hooks (``_new_block_pool``,
-``_allocate_slots``, ``_skipped_blocks``, ``_swap_out_blocks``, ``_blocks_for_swap_in``,
-``_check_table_policy``, ``prefix_caching_conflict``) and helpers (``_table``,
-``_new_table``, ``_queue_copies``, ``_num_copy_pins``, ``_release``), never by reaching
-into this class's state. Collaborators: ``host_prefix.HostPrefixTier`` (the host prefix
-tier: offload on eviction, loads of host-resident hits, reported as ``-1 - host id``),
-``swap_space.SwapSpace`` (swapped-out requests' host tables), ``prefix_hits`` and
-``integrity`` (functions).
+Layers and collaborators: ``block_tables.BlockTableManager`` (the layer below: tables over
+the pool, copy-on-write, fork, skipped blocks, free), ``host_prefix.HostPrefixTier`` (the
+host prefix tier: offload on eviction, loads of host-resident hits, reported as
+``-1 - host id``), ``swap_space.SwapSpace`` (swapped-out requests' host tables),
+``prefix_hits`` and ``integrity`` (functions). Variants (``core/window.py``,
+``core/contiguous.py``; ``create_kv_cache_manager`` picks one) change behaviour only through
+protected hooks (those of the layer below, plus ``_allocate_slots``, ``_swap_out_blocks``,
+``_blocks_for_swap_in`` and ``prefix_caching_conflict`` here), never by reaching into
+either layer's state.
 
-Invariants (``check_integrity``, raising ``IntegrityError``; ``core/integrity.py``):
-
-- A block's ref count = block tables holding it + pending copy-on-write sources pinned
-  until ``take_pending_copies()``. Ref 0 <=> in the pool's free list. The null block is the
-  pool's (held forever) and may appear only where ``_skipped_blocks`` allows.
-- Writable = ref 1 and not cached. Cached blocks and shared blocks are never written: a
-  write goes to a fresh block, with a copy when the block already holds computed tokens.
-- Each table starts with a run of cached blocks that is a root path of the prefix cache,
-  and holds no cached block after it; its first ``num_cached_blocks`` are exactly what the
-  cache matches for the request's own tokens and salt.
-- Ancestor closure: a held cached block's parent is held; a free cached block comes before
-  its free parent in the free list, so the pool only ever evicts device leaves.
-- Residency: a cached device block's cached parent is a device block (host blocks have only
-  host children), so a match is device blocks then host blocks. Host-tier invariants:
-  ``core/host_prefix.py``.
+Invariants (``check_integrity`` raises ``IntegrityError`` naming the first broken one): listed
+in ``core/integrity.py``, next to the checks; the host tier's in ``core/host_prefix.py``.
 
 Scheduler rules these rely on (documented in CONTRACTS.md): blocks allocated for a step are
 computed by that step, so a request scheduled in a step is not freed, swapped out or
@@ -55,32 +42,33 @@ runner executes swap-out, swap-in, copies, then the forward pass.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
 from typing import ClassVar
 
 from kvserve.core import integrity
-from kvserve.core.block_pool import BlockPool, KVBlock
+from kvserve.core.block_pool import KVBlock
+from kvserve.core.block_tables import BlockTableManager, check_count
 from kvserve.core.errors import IntegrityError
 from kvserve.core.host_prefix import HostPrefixTier
 from kvserve.core.host_tier import HostBlock, HostTier
 from kvserve.core.kv_cache_config import KVCacheConfig
-from kvserve.core.metrics import KVCacheCounters, kv_utilization, ratio
+from kvserve.core.metrics import ratio
 from kvserve.core.prefix_cache import PrefixCache, RadixPrefixCache
-from kvserve.core.prefix_hits import cache_full_blocks, host_block_ref, resolve_prefix_hits
+from kvserve.core.prefix_hits import (
+    cache_full_blocks,
+    device_prefix,
+    host_block_ref,
+    match_prefix,
+    resolve_prefix_hits,
+)
 from kvserve.core.swap_space import SwapSpace
-from kvserve.core.tables import BlockTable, request_token_ids
+from kvserve.core.tables import BlockTable
 from kvserve.request import Request
 
 __all__ = ["KVCacheManager", "host_block_ref"]
 
 
-def _check_count(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-
-
-class KVCacheManager:
-    """Block tables, prefix caching, copy-on-write and swap plans. See the module docstring."""
+class KVCacheManager(BlockTableManager):
+    """Prefix caching, the host tiers and swap over block tables. See the module docstring."""
 
     # Why a variant cannot cache prefixes (None: it can); enable_prefix_caching=True is then
     # a ValueError quoting it.
@@ -96,9 +84,8 @@ class KVCacheManager:
         prefix_cache: PrefixCache | None = None,
         enable_host_prefix_cache: bool = False,
     ) -> None:
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        _check_count("num_host_blocks", num_host_blocks)
+        super().__init__(num_blocks, block_size, on_evict=self._on_device_evict)
+        check_count("num_host_blocks", num_host_blocks)
         if enable_prefix_caching and self.prefix_caching_conflict is not None:
             raise ValueError(
                 f"{type(self).__name__} needs enable_prefix_caching=False: "
@@ -110,12 +97,9 @@ class KVCacheManager:
             raise ValueError(
                 "enable_host_prefix_cache needs a host tier: num_host_blocks (swap_space) is 0"
             )
-        self.block_size = block_size
-        self.num_blocks = num_blocks
         self.num_host_blocks = num_host_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.enable_host_prefix_cache = enable_host_prefix_cache
-        self.counters = KVCacheCounters()
         self._cache: PrefixCache = prefix_cache or RadixPrefixCache(block_size)
         if self._cache.block_size != block_size:
             raise ValueError("prefix_cache.block_size must equal block_size")
@@ -127,12 +111,6 @@ class KVCacheManager:
         )
         self._host = self._host_prefix.tier  # host block ids, shared with swap preemption
         self._swapped = SwapSpace(self._host)
-        self._pool = self._new_block_pool(num_blocks, self._host_prefix.on_device_evict)
-        self._null = self._pool.null_block
-        self._tables: dict[str, BlockTable] = {}
-        # Copy-on-write (src, dst); src keeps the reference its table dropped until
-        # take_pending_copies(), so nothing can overwrite it before the runner copies it.
-        self._pending_copies: list[tuple[KVBlock, KVBlock]] = []
 
     @classmethod
     def from_config(cls, config: KVCacheConfig) -> KVCacheManager:
@@ -145,12 +123,11 @@ class KVCacheManager:
             enable_host_prefix_cache=config.enable_host_prefix_cache,
         )
 
-    # ------------------------------------------------------------------ capacity
+    def _on_device_evict(self, block: KVBlock) -> None:
+        """The pool hands out cached ``block`` again: the host prefix tier keeps or drops it."""
+        self._host_prefix.on_device_evict(block)
 
-    @property
-    def num_free_blocks(self) -> int:
-        """Blocks allocatable right now: free plus cached-but-evictable."""
-        return self._pool.num_free_blocks
+    # ------------------------------------------------------------------ capacity
 
     @property
     def num_free_host_blocks(self) -> int:
@@ -162,81 +139,12 @@ class KVCacheManager:
         return self._host
 
     @property
-    def usage(self) -> float:
-        """kv_usage: blocks referenced by live requests / total blocks."""
-        return ratio(self.num_blocks - self._pool.num_free_blocks, self.num_blocks)
-
-    @property
     def prefix_cache(self) -> PrefixCache:
         return self._cache
-
-    @property
-    def block_pool(self) -> BlockPool:
-        return self._pool
-
-    def num_blocks_for(self, num_tokens: int) -> int:
-        """Blocks needed to hold ``num_tokens`` tokens: ceil(num_tokens / block_size)."""
-        _check_count("num_tokens", num_tokens)
-        return -(-num_tokens // self.block_size)
-
-    def get_block_ids(self, request_id: str) -> list[int]:
-        """The request's device block table (a new list; empty if it has none).
-
-        Skipped entries read ``NULL_BLOCK_ID`` (-1), the pool's null block.
-        """
-        table = self._tables.get(request_id)
-        return [b.block_id for b in table.blocks] if table is not None else []
 
     def num_swapped_blocks(self, request: Request) -> int:
         """Blocks the request holds in the host tier (0 unless swapped out)."""
         return self._swapped.num_blocks(request.request_id)
-
-    # ------------------------------------------------------------------ hooks for variants
-
-    def _new_block_pool(self, num_blocks: int, on_evict: Callable[[KVBlock], None]) -> BlockPool:
-        """The pool of physical blocks (hook). Its null block marks skipped table entries."""
-        return BlockPool(num_blocks, external_null_block=True, on_evict=on_evict)
-
-    def _skipped_blocks(self, request: Request) -> range:
-        """Indices of the request's blocks no later query reads (hook): none here."""
-        return range(0)
-
-    def _swap_out_blocks(self, table: BlockTable) -> list[KVBlock]:
-        """The blocks ``swap_out`` copies to the host tier, in table order (hook): all."""
-        return table.blocks
-
-    def _check_table_policy(self, table: BlockTable) -> None:
-        """Invariants a variant adds for each table (hook): none here."""
-
-    # ------------------------------------------------------------------ helpers for variants
-
-    def _table(self, request_id: str) -> BlockTable | None:
-        """The request's device block table, or None."""
-        return self._tables.get(request_id)
-
-    def _new_table(
-        self, request: Request, blocks: list[KVBlock], num_cached: int = 0
-    ) -> BlockTable:
-        """Record a fresh device block table for ``request`` (it must have none)."""
-        table = self._tables[request.request_id] = BlockTable(
-            request, blocks, num_cached, num_cached
-        )
-        return table
-
-    def _queue_copies(self, pairs: Iterable[tuple[KVBlock, KVBlock]]) -> None:
-        """Queue copy-on-write (src, dst) copies; each src keeps a reference until taken."""
-        before = len(self._pending_copies)
-        self._pending_copies.extend(pairs)
-        self.counters.cow_copies += len(self._pending_copies) - before
-
-    def _num_copy_pins(self, block: KVBlock) -> int:
-        """References ``block`` holds as a pending copy source."""
-        return sum(1 for src, _ in self._pending_copies if src is block)
-
-    def _release(self, blocks: Iterable[KVBlock]) -> None:
-        """Drop one reference from each block, in eviction order; null entries hold none."""
-        null = self._null
-        self._pool.free(b for b in blocks if b is not null)
 
     # ------------------------------------------------------------------ prefix hits
 
@@ -251,10 +159,7 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return [], 0
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        if max_blocks <= 0:
-            return [], 0
-        blocks = self._cache.match(request_token_ids(request), request.cache_salt, max_blocks)
+        blocks = match_prefix(self._cache, request, (request.num_tokens - 1) // self.block_size)
         ids = [
             host_block_ref(b.host_block_id) if isinstance(b, HostBlock) else b.block_id
             for b in blocks
@@ -280,7 +185,7 @@ class KVCacheManager:
         which also records the prefix-cache query (``num_tokens``) and hit. Host-resident
         hits take a fresh device block each (counted in needed) and a load is planned.
         """
-        t0 = time.perf_counter()
+        t0 = time.perf_counter()  # NOTE: try/finally, not a context manager: a hot path
         try:
             # NOTE: checked here for every allocator (variants override _allocate_slots).
             if num_new_tokens < 0 or num_new_computed_tokens < 0 or reserve < 0:
@@ -329,8 +234,8 @@ class KVCacheManager:
         Fresh blocks = host hits + new blocks + copy-on-write replacements; all of them
         plus ``reserve`` must fit in the free blocks (minus revived hits), else None.
         """
-        rid = request.request_id
-        table = self._tables.get(rid)
+        pool = self.block_pool
+        table = self._table(request.request_id)
         bs = self.block_size
         computed, host_hits = resolve_prefix_hits(
             request,
@@ -338,7 +243,7 @@ class KVCacheManager:
             computed_ids,
             num_new_computed_tokens,
             block_size=bs,
-            pool=self._pool,
+            pool=pool,
             host_tier=self._host,
         )
         num_hits = len(computed) + len(host_hits)
@@ -358,15 +263,15 @@ class KVCacheManager:
         num_revived = sum(1 for b in computed if b.ref_cnt == 0) if computed else 0
         num_loads = len(host_hits)
         num_fresh = num_loads + num_needed + len(cow_indices)
-        if num_fresh + reserve > self._pool.num_free_blocks - num_revived:
+        if num_fresh + reserve > pool.num_free_blocks - num_revived:
             return None
 
         if computed:
             # NOTE: revive the prefix hits first, or the allocation below could evict them.
-            self._pool.touch(computed)
+            pool.touch(computed)
         if host_hits:
             self._host_prefix.claim(host_hits)
-        fresh = self._pool.allocate(num_fresh) if num_fresh else []
+        fresh = pool.allocate(num_fresh) if num_fresh else []
         if host_hits:
             self._host_prefix.load(host_hits, fresh[:num_loads])
             computed = computed + fresh[:num_loads]
@@ -387,111 +292,30 @@ class KVCacheManager:
                 c.device_hit_tokens += num_new_computed_tokens - num_loads * bs
         return [b.block_id for b in fresh]
 
-    def _copy_on_write(
-        self, table: BlockTable, indices: list[int], fresh: list[KVBlock], num_computed: int
-    ) -> None:
-        """Replace the blocks at ``indices`` (ascending) by ``fresh`` ones.
-
-        A replaced block that holds computed tokens (only the first, when the write starts
-        mid-block) is copied: (old, new) is queued and old keeps this table's reference as
-        a pin. The others are overwritten in full, so they are just released, tail first.
-        """
-        released = []
-        for i, new in zip(reversed(indices), fresh, strict=True):
-            old = table.blocks[i]
-            table.blocks[i] = new
-            if i * self.block_size < num_computed:
-                self._queue_copies([(old, new)])
-            else:
-                released.append(old)
-        self._pool.free(released)
-        # The table's cached run now ends before the first replaced block.
-        table.num_cached_blocks = min(table.num_cached_blocks, indices[0])
-        table.num_full_checked = min(table.num_full_checked, indices[0])
-
-    def remove_skipped_blocks(self, request: Request) -> list[int]:
-        """Free the request's blocks that no later query reads; returns their ids.
-
-        Their table entries become the pool's null block (``NULL_BLOCK_ID``), so every other
-        position keeps its slot. Which blocks: ``_skipped_blocks`` (none for full attention,
-        so this is a no-op here). Call after the step's last allocation, before the runner
-        executes the step: the freed blocks are only read masked in this step and nobody
-        can allocate them before the next step.
-        """
-        skipped = self._skipped_blocks(request)
-        table = self._tables.get(request.request_id) if skipped else None
-        if table is None:
-            return []
-        blocks, null = table.blocks, self._null
-        freed = []
-        for i in skipped:
-            if i >= len(blocks):
-                break
-            if blocks[i] is not null:
-                freed.append(blocks[i])
-                blocks[i] = null  # type: ignore[assignment]
-        self._pool.free(freed)
-        return [b.block_id for b in freed]
-
-    def take_pending_copies(self) -> list[tuple[int, int]]:
-        """Copy-on-write (src, dst) device block pairs queued since the last call; clears.
-
-        Releases the pins on the sources: call once per step, after the last allocation.
-        """
-        if not self._pending_copies:
-            return []
-        pending, self._pending_copies = self._pending_copies, []
-        self._pool.free(src for src, _ in pending)
-        return [(src.block_id, dst.block_id) for src, dst in pending]
-
     def take_pending_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The offload tier's plans since the last call: (offloads, loads); clears.
-
-        offloads: (device, host) pairs for the step's ``blocks_to_swap_out``; loads: (host,
-        device) pairs for its ``blocks_to_swap_in``. Ends the step's host-block pins: call
-        once per step, after the last allocation (with ``take_pending_copies``).
-        """
+        """The host prefix tier's (offloads, loads) since the last call, for the step's
+        ``blocks_to_swap_out`` / ``blocks_to_swap_in``; clears and ends the step's host pins.
+        Call once per step, after the last allocation (with ``take_pending_copies``)."""
         return self._host_prefix.take_plans()
 
     # ------------------------------------------------------------------ free / fork
 
     def free(self, request: Request) -> None:
-        """Drop the request's device and host blocks. No-op for unknown requests.
-
-        Device blocks are released tail first: cached ones stay matchable (evictable, the
-        tail before the head), uncached ones are reused first.
-        """
-        rid = request.request_id
-        table = self._tables.pop(rid, None)
-        if table is not None:
-            self._release(reversed(table.blocks))
-        self._swapped.free(rid)
+        """Drop the request's device blocks (tail first) and host blocks. No-op if unknown."""
+        super().free(request)
+        self._swapped.free(request.request_id)
 
     def fork(self, parent: Request, child: Request) -> None:
-        """Give ``child`` the parent's whole block table, every block's ref count +1.
-
-        The child's tokens must agree with the parent's over the positions the parent has
-        computed (the shared K/V). Its first write into a shared block copies it. Skipped
-        (null) entries are shared as they are.
-        """
-        pid, cid = parent.request_id, child.request_id
-        ptable = self._tables.get(pid)
-        if ptable is None:
-            raise ValueError(f"fork: parent {pid!r} has no device block table")
-        if cid == pid or cid in self._tables or cid in self._swapped:
-            raise ValueError(f"fork: child {cid!r} already has blocks")
-        num_shared = min(child.num_tokens, parent.num_computed_tokens)
-        if child.token_ids_slice(0, num_shared) != parent.token_ids_slice(0, num_shared):
-            raise ValueError(
-                f"fork: child {cid!r}'s tokens differ from parent {pid!r}'s computed tokens"
-            )
-        live = [b for b in ptable.blocks if b is not self._null]
-        self._pool.touch(live)
-        num_cached = min(ptable.num_cached_blocks, num_shared // self.block_size)
-        self._new_table(child, list(ptable.blocks), num_cached)
-        self.counters.fork_shared_blocks += len(live)
+        """As ``BlockTableManager.fork``; a swapped-out child id is taken too."""
+        if child.request_id in self._swapped:
+            raise ValueError(f"fork: child {child.request_id!r} already has blocks")
+        super().fork(parent, child)
 
     # ------------------------------------------------------------------ swap
+
+    def _swap_out_blocks(self, table: BlockTable) -> list[KVBlock]:
+        """The blocks ``swap_out`` copies to the host tier, in table order (hook): all."""
+        return table.blocks
 
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
         """Move the request's blocks to the host tier: (device, host) pairs, table order.
@@ -501,12 +325,12 @@ class KVCacheManager:
         (null) entries (preempt such a request by recompute).
         """
         rid = request.request_id
-        table = self._tables.get(rid)
+        table = self._table(rid)
         if table is None:
             raise ValueError(f"swap_out: request {rid!r} has no device block table")
-        if any(b is self._null for b in table.blocks):
+        if self.block_pool.null_block in table.blocks:
             return None
-        if any(dst in table.blocks for _, dst in self._pending_copies):
+        if self._copies_into(table.blocks):
             raise ValueError(f"swap_out: request {rid!r} has a copy-on-write pending in this step")
         if self._host_prefix.loads_into(table.blocks):
             raise ValueError(f"swap_out: request {rid!r} has a host load pending in this step")
@@ -514,8 +338,8 @@ class KVCacheManager:
         hosts = self._swapped.store(request, len(moved))
         if hosts is None:
             return None
-        del self._tables[rid]
-        self._pool.free(reversed(table.blocks))
+        self._pop_table(rid)
+        self.block_pool.free(reversed(table.blocks))
         self.counters.swap_out_blocks += len(moved)
         return [(b.block_id, h.host_block_id) for b, h in zip(moved, hosts, strict=True)]
 
@@ -526,12 +350,8 @@ class KVCacheManager:
         copied. Returns None, changing nothing, if fewer than ``needed + reserve`` blocks
         can be had.
         """
-        t0 = time.perf_counter()
-        try:
+        with self.counters.timing_alloc():
             return self._swap_in(request, reserve)
-        finally:
-            self.counters.alloc_time_s += time.perf_counter() - t0
-            self.counters.alloc_calls += 1
 
     def _swap_in(self, request: Request, reserve: int) -> list[tuple[int, int]] | None:
         """Give the swapped-out request a device table again; plan the copies.
@@ -549,7 +369,7 @@ class KVCacheManager:
         - a variant may give the table more blocks than the host held (the contiguous
           allocator's reservation): they hold no tokens yet.
         """
-        _check_count("reserve", reserve)
+        check_count("reserve", reserve)
         rid = request.request_id
         hosts = self._swapped.host_blocks(rid)
         if hosts is None:
@@ -580,22 +400,21 @@ class KVCacheManager:
         reused: list[KVBlock] = []
         if self.enable_prefix_caching:
             max_blocks = min(num_host_blocks, request.num_computed_tokens // self.block_size)
-            for b in self._cache.match(request_token_ids(request), request.cache_salt, max_blocks):
-                if isinstance(b, HostBlock):
-                    break  # host-resident: the request's own host copy is loaded instead
-                reused.append(b)
+            # NOTE: device hits only: the request's own host copy beats a host-resident hit.
+            reused = device_prefix(match_prefix(self._cache, request, max_blocks))
         num_needed = num_host_blocks - len(reused)
         num_revived = sum(1 for b in reused if b.ref_cnt == 0)
-        if num_needed + reserve > self._pool.num_free_blocks - num_revived:
+        pool = self.block_pool
+        if num_needed + reserve > pool.num_free_blocks - num_revived:
             return None
-        self._pool.touch(reused)
-        return reused + self._pool.allocate(num_needed), len(reused)
+        pool.touch(reused)
+        return reused + pool.allocate(num_needed), len(reused)
 
     # ------------------------------------------------------------------ cache admin
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block. Only when no block is held; returns whether it did."""
-        if self._pool.num_free_blocks != self._pool.num_usable_blocks:
+        if self.num_free_blocks != self.block_pool.num_usable_blocks:
             return False
         self._cache.clear()
         self._host_prefix.clear()
@@ -608,15 +427,7 @@ class KVCacheManager:
 
         Utilization counts live blocks only (skipped null entries hold no tokens).
         """
-        null_id = self._null.block_id if self._null is not None else None
-        util = kv_utilization(
-            (
-                ([b.block_id for b in t.blocks], t.request.num_computed_tokens)
-                for t in self._tables.values()
-            ),
-            self.block_size,
-            skip_id=null_id,
-        )
+        util = self._utilization()
         c = self.counters
         return {
             "num_kv_blocks": self.num_blocks,
@@ -625,9 +436,9 @@ class KVCacheManager:
             "kv_usage": self.usage,
             "kv_utilization": util,
             # NOTE: 0 when idle (nothing allocated), 1 when blocks are allocated but empty.
-            "fragmentation": 1.0 - util if self._tables else 0.0,
+            "fragmentation": 1.0 - util if self._all_tables() else 0.0,
             "prefix_hit_rate": ratio(c.prefix_cache_hits, c.prefix_cache_queries),
-            "prefix_cache_evictions": self._pool.num_evictions,
+            "prefix_cache_evictions": self.block_pool.num_evictions,
             "num_host_blocks": self.num_host_blocks,
             "num_free_host_blocks": self.num_free_host_blocks,
             "host_cache_blocks": self._host.num_cached_blocks,
@@ -643,17 +454,10 @@ class KVCacheManager:
         figures = self.snapshot()
         del figures["alloc_time_s"], figures["alloc_calls"]
         return {
-            "tables": {
-                rid: ([b.block_id for b in t.blocks], t.num_cached_blocks, t.num_full_checked)
-                for rid, t in self._tables.items()
-            },
+            **self._dump_tables(),
             "host_tables": self._swapped.dump(),
             **self._host_prefix.dump(),
-            "free_block_ids": self._pool.free_block_ids(),
-            "ref_cnts": [b.ref_cnt for b in self._pool.blocks],
-            "cached": [b.cache_node is not None for b in self._pool.blocks],
             "prefix_cache": self._cache.dump(),
-            "pending_copies": [(s.block_id, d.block_id) for s, d in self._pending_copies],
             "figures": figures,
         }
 
@@ -664,17 +468,12 @@ class KVCacheManager:
 
         Explicit raises, not ``assert``: the checks run under ``python -O`` too.
         """
-        pool, cache = self._pool, self._cache
-        pool.check_integrity()
+        cache = self._cache
         cache.check_integrity()
-        if any(rid in self._tables for rid in self._swapped.request_ids()):
+        if any(self._table(rid) is not None for rid in self._swapped.request_ids()):
             raise IntegrityError("a request has both a device and a host block table")
-        tables = self._tables.values()
-        integrity.check_ref_counts(tables, pool, (src for src, _ in self._pending_copies))
-        for table in tables:
-            skippable = self._skipped_blocks(table.request)
-            integrity.check_table(table, cache, self.block_size, self._null, skippable)
-            self._check_table_policy(table)
+        self._check_tables(cache)
+        pool = self.block_pool
         num_cached = sum(b.cache_node is not None for b in pool.blocks)
         num_host_cached = self._host.num_cached_blocks
         if num_cached + num_host_cached != cache.num_cached_blocks:

@@ -19,7 +19,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
 from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput
@@ -46,6 +48,19 @@ class KVCacheCounters:
     def as_dict(self) -> dict[str, float | int]:
         """The counters by name."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @contextmanager
+    def timing_alloc(self) -> Iterator[None]:
+        """Count one allocation call and its time (``alloc_calls``, ``alloc_time_s``).
+
+        NOTE: for ``swap_in`` (rare); ``allocate_slots``, a hot path, counts inline.
+        """
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.alloc_time_s += time.perf_counter() - t0
+            self.alloc_calls += 1
 
 
 def ratio(num: float, den: float) -> float:

@@ -2,6 +2,7 @@
 
 Functions of public state only, called by ``KVCacheManager``:
 
+- ``match_prefix`` / ``device_prefix``: the cached blocks a request's tokens match.
 - ``resolve_prefix_hits``: validate ``allocate_slots``' ``new_computed_blocks`` (from
   ``get_computed_blocks``) and turn the ids into device blocks then host blocks.
 - ``cache_full_blocks``: offer a table's newly full blocks to the prefix cache.
@@ -12,13 +13,31 @@ from __future__ import annotations
 from kvserve.core.block_pool import BlockPool, KVBlock
 from kvserve.core.host_tier import HostBlock, HostTier
 from kvserve.core.prefix_cache import CacheEntry, PrefixCache, describe
-from kvserve.core.tables import BlockTable
+from kvserve.core.tables import BlockTable, request_token_ids
 from kvserve.request import Request
 
 
 def host_block_ref(host_block_id: int) -> int:
     """How ``get_computed_blocks`` reports a host-resident prefix block: ``-1 - host id``."""
     return -1 - host_block_id
+
+
+def match_prefix(cache: PrefixCache, request: Request, max_blocks: int) -> list[CacheEntry]:
+    """The cached blocks of the request's longest block-aligned prefix, at most ``max_blocks``:
+    device blocks, then host-resident ones."""
+    if max_blocks <= 0:
+        return []
+    return cache.match(request_token_ids(request), request.cache_salt, max_blocks)
+
+
+def device_prefix(blocks: list[CacheEntry]) -> list[KVBlock]:
+    """The leading device-resident blocks of a match."""
+    out: list[KVBlock] = []
+    for b in blocks:
+        if isinstance(b, HostBlock):
+            break
+        out.append(b)
+    return out
 
 
 def resolve_prefix_hits(

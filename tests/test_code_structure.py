@@ -53,13 +53,14 @@ ENGINE_MODULES = {
 # strict, so the mark must go once that lands (an unexpected pass fails).
 PENDING_PAIRS = {("models", "runtime"): "runtime <-> models ends with issue 19 item 4"}
 
-# NOTE: the issue asks for ~450; kv_cache_manager.py (787 lines before the split) is ~490,
-# its allocation policy and swap flow with their docstring diagrams.
-MAX_CORE_LINES = 500
+MAX_CORE_LINES = 450  # the issue's "no core file over ~450 lines"
 # Over the limit for now, with why; strict, so the mark must go once the file is split.
 PENDING_LARGE = {
     "scheduler.py": "split once issue 19's concurrent scheduler edits (step budget, "
     "priority preemption) have landed: this round keeps scheduler edits minimal",
+    "kv_cache_manager.py": "787 -> ~490 lines (block tables, host prefix tier, swap space, "
+    "prefix hits and integrity moved out); the paged allocation policy and the swap flow "
+    "with their diagrams remain: moving swap into its own layer is the next split",
 }
 
 

@@ -9,10 +9,9 @@ import os
 from typing import TYPE_CHECKING, Any
 
 # NOTE: libgomp reads this once, when torch first loads. Its default (spin 300,000 times
-# before sleeping) makes 2 OpenMP threads collapse 5-20x whenever another process shares
-# the cores (a 32x576x1536 matmul: 1.0 ms alone, 5.4-8.6 ms under load); 10,000 spins cost
-# nothing measurable on an idle machine. An explicit setting, or a torch imported before
-# kvserve, wins.
+# before sleeping) makes OpenMP threads collapse whenever another process shares the cores;
+# 10,000 spins cost nothing measurable alone (figures: bench/README.md, "Measurements behind
+# constants in the code"). An explicit setting, or a torch imported before kvserve, wins.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 from kvserve.engine_config import EngineConfig

@@ -1,6 +1,7 @@
 """LLMEngine: ties the scheduler (core/) to the model runner (runtime/) and the tokenizer.
 
-One ``step()`` = schedule -> execute -> update -> detokenize; see ../shared/DESIGN.md.
+One ``step()`` = schedule -> execute -> update -> detokenize; see docs/DESIGN.md.
+Start-up is a sequence of named phases: ``engine_startup.py``.
 """
 
 from __future__ import annotations
@@ -11,34 +12,27 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from kvserve.core.contiguous import ContiguousKVCacheManager
-from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.metrics import HostTransferStats
 from kvserve.core.outputs import LogprobsEntry
-from kvserve.core.scheduler import Scheduler
-from kvserve.core.window import KVWindow, WindowedKVCacheManager
 from kvserve.engine_config import EngineConfig
 from kvserve.engine_metrics import LatencyStats
-from kvserve.memory_budget import (
-    MemoryReport,
-    measure_kernel_scratch,
-    plan_kv_blocks,
-    plan_step_activations,
+from kvserve.engine_startup import (
+    build_kv_cache_manager,
+    build_runner,
+    build_scheduler,
+    load_engine_model,
+    measure_gemm_scratch,
+    resolve_max_model_len,
+    size_kv_pool,
 )
-from kvserve.models.llama import LlamaForCausalLM
-from kvserve.models.loader import load_model
+from kvserve.memory_budget import MemoryReport, plan_step_activations
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.runtime.kv_cache import kv_bytes_per_token
-from kvserve.runtime.model_runner import ModelRunner
 from kvserve.sampling_params import SamplingParams
-from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvserve.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger("kvserve")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -72,97 +66,36 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
         config = config.replace(**kwargs) if config else EngineConfig(**kwargs)
         self.config = config
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
-        torch.manual_seed(config.seed)
-        dtype = _DTYPES[config.dtype]
         t0 = time.perf_counter()
-        loaded = load_model(config.model, dtype=dtype)
-        self.model_path = loaded.path
-        self.arch = arch = loaded.arch
-        self.tokenizer = Tokenizer.from_loaded(loaded.tokenizer_dir, loaded.gguf_file)
-        model = LlamaForCausalLM(arch)
-        model.load_weights(loaded.state_dict)
-        model = model.to(device=config.device, dtype=dtype).eval()
-        del loaded
-        weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
-            b.numel() * b.element_size() for b in model.buffers()
-        )
-        self.max_model_len = min(
-            config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings
-        )
-        if config.max_model_len is not None and config.max_model_len > arch.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={config.max_model_len} exceeds the model's context length "
-                f"{arch.max_position_embeddings}"
-            )
+        # Start-up phases (kvserve/engine_startup.py), in order; each takes what the earlier
+        # ones produced.
+        loaded = load_engine_model(config)
+        self.model_path, self.arch, self.tokenizer = loaded.path, loaded.arch, loaded.tokenizer
+        arch = loaded.arch
+        self.max_model_len = resolve_max_model_len(config, arch)
         # NOTE: exact, the per-token-per-head scales of int8/fp8 caches included.
         self.kv_bytes_per_token = kv_bytes_per_token(
             num_layers=arch.num_hidden_layers,
             num_kv_heads=arch.num_key_value_heads,
             head_dim=arch.head_dim,
             kv_cache_dtype=config.kv_cache_dtype,
-            dtype=dtype,
+            dtype=loaded.dtype,
         )
         activation_plan = plan_step_activations(config, arch, max_model_len=self.max_model_len)
-        # NOTE: before the KV pool exists; the weights serve as the GEMMs' right operands.
-        kernel_scratch = measure_kernel_scratch(
-            config, activation_plan, [p.t() for p in model.parameters() if p.dim() == 2]
-        )
-        self.memory_report: MemoryReport = plan_kv_blocks(
+        kernel_scratch = measure_gemm_scratch(config, activation_plan, loaded.model)
+        self.memory_report: MemoryReport = size_kv_pool(
             config,
-            arch,
-            weights_bytes=weights_bytes,
+            loaded,
             kv_bytes_per_token=self.kv_bytes_per_token,
             max_model_len=self.max_model_len,
             activation_plan=activation_plan,
-            device_free_bytes=_device_free_bytes(config.device),
             kernel_scratch_bytes=kernel_scratch,
         )
         rep = self.memory_report
-        self.runner = ModelRunner(
-            model,
-            arch,
-            num_blocks=rep.num_kv_blocks,
-            block_size=config.block_size,
-            num_host_blocks=rep.num_host_blocks,
-            device=config.device,
-            dtype=dtype,
-            seed=config.seed,
-            kv_cache_dtype=config.kv_cache_dtype,
-            kv_window=config.kv_window,
-            kv_sink_tokens=config.kv_sink_tokens,
-        )
-        self.kv_cache_manager: KVCacheManager
-        if config.kv_window is not None:
-            if config.enable_prefix_caching or config.enable_host_prefix_cache:
-                logger.info("kv_window set: prefix caching is off for windowed eviction")
-            self.kv_cache_manager = WindowedKVCacheManager(
-                rep.num_kv_blocks,
-                config.block_size,
-                kv_window=KVWindow(config.kv_window, config.kv_sink_tokens),
-                num_host_blocks=rep.num_host_blocks,
-            )
-        elif config.kv_allocator == "contiguous":
-            if config.enable_prefix_caching:
-                logger.info("kv_allocator=contiguous: prefix caching is off (no block sharing)")
-            self.kv_cache_manager = ContiguousKVCacheManager(
-                rep.num_kv_blocks,
-                config.block_size,
-                max_model_len=self.max_model_len,
-                num_host_blocks=rep.num_host_blocks,
-            )
-        else:
-            self.kv_cache_manager = KVCacheManager(
-                rep.num_kv_blocks,
-                config.block_size,
-                enable_prefix_caching=config.enable_prefix_caching,
-                num_host_blocks=rep.num_host_blocks,
-                enable_host_prefix_cache=config.enable_host_prefix_cache,
-            )
-        self.scheduler = Scheduler(
-            config.scheduler_config(self.max_model_len), self.kv_cache_manager
-        )
+        self.runner = build_runner(config, loaded, rep)
+        del loaded  # NOTE: the runner holds the model; nothing else of the load stays alive
+        self.kv_cache_manager = build_kv_cache_manager(config, rep, self.max_model_len)
+        self.scheduler = build_scheduler(config, self.max_model_len, self.kv_cache_manager)
         self.latency = LatencyStats()
         self.host_transfers = HostTransferStats()
         self._groups: dict[str, _Group] = {}
@@ -393,10 +326,3 @@ def _metrics(req: Request) -> RequestMetrics:
     if req.finished_time is not None:
         m.e2e = req.finished_time - req.arrival_time
     return m
-
-
-def _device_free_bytes(device: str) -> int | None:
-    if device.startswith("cuda") and torch.cuda.is_available():
-        free, _total = torch.cuda.mem_get_info(torch.device(device))
-        return free
-    return None

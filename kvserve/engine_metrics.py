@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvserve.bench.stats import percentile
+from kvserve.percentile import percentile
 from kvserve.request import Request
 
 

@@ -93,7 +93,7 @@ class LLM:
         return [finals[i] for i in ids]
 
     def stats(self) -> dict[str, Any]:
-        """Capacity and latency figures (see ../shared/DESIGN.md's table)."""
+        """Capacity and latency figures (see docs/DESIGN.md's table)."""
         return self.engine.stats()
 
     def memory_report(self) -> list[str]:

@@ -32,16 +32,13 @@ from kvserve.runtime.memory_plan import ActivationPlan, plan_activations
 
 MiB = 1 << 20
 
-# NOTE: measured, not guessed (`kvserve bench memory --measure`, fresh process, embedded
-# model, fp32, CPU). Peak RSS while generating minus weights, KV pool and the planned
-# activation reserve: 473 MiB with a cold tokenizer cache, 461-473 MiB warm (torch and its
-# libraries ~218 MiB, the tokenizer ~57 MiB, the fake-tensor tracing machinery ~67 MiB,
-# heap the freed state dict left behind ~100 MiB). ~20% slack on top. With the GEMM kernel
-# scratch measured as its own term, the same command gives 428 MiB (449,278,016 bytes).
+# NOTE: measured, not guessed (`kvserve bench memory --measure`): peak RSS while generating
+# minus weights, KV pool and the planned activation reserve, plus ~20% slack. The figures:
+# bench/README.md, "Measurements behind constants in the code".
 HEADROOM_BYTES = 576 * MiB
 # Peak RSS while loading minus the weights twice (the loader's state dict and the model's
-# fused parameters are both alive while the weights are copied): 296 MiB measured, the
-# same way. ~30% slack on top.
+# fused parameters are both alive while the weights are copied), measured the same way,
+# plus ~30% slack (same section of bench/README.md).
 LOAD_HEADROOM_BYTES = 384 * MiB
 
 # NOTE: the traced model keeps this many layers. Llama layers are identical and no tensor

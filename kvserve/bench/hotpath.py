@@ -121,9 +121,10 @@ class _DecodeDriver:
         }
         self.tables = {rid: [free.pop() for _ in range(blocks_per_seq)] for rid in self.seqs}
         sched = [_req(rid, t, 0, self.tables[rid]) for rid, t in self.seqs.items()]
-        self._apply(runner.execute(SchedulerOutput(scheduled=sched)))
+        self.apply(runner.execute(SchedulerOutput(scheduled=sched)))
 
-    def _apply(self, out) -> None:  # noqa: ANN001
+    def apply(self, out) -> None:  # noqa: ANN001
+        """Append the step's sampled tokens to their sequences."""
         for rid, tok in out.sampled_token_ids.items():
             self.seqs[rid].append(tok)
 
@@ -139,7 +140,7 @@ class _DecodeDriver:
         """Run one decode step, through ``observe`` when given (it must call execute)."""
         sched = self.schedule()
         out = observe(sched) if observe is not None else self.runner.execute(sched)
-        self._apply(out)
+        self.apply(out)
 
 
 def count_step_allocations(
@@ -201,7 +202,7 @@ def count_step_allocations(
             peak += tracemalloc.get_traced_memory()[1] - start_bytes
             after = tracemalloc.take_snapshot()
             net_blocks += sum(s.count_diff for s in after.compare_to(before, "filename"))
-            drv._apply(out)
+            drv.apply(out)
     finally:
         tracemalloc.stop()
 

@@ -2,26 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
+from kvserve.percentile import percentile
+
+__all__ = ["PERCENTILES", "percentile", "summarize"]
+
 PERCENTILES = (50.0, 90.0, 99.0)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) with linear interpolation, as ``numpy.percentile``.
-
-    Raises ValueError on an empty sequence or ``q`` outside [0, 100].
-    """
-    if not values:
-        raise ValueError("percentile of an empty sequence")
-    if not 0.0 <= q <= 100.0:
-        raise ValueError(f"percentile q must be in [0, 100], got {q}")
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 def summarize(values: Sequence[float]) -> dict[str, float]:

@@ -2,33 +2,46 @@
 
 - ``block_pool``: physical block ids, ref counts, the O(1) eviction-ordered free list.
 - ``prefix_cache``: the ``PrefixCache`` interface and its radix-tree implementation.
-- ``kv_cache_manager``: block tables, prefix hits, copy-on-write, fork, swap plans.
+- ``kv_cache_manager``: block tables, prefix hits, copy-on-write, fork, swap plans; the
+  protected hooks its variants override. ``tables``: the per-request records.
+- ``prefix_hits``: resolving prefix hits and caching full blocks (tables <-> prefix cache).
+- ``host_tier``: host-memory block ids shared by swap preemption and the prefix offload
+  tier; ``host_prefix``: the host prefix tier; ``swap_space``: swapped-out requests.
+- ``window``: windowed eviction with attention sinks (a KVCacheManager variant).
+- ``contiguous``: the naive per-request contiguous reservation, for comparison (a variant).
+- ``kv_cache_config`` + ``managers``: ``KVCacheConfig`` and ``create_kv_cache_manager``.
+- ``integrity`` + ``errors``: the invariant checks and ``IntegrityError``.
 - ``metrics``: the capacity figures.
-- ``host_tier``: host-memory blocks shared by swap preemption and the prefix offload tier.
-- ``window``: windowed eviction with attention sinks (a KVCacheManager subclass).
-- ``contiguous``: the naive per-request contiguous reservation, for comparison (a subclass).
 - ``scheduler``: token-budget continuous batching on top of the manager.
 """
 
-from kvserve.core.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from kvserve.core.block_pool import NULL_BLOCK_ID, BlockPool, FreeBlockQueue, KVBlock
 from kvserve.core.contiguous import ContiguousKVCacheManager
+from kvserve.core.errors import IntegrityError
 from kvserve.core.host_tier import HostBlock, HostTier
+from kvserve.core.kv_cache_config import KVCacheConfig, KVWindow
 from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.managers import KV_CACHE_MANAGERS, create_kv_cache_manager
 from kvserve.core.metrics import KVCacheCounters
 from kvserve.core.prefix_cache import PrefixCache, RadixPrefixCache
-from kvserve.core.window import KVWindow, WindowedKVCacheManager
+from kvserve.core.window import WindowedKVCacheManager
 
 __all__ = [
+    "KV_CACHE_MANAGERS",
+    "NULL_BLOCK_ID",
     "BlockPool",
     "ContiguousKVCacheManager",
     "FreeBlockQueue",
     "HostBlock",
     "HostTier",
+    "IntegrityError",
     "KVBlock",
+    "KVCacheConfig",
     "KVCacheCounters",
     "KVCacheManager",
     "KVWindow",
     "PrefixCache",
     "RadixPrefixCache",
     "WindowedKVCacheManager",
+    "create_kv_cache_manager",
 ]

@@ -20,15 +20,27 @@ middle (a prefix hit revives a cached block) are all O(1) with no allocation:
   the caller wants them evicted; the manager passes a request's table tail-first, so its
   tail is evicted before its head (a radix tree can only drop leaves).
 
-Invariants (``check_integrity``): the list is well linked and holds exactly the blocks with
-``ref_cnt == 0``; no uncached block follows a cached one; the optional null block is never
-free.
+The null block (optional) stands for a table entry whose block was freed because no later
+query reads it (``KVCacheManager.remove_skipped_blocks``, e.g. a block out of the KV window).
+It is held forever (ref 1, never cached, never free) and tables may hold it any number of
+times. Two layouts: ``reserve_null_block=True`` takes block 0 out of service (vLLM's layout:
+the runtime reads a real block, masked); ``external_null_block=True`` makes it a block
+outside the id space with id ``NULL_BLOCK_ID`` (-1), so no capacity is lost and the runtime
+sees -1 (masked; a write into it is an error there). ``KVCacheManager`` uses the latter.
+
+Invariants (``check_integrity``, raising ``IntegrityError``): the list is well linked and
+holds exactly the blocks with ``ref_cnt == 0``; no uncached block follows a cached one; the
+null block is never free.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+
+from kvserve.core.errors import IntegrityError
+
+NULL_BLOCK_ID = -1  # the id of an external null block: a freed (skipped) table entry
 
 
 @dataclass(slots=True, eq=False)
@@ -107,20 +119,25 @@ class FreeBlockQueue:
             block = block.next_free
 
     def check_integrity(self) -> None:
-        """Raise AssertionError if the links or the count are inconsistent."""
+        """Raise IntegrityError if the links or the count are inconsistent."""
         count = 0
         prev = self._head
         block = self._head.next_free
         while block is not self._tail:
-            assert block is not None, "free list: broken forward link"
-            assert block.prev_free is prev, f"free list: bad back link at block {block.block_id}"
+            if block is None:
+                raise IntegrityError("free list: broken forward link")
+            if block.prev_free is not prev:
+                raise IntegrityError(f"free list: bad back link at block {block.block_id}")
             count += 1
-            assert count <= self.num_free_blocks, "free list: longer than num_free_blocks (cycle?)"
+            if count > self.num_free_blocks:
+                raise IntegrityError("free list: longer than num_free_blocks (cycle?)")
             prev, block = block, block.next_free
-        assert self._tail.prev_free is prev, "free list: tail sentinel's back link is stale"
-        assert count == self.num_free_blocks, (
-            f"free list: {count} linked blocks but num_free_blocks={self.num_free_blocks}"
-        )
+        if self._tail.prev_free is not prev:
+            raise IntegrityError("free list: tail sentinel's back link is stale")
+        if count != self.num_free_blocks:
+            raise IntegrityError(
+                f"free list: {count} linked blocks but num_free_blocks={self.num_free_blocks}"
+            )
 
 
 class BlockPool:
@@ -135,20 +152,26 @@ class BlockPool:
         num_blocks: int,
         *,
         reserve_null_block: bool = False,
+        external_null_block: bool = False,
         on_evict: Callable[[KVBlock], None] | None = None,
     ) -> None:
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
         if reserve_null_block and num_blocks < 2:
             raise ValueError("num_blocks must be >= 2 when a null block is reserved")
+        if reserve_null_block and external_null_block:
+            raise ValueError("reserve_null_block and external_null_block exclude each other")
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         # NOTE: the runtime needs no null block (padding slots are masked), so none is
         # reserved by default; block 0 is held forever when one is asked for.
         self.null_block: KVBlock | None = None
+        self.num_reserved_blocks = int(reserve_null_block)
         if reserve_null_block:
             self.null_block = self.blocks[0]
             self.null_block.ref_cnt = 1
+        elif external_null_block:
+            self.null_block = KVBlock(NULL_BLOCK_ID, ref_cnt=1)
         self._free = FreeBlockQueue(b for b in self.blocks if b.ref_cnt == 0)
         self.on_evict = on_evict
         self.num_evictions = 0
@@ -156,7 +179,7 @@ class BlockPool:
     @property
     def num_usable_blocks(self) -> int:
         """Blocks that requests can ever hold (all but the null block)."""
-        return self.num_blocks - (self.null_block is not None)
+        return self.num_blocks - self.num_reserved_blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -179,7 +202,7 @@ class BlockPool:
             if block.cache_node is not None:
                 self.num_evictions += 1
                 if self.on_evict is None:
-                    raise AssertionError(f"cached block {block.block_id} but no on_evict hook")
+                    raise IntegrityError(f"cached block {block.block_id} but no on_evict hook")
                 self.on_evict(block)
             block.ref_cnt = 1
             out.append(block)
@@ -219,26 +242,32 @@ class BlockPool:
         return [b.block_id for b in self._free]
 
     def check_integrity(self) -> None:
-        """Raise AssertionError if the free list and the ref counts disagree."""
+        """Raise IntegrityError if the free list and the ref counts disagree."""
         self._free.check_integrity()
         seen_cached = False
         num_listed = 0
         for block in self._free:
             num_listed += 1
-            assert block.ref_cnt == 0, f"block {block.block_id} is in the free list with ref>0"
+            if block.ref_cnt != 0:
+                raise IntegrityError(f"block {block.block_id} is in the free list with ref>0")
             if block.cache_node is not None:
                 seen_cached = True
-            else:
-                assert not seen_cached, (
+            elif seen_cached:
+                raise IntegrityError(
                     f"uncached block {block.block_id} follows a cached block in the free list"
                 )
         num_zero = 0
         for block in self.blocks:
-            assert block.ref_cnt >= 0, f"block {block.block_id} has ref {block.ref_cnt}"
+            if block.ref_cnt < 0:
+                raise IntegrityError(f"block {block.block_id} has ref {block.ref_cnt}")
             num_zero += block.ref_cnt == 0
-        assert num_zero == num_listed, (
-            f"{num_zero} blocks have ref 0 but {num_listed} are in the free list"
-        )
-        if self.null_block is not None:
-            assert self.null_block.ref_cnt == 1, "the null block must stay held (ref 1)"
-            assert self.null_block.cache_node is None, "the null block must never be cached"
+        if num_zero != num_listed:
+            raise IntegrityError(
+                f"{num_zero} blocks have ref 0 but {num_listed} are in the free list"
+            )
+        null = self.null_block
+        if null is not None:
+            if null.ref_cnt != 1:
+                raise IntegrityError("the null block must stay held (ref 1)")
+            if null.cache_node is not None or null.prev_free is not None:
+                raise IntegrityError("the null block must never be cached or free")

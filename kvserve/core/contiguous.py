@@ -30,22 +30,21 @@ memory. ``kv_utilization`` is tokens stored / tokens reserved.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kvserve.core.block_pool import BlockPool, KVBlock
-from kvserve.core.kv_cache_manager import (
-    KVCacheManager,
-    _HostTable,
-    _Table,
-)
+from kvserve.core.errors import IntegrityError
+from kvserve.core.kv_cache_config import KVCacheConfig
+from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.metrics import ratio
+from kvserve.core.tables import BlockTable
 from kvserve.request import Request
 
 _FREE = 1
 _HELD = 0
 
 
-class _RunBlockPool(BlockPool):
+class RunBlockPool(BlockPool):
     """A ``BlockPool`` that also keeps a byte per block (1 = free) to find free runs fast.
 
     NOTE: ``bytearray.find`` scans at C speed, so first fit is O(num_blocks) bytes per
@@ -91,14 +90,23 @@ class _RunBlockPool(BlockPool):
         super().check_integrity()
         for block in self.blocks:
             want = _FREE if block.ref_cnt == 0 else _HELD
-            assert self.free_map[block.block_id] == want, (
-                f"free map: block {block.block_id} marked {self.free_map[block.block_id]} "
-                f"with ref {block.ref_cnt}"
-            )
+            if self.free_map[block.block_id] != want:
+                raise IntegrityError(
+                    f"free map: block {block.block_id} marked {self.free_map[block.block_id]} "
+                    f"with ref {block.ref_cnt}"
+                )
 
 
 class ContiguousKVCacheManager(KVCacheManager):
-    """Per-request contiguous reservation for the maximum length. See the module docstring."""
+    """Per-request contiguous reservation for the maximum length. See the module docstring.
+
+    Hooks: ``_new_block_pool`` (a ``RunBlockPool``), ``_allocate_slots`` (one run per
+    request, unshared on a fork's first write), ``_swap_out_blocks`` (the computed blocks
+    only), ``_blocks_for_swap_in`` (a fresh run) and ``_check_table_policy`` (one run of its
+    reservation).
+    """
+
+    prefix_caching_conflict = "the contiguous allocator's per-request reservation shares no blocks"
 
     def __init__(
         self,
@@ -109,21 +117,35 @@ class ContiguousKVCacheManager(KVCacheManager):
         enable_prefix_caching: bool = False,
         num_host_blocks: int = 0,
     ) -> None:
-        if enable_prefix_caching:
-            raise ValueError(
-                "the contiguous allocator needs enable_prefix_caching=False: a per-request "
-                "reservation shares no blocks"
-            )
         if not isinstance(max_model_len, int) or isinstance(max_model_len, bool):
             raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
-        super().__init__(
-            num_blocks, block_size, enable_prefix_caching=False, num_host_blocks=num_host_blocks
-        )
         self.max_model_len = max_model_len
-        self._pool = _RunBlockPool(num_blocks, on_evict=self._on_device_evict)
         self.num_fragmented_failures = 0
+        super().__init__(
+            num_blocks,
+            block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            num_host_blocks=num_host_blocks,
+        )
+
+    @classmethod
+    def from_config(cls, config: KVCacheConfig) -> ContiguousKVCacheManager:
+        """Build from ``config`` (its ``max_model_len`` must be set)."""
+        if config.max_model_len is None:
+            raise ValueError("the contiguous KV allocator needs KVCacheConfig.max_model_len")
+        return cls(
+            config.num_blocks,
+            config.block_size,
+            max_model_len=config.max_model_len,
+            enable_prefix_caching=config.enable_prefix_caching,
+            num_host_blocks=config.num_host_blocks,
+        )
+
+    def _new_block_pool(self, num_blocks: int, on_evict: Callable[[KVBlock], None]) -> BlockPool:
+        self._runs = RunBlockPool(num_blocks, external_null_block=True, on_evict=on_evict)
+        return self._runs
 
     # ------------------------------------------------------------------ reservation
 
@@ -138,14 +160,14 @@ class ContiguousKVCacheManager(KVCacheManager):
     @property
     def largest_free_run(self) -> int:
         """The longest run of consecutive free blocks: the largest reservation possible now."""
-        return self._pool.largest_free_run()
+        return self._runs.largest_free_run()
 
     def _take_run(self, num_run: int, num_needed: int, reserve: int) -> list[KVBlock] | None:
         """Hold the first free run of ``num_run`` blocks, or None (nothing changed).
 
         Needs the run and ``num_free_blocks >= num_needed + reserve`` (module docstring).
         """
-        pool = self._pool
+        pool = self._runs
         if num_run > pool.num_free_blocks or num_needed + reserve > pool.num_free_blocks:
             return None
         start = pool.find_run(num_run)
@@ -166,6 +188,17 @@ class ContiguousKVCacheManager(KVCacheManager):
         num_new_computed_tokens: int,
         reserve: int,
     ) -> list[int] | None:
+        """The allocation policy: the whole reservation at the first call, nothing later.
+
+        The request's tokens, left to right::
+
+            |  computed  |     new      |   reserved, not yet written   |
+            |<------------------ one run of consecutive block ids ------------------>|
+            0            ^ num_computed_tokens      ^ num_total     num_reserved_blocks
+
+        No prefix hits (none are ever found). A forked child's first write takes a run of
+        its own (``_unshare``).
+        """
         rid = request.request_id
         if computed_ids or num_new_computed_tokens:
             raise ValueError(
@@ -181,18 +214,18 @@ class ContiguousKVCacheManager(KVCacheManager):
                 f"tokens, past its reservation of {num_run} (prompt + max_tokens, at most "
                 f"max_model_len={self.max_model_len} and the pool)"
             )
-        table = self._tables.get(rid)
+        table = self._table(rid)
         if table is None:
             run = self._take_run(num_run, num_needed, reserve)
             if run is None:
                 return None
-            self._tables[rid] = _Table(request, run)
+            self._new_table(request, run)
             return [b.block_id for b in run]
         if num_new_tokens and self._is_shared(table):
             return self._unshare(table, num_needed, reserve)
         return []
 
-    def _is_shared(self, table: _Table) -> bool:
+    def _is_shared(self, table: BlockTable) -> bool:
         """True while another table holds the run (a fork not yet written to).
 
         NOTE: copy-on-write pins do not count: the runner executes the step's copies before
@@ -201,10 +234,9 @@ class ContiguousKVCacheManager(KVCacheManager):
         # NOTE: fork shares a whole run and unsharing replaces a whole table, so every block
         # of a run has the same holders: the first block tells.
         first = table.blocks[0]
-        num_pins = sum(1 for src, _ in self._pending_copies if src is first)
-        return first.ref_cnt - num_pins != 1
+        return first.ref_cnt - self._num_copy_pins(first) != 1
 
-    def _unshare(self, table: _Table, num_needed: int, reserve: int) -> list[int] | None:
+    def _unshare(self, table: BlockTable, num_needed: int, reserve: int) -> list[int] | None:
         """A forked child's first write: its own run, computed blocks copied from the parent's.
 
         The copy sources keep this table's reference (a pin) until ``take_pending_copies``.
@@ -215,54 +247,24 @@ class ContiguousKVCacheManager(KVCacheManager):
             return None
         old = table.blocks
         num_copied = self.num_blocks_for(request.num_computed_tokens)
-        self._pending_copies.extend(zip(old[:num_copied], run[:num_copied], strict=True))
-        self.counters.cow_copies += num_copied
-        self._pool.free(reversed(old[num_copied:]))
+        self._queue_copies(zip(old[:num_copied], run[:num_copied], strict=True))
+        self._release(reversed(old[num_copied:]))
         table.blocks = run
         return [b.block_id for b in run]
 
     # ------------------------------------------------------------------ swap
 
-    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
-        """Move the blocks holding computed tokens to the host tier; free the whole run.
+    def _swap_out_blocks(self, table: BlockTable) -> list[KVBlock]:
+        """Only the blocks holding computed tokens move; the whole run is freed."""
+        num_used = self.num_blocks_for(table.request.num_computed_tokens)
+        return table.blocks[: min(num_used, len(table.blocks))]
 
-        Returns (device, host) pairs in table order, or None (nothing changed) if the host
-        tier has too few free blocks.
-        """
-        rid = request.request_id
-        table = self._tables.get(rid)
-        if table is None:
-            raise ValueError(f"swap_out: request {rid!r} has no device block table")
-        if any(dst in table.blocks for _, dst in self._pending_copies):
-            raise ValueError(f"swap_out: request {rid!r} has a copy-on-write pending in this step")
-        num_used = min(self.num_blocks_for(request.num_computed_tokens), len(table.blocks))
-        if num_used > self._host.num_free_blocks:
-            return None
-        hosts = self._host.allocate(num_used)
-        del self._tables[rid]
-        self._pool.free(reversed(table.blocks))
-        self._host_tables[rid] = _HostTable(request, hosts)
-        self.counters.swap_out_blocks += num_used
-        used = table.blocks[:num_used]
-        return [(b.block_id, h.host_block_id) for b, h in zip(used, hosts, strict=True)]
-
-    def _swap_in(self, request: Request, reserve: int) -> list[tuple[int, int]] | None:
-        if not isinstance(reserve, int) or isinstance(reserve, bool) or reserve < 0:
-            raise ValueError(f"reserve must be a non-negative int, got {reserve!r}")
-        rid = request.request_id
-        host = self._host_tables.get(rid)
-        if host is None:
-            raise ValueError(f"swap_in: request {rid!r} is not swapped out")
-        hosts = host.host_blocks
-        run = self._take_run(self.num_reserved_blocks(request), len(hosts), reserve)
-        if run is None:
-            return None
-        del self._host_tables[rid]
-        self._host.pin(hosts)
-        self._host.release(reversed(hosts))
-        self._tables[rid] = _Table(request, run)
-        self.counters.swap_in_blocks += len(hosts)
-        return [(h.host_block_id, b.block_id) for h, b in zip(hosts, run, strict=False)]
+    def _blocks_for_swap_in(
+        self, request: Request, num_host_blocks: int, reserve: int
+    ) -> tuple[list[KVBlock], int] | None:
+        """A fresh run of the whole reservation (anywhere); nothing is reused."""
+        run = self._take_run(self.num_reserved_blocks(request), num_host_blocks, reserve)
+        return None if run is None else (run, 0)
 
     # ------------------------------------------------------------------ figures
 
@@ -283,14 +285,14 @@ class ContiguousKVCacheManager(KVCacheManager):
         d["fragmented_alloc_failures"] = self.num_fragmented_failures
         return d
 
-    def check_integrity(self) -> None:
-        """Base invariants, plus: every table is one run of consecutive ids of its reservation."""
-        super().check_integrity()
-        for rid, table in self._tables.items():
-            ids = [b.block_id for b in table.blocks]
-            want = self.num_reserved_blocks(table.request)
-            assert len(ids) == want, f"request {rid!r}: holds {len(ids)} blocks, reserved {want}"
-            assert not ids or ids == list(range(ids[0], ids[0] + len(ids))), (
-                f"request {rid!r}: its blocks {ids} are not one consecutive run"
-            )
-            assert table.num_cached_blocks == 0, f"request {rid!r}: contiguous blocks cached"
+    def _check_table_policy(self, table: BlockTable) -> None:
+        """Every table is one run of consecutive ids of its reservation, uncached."""
+        rid = table.request.request_id
+        ids = [b.block_id for b in table.blocks]
+        want = self.num_reserved_blocks(table.request)
+        if len(ids) != want:
+            raise IntegrityError(f"request {rid!r}: holds {len(ids)} blocks, reserved {want}")
+        if ids and ids != list(range(ids[0], ids[0] + len(ids))):
+            raise IntegrityError(f"request {rid!r}: its blocks {ids} are not one consecutive run")
+        if table.num_cached_blocks != 0:
+            raise IntegrityError(f"request {rid!r}: contiguous blocks cached")

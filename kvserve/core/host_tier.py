@@ -30,6 +30,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from kvserve.core.errors import IntegrityError
+
 
 @dataclass(slots=True, eq=False)
 class HostBlock:
@@ -116,11 +118,11 @@ class HostTier:
             if block.host_block_id not in self.pinned_ids:
                 break
         else:
-            raise AssertionError("host tier: no evictable block although one was counted")
+            raise IntegrityError("host tier: no evictable block although one was counted")
         del self.lru[block.host_block_id]
         self.num_evictions += 1
         if self.on_evict is None:
-            raise AssertionError(f"cached host block {block.host_block_id} but no on_evict hook")
+            raise IntegrityError(f"cached host block {block.host_block_id} but no on_evict hook")
         self.on_evict(block)
         return block
 
@@ -166,26 +168,29 @@ class HostTier:
         self.pinned_ids.clear()
 
     def check_integrity(self, held_ids: Iterable[int]) -> None:
-        """Raise AssertionError if the states do not partition the host ids.
+        """Raise IntegrityError if the states do not partition the host ids.
 
         ``held_ids``: the ids the manager holds (swapped-out requests' tables).
         """
         held = list(held_ids)
         everything = sorted([*self.free_ids, *self.deferred_ids, *self.lru, *held])
-        assert everything == list(range(self.num_blocks)), (
-            "host tier: blocks are leaked or double-booked (free/deferred/cached/held)"
-        )
-        for i, block in self.lru.items():
-            assert block is self.blocks[i] and block.cache_node is not None, (
-                f"host tier: LRU block {i} is not cached"
+        if everything != list(range(self.num_blocks)):
+            raise IntegrityError(
+                "host tier: blocks are leaked or double-booked (free/deferred/cached/held)"
             )
+        for i, block in self.lru.items():
+            if block is not self.blocks[i] or block.cache_node is None:
+                raise IntegrityError(f"host tier: LRU block {i} is not cached")
         for i in [*self.free_ids, *self.deferred_ids, *held]:
-            assert self.blocks[i].cache_node is None, f"host tier: uncached block {i} is cached"
-        assert set(self.deferred_ids) <= self.pinned_ids, "host tier: deferred block not pinned"
-        assert self.step_pins or not self.pinned_ids, "host tier: pins without step pins"
+            if self.blocks[i].cache_node is not None:
+                raise IntegrityError(f"host tier: uncached block {i} is cached")
+        if not set(self.deferred_ids) <= self.pinned_ids:
+            raise IntegrityError("host tier: deferred block not pinned")
+        if not self.step_pins and self.pinned_ids:
+            raise IntegrityError("host tier: pins without step pins")
         seen_pinned = False
         for i in self.lru:
             if i in self.pinned_ids:
                 seen_pinned = True
-            else:
-                assert not seen_pinned, f"host tier: unpinned block {i} behind a pinned one"
+            elif seen_pinned:
+                raise IntegrityError(f"host tier: unpinned block {i} behind a pinned one")

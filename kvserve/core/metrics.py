@@ -19,7 +19,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
 from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput
@@ -47,18 +49,34 @@ class KVCacheCounters:
         """The counters by name."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    @contextmanager
+    def timing_alloc(self) -> Iterator[None]:
+        """Count one allocation call and its time (``alloc_calls``, ``alloc_time_s``).
+
+        NOTE: for ``swap_in`` (rare); ``allocate_slots``, a hot path, counts inline.
+        """
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.alloc_time_s += time.perf_counter() - t0
+            self.alloc_calls += 1
+
 
 def ratio(num: float, den: float) -> float:
     """``num / den``, or 0.0 when ``den`` is 0 (an idle engine reports zeros, not NaN)."""
     return num / den if den else 0.0
 
 
-def kv_utilization(tables: Iterable[tuple[Sequence[int], int]], block_size: int) -> float:
+def kv_utilization(
+    tables: Iterable[tuple[Sequence[int], int]], block_size: int, *, skip_id: int | None = None
+) -> float:
     """Tokens stored / (distinct allocated blocks x block_size).
 
     ``tables`` yields (block ids, number of computed tokens) per live request. Token p of
     a request sits in its block p // block_size, so a block is as full as the furthest any
     of its holders has computed into it. O(total table length), at C speed for full blocks.
+    Entries equal to ``skip_id`` (freed, skipped blocks) hold nothing and are not counted.
     """
     filled: dict[int, int] = {}
     for block_ids, num_computed in tables:
@@ -70,6 +88,8 @@ def kv_utilization(tables: Iterable[tuple[Sequence[int], int]], block_size: int)
             filled[partial] = max(filled.get(partial, 0), used)
             for block_id in block_ids[num_full + 1 :]:
                 filled.setdefault(block_id, 0)
+    if skip_id is not None:
+        filled.pop(skip_id, None)
     return ratio(sum(filled.values()), len(filled) * block_size)
 
 

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from kvserve.core.block_pool import KVBlock
+from kvserve.core.errors import IntegrityError
 from kvserve.core.host_tier import HostBlock
 
 BlockKey = tuple[int, ...]  # the block_size token ids of one full block
@@ -104,7 +105,7 @@ class PrefixCache(Protocol):
         ...
 
     def check_integrity(self) -> None:
-        """Raise AssertionError naming the first broken invariant."""
+        """Raise IntegrityError naming the first broken invariant."""
         ...
 
 
@@ -138,7 +139,7 @@ class _Node:
         for i, b in enumerate(self.blocks):
             if b is block:
                 return i
-        raise AssertionError(f"{describe(block)} is not on its cache node's edge")
+        raise IntegrityError(f"{describe(block)} is not on its cache node's edge")
 
 
 class RadixPrefixCache:
@@ -232,7 +233,7 @@ class RadixPrefixCache:
         if not isinstance(node, _Node):
             raise ValueError(f"{describe(block)} is not cached")
         if node.blocks[-1] is not block or node.children:
-            raise AssertionError(
+            raise IntegrityError(
                 f"prefix cache: evicting {describe(block)}, which has cached children"
             )
         node.blocks.pop()
@@ -292,7 +293,8 @@ class RadixPrefixCache:
         if i > 0:
             return node.blocks[i - 1]
         parent = node.parent
-        assert parent is not None
+        if parent is None:
+            raise IntegrityError(f"{describe(block)} is cached on a root")
         return parent.blocks[-1] if parent.parent is not None else None
 
     def clear(self) -> None:
@@ -323,35 +325,46 @@ class RadixPrefixCache:
         return sorted(out)
 
     def check_integrity(self) -> None:
-        """Raise AssertionError if the tree's shape, keys or block links are inconsistent."""
+        """Raise IntegrityError if the tree's shape, keys or block links are inconsistent."""
         seen: set[int] = set()  # id() of every cached block object
         for salt, root in self._roots.items():
-            assert root.parent is None and root.salt == salt, f"root for salt {salt!r} is wrong"
-            assert not root.blocks and not root.keys, f"root for salt {salt!r} holds blocks"
-            assert root.children, f"root for salt {salt!r} is empty but kept"
+            if root.parent is not None or root.salt != salt:
+                raise IntegrityError(f"root for salt {salt!r} is wrong")
+            if root.blocks or root.keys:
+                raise IntegrityError(f"root for salt {salt!r} holds blocks")
+            if not root.children:
+                raise IntegrityError(f"root for salt {salt!r} is empty but kept")
         for node in self._nodes():
             if node.parent is None:
                 continue
-            assert node.blocks, "prefix cache: a non-root node has no blocks"
-            assert len(node.keys) == len(node.blocks), "prefix cache: keys and blocks differ"
-            assert node.parent.children.get(node.keys[0]) is node, (
-                "prefix cache: node is not its parent's child under its first key"
-            )
-            assert len(node.children) != 1, "prefix cache: node with one child is not merged"
+            if not node.blocks:
+                raise IntegrityError("prefix cache: a non-root node has no blocks")
+            if len(node.keys) != len(node.blocks):
+                raise IntegrityError("prefix cache: keys and blocks differ")
+            if node.parent.children.get(node.keys[0]) is not node:
+                raise IntegrityError(
+                    "prefix cache: node is not its parent's child under its first key"
+                )
+            if len(node.children) == 1:
+                raise IntegrityError("prefix cache: node with one child is not merged")
             for key, child in node.children.items():
-                assert child.parent is node and child.keys[0] == key, "prefix cache: bad child"
+                if child.parent is not node or child.keys[0] != key:
+                    raise IntegrityError("prefix cache: bad child")
             for key, block in zip(node.keys, node.blocks, strict=True):
-                assert len(key) == self.block_size, (
-                    f"prefix cache: {describe(block)} is cached but not full"
-                )
-                assert block.cache_node is node, (
-                    f"prefix cache: {describe(block)} does not point at its node"
-                )
-                assert id(block) not in seen, f"prefix cache: {describe(block)} is cached twice"
+                if len(key) != self.block_size:
+                    raise IntegrityError(f"prefix cache: {describe(block)} is cached but not full")
+                if block.cache_node is not node:
+                    raise IntegrityError(
+                        f"prefix cache: {describe(block)} does not point at its node"
+                    )
+                if id(block) in seen:
+                    raise IntegrityError(f"prefix cache: {describe(block)} is cached twice")
                 seen.add(id(block))
-        assert len(seen) == self._num_cached_blocks, (
-            f"prefix cache: {len(seen)} blocks in the tree, counter says {self._num_cached_blocks}"
-        )
+        if len(seen) != self._num_cached_blocks:
+            raise IntegrityError(
+                f"prefix cache: {len(seen)} blocks in the tree, "
+                f"counter says {self._num_cached_blocks}"
+            )
 
     # ------------------------------------------------------------------ internals
 
@@ -367,7 +380,8 @@ class RadixPrefixCache:
     def _unlink(self, node: _Node, key: BlockKey) -> None:
         """Detach the emptied ``node`` (first key ``key``) from its parent; prune and merge."""
         parent = node.parent
-        assert parent is not None
+        if parent is None:
+            raise IntegrityError("prefix cache: unlinking a root")
         del parent.children[key]
         if parent.parent is None:
             if not parent.children:

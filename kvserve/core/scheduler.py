@@ -55,7 +55,6 @@ from kvserve.config import SchedulerConfig
 from kvserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from kvserve.core.policy import PreemptionPolicy, PriorityPolicy
 from kvserve.core.sched_stats import SchedulerStats, StepStats
-from kvserve.core.window import WindowedKVCacheManager
 from kvserve.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -237,12 +236,11 @@ class Scheduler:
         if not step.stats.num_preemptions:
             self._schedule_swap_ins(step)
             self._schedule_admissions(step)
-        if isinstance(self.kv, WindowedKVCacheManager):
-            # NOTE: after every allocation of the step, so no request can be handed a block
-            # freed here before this step's forward pass has run (it reads it, masked).
-            for request in self.running:
-                if request.request_id in step.scheduled_ids:
-                    self.kv.free_out_of_window(request)
+        # NOTE: after every allocation of the step, so no request can be handed a block
+        # freed here before this step's forward pass has run (it reads it, masked).
+        for request in self.running:
+            if request.request_id in step.scheduled_ids:
+                self.kv.remove_skipped_blocks(request)
         step.out.blocks_to_copy = self.kv.take_pending_copies()
         # Host prefix tier: evicted cached blocks copied out, host hits loaded back.
         offloads, loads = self.kv.take_pending_swaps()

@@ -185,10 +185,9 @@ def _visible(
     return valid
 
 
-# NOTE: what one more decode group costs, in padded token-rows. A group adds a gather and an
-# SDPA call per layer, ~60-100 us each on this 2-core CPU (the caches are cold after a weight
-# matmul); one gathered-and-attended token-row costs ~0.15 us per layer (B=32 at ~200 tokens
-# of context: 28.5 ms of gather + SDPA per step over 30 layers and 32 x 200 rows).
+# NOTE: what one more decode group costs, in padded token-rows: a group adds a gather and an
+# SDPA call per layer, worth a few hundred token-rows of gather + attention (the
+# measurements: bench/README.md, "Measurements behind constants in the code").
 DECODE_GROUP_COST_TOKENS = 512
 # The planner is quadratic in the number of distinct lengths; past this many it considers
 # only this many evenly spaced split points (a group boundary anywhere else is never needed

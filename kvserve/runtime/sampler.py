@@ -33,10 +33,9 @@ __all__ = ["Sampler", "apply_penalties"]
 # Top-p first looks for the nucleus among this many most likely tokens (a top-k, cheap); only
 # the rows whose mass falls short of top_p search again among _TOP_P_WIDEN times as many,
 # and the whole vocabulary is sorted only for rows that still fall short.
-# NOTE: measured on SmolLM2-135M over real text, at T=0.8 / top_p=0.9 10% of rows (at
-# T=1.0 / top_p=0.95 67%) need more than 256 candidates but about 1% more than 4096. topk
-# of [32, 49152] rows costs 5.5 ms (k=256), 17 ms (k=4096) and 109 ms (the whole row), one
-# thread, so widening the whole batch for one row cost up to 20x the narrow search.
+# NOTE: most rows find their nucleus among 256 candidates and almost all among 4096, and a
+# wide topk costs far more than a narrow one, so only the rows that fall short widen (the
+# measurements: bench/README.md, "Measurements behind constants in the code").
 _TOP_P_CANDIDATES = 256
 _TOP_P_WIDEN = 16
 

@@ -97,7 +97,7 @@ def _resolve_max_tokens(
 
 
 def _sampling_params(
-    ctx: ServingContext, req: p._SamplingRequest, max_tokens: int, logprobs: int | None
+    ctx: ServingContext, req: p.SamplingRequest, max_tokens: int, logprobs: int | None
 ) -> SamplingParams:
     if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
         raise APIError(f"seed must be in [0, {MAX_SEED}]", param="seed")
@@ -137,7 +137,7 @@ async def _add_all(
     base_id: str,
     prompts: list[list[int]],
     params_list: list[SamplingParams],
-    req: p._SamplingRequest,
+    req: p.SamplingRequest,
 ) -> list[RequestStream]:
     """Queue one engine request per prompt; on any failure abort the ones already queued."""
     streams: list[RequestStream] = []
@@ -474,7 +474,7 @@ async def _add_engine_requests(
     request_id: str,
     prompts: list[list[int]],
     params_list: list[SamplingParams],
-    req: p._SamplingRequest,
+    req: p.SamplingRequest,
 ) -> list[RequestStream]:
     try:
         return await _add_all(ctx, request_id, prompts, params_list, req)

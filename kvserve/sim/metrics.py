@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvserve.bench.stats import percentile as _percentile
+from kvserve.percentile import percentile as _percentile
 
 
 @dataclass(slots=True)

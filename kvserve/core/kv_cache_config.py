@@ -1,0 +1,47 @@
+"""What a KV cache manager is built from: ``KVCacheConfig`` (and the window of a windowed one).
+
+The engine derives it from ``EngineConfig`` and the memory plan; ``create_kv_cache_manager``
+(``core/managers.py``) picks the manager class from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class KVWindow:
+    """The window of a windowed engine: the last ``window`` tokens plus the first sinks."""
+
+    window: int
+    num_sink_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"kv_window must be a positive int, got {self.window!r}")
+        if not isinstance(self.num_sink_tokens, int) or self.num_sink_tokens < 0:
+            raise ValueError(f"kv_sink_tokens must be an int >= 0, got {self.num_sink_tokens!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheConfig:
+    """The KV cache manager's configuration.
+
+    ``kind`` picks the class: "windowed" when ``kv_window`` is set, else ``allocator``
+    ("paged": blocks on demand with prefix sharing; "contiguous": one run per request).
+    ``max_model_len`` is needed by the contiguous allocator (its reservation).
+    """
+
+    num_blocks: int
+    block_size: int
+    allocator: str = "paged"
+    enable_prefix_caching: bool = True
+    enable_host_prefix_cache: bool = False
+    num_host_blocks: int = 0
+    kv_window: KVWindow | None = None
+    max_model_len: int | None = None
+
+    @property
+    def kind(self) -> str:
+        """The manager variant: "windowed", "paged" or "contiguous"."""
+        return "windowed" if self.kv_window is not None else self.allocator

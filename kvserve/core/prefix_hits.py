@@ -1,0 +1,130 @@
+"""Where block tables meet the prefix cache: resolving prefix hits and caching full blocks.
+
+Functions of public state only, called by ``KVCacheManager``:
+
+- ``match_prefix`` / ``device_prefix``: the cached blocks a request's tokens match.
+- ``resolve_prefix_hits``: validate ``allocate_slots``' ``new_computed_blocks`` (from
+  ``get_computed_blocks``) and turn the ids into device blocks then host blocks.
+- ``cache_full_blocks``: offer a table's newly full blocks to the prefix cache.
+"""
+
+from __future__ import annotations
+
+from kvserve.core.block_pool import BlockPool, KVBlock
+from kvserve.core.host_tier import HostBlock, HostTier
+from kvserve.core.prefix_cache import CacheEntry, PrefixCache, describe
+from kvserve.core.tables import BlockTable, request_token_ids
+from kvserve.request import Request
+
+
+def host_block_ref(host_block_id: int) -> int:
+    """How ``get_computed_blocks`` reports a host-resident prefix block: ``-1 - host id``."""
+    return -1 - host_block_id
+
+
+def match_prefix(cache: PrefixCache, request: Request, max_blocks: int) -> list[CacheEntry]:
+    """The cached blocks of the request's longest block-aligned prefix, at most ``max_blocks``:
+    device blocks, then host-resident ones."""
+    if max_blocks <= 0:
+        return []
+    return cache.match(request_token_ids(request), request.cache_salt, max_blocks)
+
+
+def device_prefix(blocks: list[CacheEntry]) -> list[KVBlock]:
+    """The leading device-resident blocks of a match."""
+    out: list[KVBlock] = []
+    for b in blocks:
+        if isinstance(b, HostBlock):
+            break
+        out.append(b)
+    return out
+
+
+def resolve_prefix_hits(
+    request: Request,
+    has_table: bool,
+    computed_ids: list[int],
+    num_new_computed_tokens: int,
+    *,
+    block_size: int,
+    pool: BlockPool,
+    host_tier: HostTier,
+) -> tuple[list[KVBlock], list[HostBlock]]:
+    """Validate ``allocate_slots``' prefix-hit arguments; resolve device and host hits.
+
+    Raises ValueError naming the problem: hits for a request that already has a table or
+    has computed tokens, a token count that is not ``len(ids) * block_size``, an id that is
+    neither a device id nor a host reference (device ids first), or a block that has left
+    the prefix cache since ``get_computed_blocks``.
+    """
+    if not computed_ids and not num_new_computed_tokens:
+        return [], []
+    rid = request.request_id
+    if has_table:
+        raise ValueError(
+            f"new_computed_blocks given for request {rid!r}, which already has a block "
+            "table: prefix hits join only on the first allocation"
+        )
+    if request.num_computed_tokens != 0:
+        raise ValueError(
+            f"request {rid!r} has num_computed_tokens={request.num_computed_tokens}; "
+            "prefix hits join only a request that has computed nothing"
+        )
+    if num_new_computed_tokens != len(computed_ids) * block_size:
+        raise ValueError(
+            f"num_new_computed_tokens={num_new_computed_tokens} but "
+            f"{len(computed_ids)} computed blocks hold {len(computed_ids) * block_size}"
+        )
+    blocks: list[KVBlock] = []
+    host_hits: list[HostBlock] = []
+    for block_id in computed_ids:
+        entry: CacheEntry
+        if not isinstance(block_id, int) or isinstance(block_id, bool):
+            raise ValueError(f"new_computed_blocks: {block_id!r} is not a block id")
+        if 0 <= block_id < pool.num_blocks and not host_hits:
+            entry = pool.blocks[block_id]
+        elif -host_tier.num_blocks <= block_id < 0:
+            entry = host_tier.blocks[-1 - block_id]
+        else:
+            raise ValueError(
+                f"new_computed_blocks: {block_id!r} is not a block id (device ids first, "
+                "then host block references -1 - host id)"
+            )
+        if entry.cache_node is None:
+            raise ValueError(
+                f"new_computed_blocks: {describe(entry)} is no longer in the prefix cache "
+                "(call get_computed_blocks() right before allocate_slots())"
+            )
+        if isinstance(entry, HostBlock):
+            host_hits.append(entry)
+        else:
+            blocks.append(entry)
+    return blocks, host_hits
+
+
+def cache_full_blocks(
+    cache: PrefixCache, table: BlockTable, num_full: int, block_size: int
+) -> None:
+    """Offer the table's full blocks [num_cached_blocks, num_full) to the prefix cache.
+
+    Stops at the first block whose path is already cached under another block (the
+    request keeps its duplicate uncached); retried once more blocks fill up.
+    """
+    if num_full <= table.num_full_checked:
+        return
+    table.num_full_checked = num_full
+    i = table.num_cached_blocks
+    blocks = table.blocks
+    request = table.request
+    bs = block_size
+    parent = blocks[i - 1] if i else None
+    while i < num_full:
+        block = blocks[i]
+        if block.cache_node is not None:
+            break  # shared by fork under a longer path: not this request's to extend
+        key = tuple(request.token_ids_slice(i * bs, (i + 1) * bs))
+        if not cache.insert(parent, request.cache_salt, key, block):
+            break
+        parent = block
+        i += 1
+    table.num_cached_blocks = i

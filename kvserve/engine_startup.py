@@ -1,0 +1,166 @@
+"""``LLMEngine`` start-up, as named phases. Each takes what the earlier ones produced.
+
+Order (``LLMEngine.__init__`` runs them in this order; the order matters):
+
+1. ``load_engine_model``: weights -> model on its device and dtype, tokenizer, weight bytes.
+2. ``resolve_max_model_len``: the context length served (config vs the model's).
+3. ``plan_step_activations`` (``memory_budget``): the largest step's activation arena.
+4. ``measure_gemm_scratch``: the GEMM library's own buffers for the planned steps' shapes.
+   NOTE: before the KV pool exists; the weights serve as the GEMMs' right operands.
+5. ``size_kv_pool``: the memory budget -> KV blocks and host blocks (``MemoryReport``).
+6. ``build_runner``: the model runner with its pre-allocated KV cache.
+7. ``build_kv_cache_manager``: ``KVCacheConfig`` -> ``create_kv_cache_manager`` (the map of
+   manager variants in ``core/managers.py``).
+8. ``build_scheduler``: the scheduler over that manager.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.config import ModelArchConfig
+from kvserve.core.kv_cache_config import KVCacheConfig, KVWindow
+from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.managers import create_kv_cache_manager
+from kvserve.core.scheduler import Scheduler
+from kvserve.engine_config import EngineConfig
+from kvserve.memory_budget import MemoryReport, measure_kernel_scratch, plan_kv_blocks
+from kvserve.models.llama import LlamaForCausalLM
+from kvserve.models.loader import load_model
+from kvserve.runtime.memory_plan import ActivationPlan
+from kvserve.runtime.model_runner import ModelRunner
+from kvserve.tokenizer import Tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineModel:
+    """What loading produced: the model (on its device, in eval mode) and its companions."""
+
+    model: LlamaForCausalLM
+    arch: ModelArchConfig
+    tokenizer: Tokenizer
+    path: str
+    dtype: torch.dtype
+    weights_bytes: int  # parameters + buffers, as placed on the device
+
+
+def load_engine_model(config: EngineConfig) -> EngineModel:
+    """Phase 1: apply the torch settings, load the weights and tokenizer, build the model."""
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    torch.manual_seed(config.seed)
+    dtype = DTYPES[config.dtype]
+    loaded = load_model(config.model, dtype=dtype)
+    tokenizer = Tokenizer.from_loaded(loaded.tokenizer_dir, loaded.gguf_file)
+    model = LlamaForCausalLM(loaded.arch)
+    model.load_weights(loaded.state_dict)
+    model = model.to(device=config.device, dtype=dtype).eval()
+    weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
+        b.numel() * b.element_size() for b in model.buffers()
+    )
+    return EngineModel(model, loaded.arch, tokenizer, loaded.path, dtype, weights_bytes)
+
+
+def resolve_max_model_len(config: EngineConfig, arch: ModelArchConfig) -> int:
+    """Phase 2: ``config.max_model_len`` (default: the model's); ValueError past the model's."""
+    if config.max_model_len is not None and config.max_model_len > arch.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len={config.max_model_len} exceeds the model's context length "
+            f"{arch.max_position_embeddings}"
+        )
+    return min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
+
+
+def measure_gemm_scratch(
+    config: EngineConfig, activation_plan: ActivationPlan | None, model: LlamaForCausalLM
+) -> int | None:
+    """Phase 4: the GEMM library's buffers for the planned steps (None: not measured).
+
+    NOTE: before the KV pool exists; the weights serve as the GEMMs' right operands.
+    """
+    weights = [p.t() for p in model.parameters() if p.dim() == 2]
+    return measure_kernel_scratch(config, activation_plan, weights)
+
+
+def size_kv_pool(
+    config: EngineConfig,
+    loaded: EngineModel,
+    *,
+    kv_bytes_per_token: int,
+    max_model_len: int,
+    activation_plan: ActivationPlan | None,
+    kernel_scratch_bytes: int | None,
+) -> MemoryReport:
+    """Phase 5: the budget left after weights, activations, scratch and headroom -> blocks."""
+    return plan_kv_blocks(
+        config,
+        loaded.arch,
+        weights_bytes=loaded.weights_bytes,
+        kv_bytes_per_token=kv_bytes_per_token,
+        max_model_len=max_model_len,
+        activation_plan=activation_plan,
+        device_free_bytes=device_free_bytes(config.device),
+        kernel_scratch_bytes=kernel_scratch_bytes,
+    )
+
+
+def build_runner(config: EngineConfig, loaded: EngineModel, report: MemoryReport) -> ModelRunner:
+    """Phase 6: the model runner; it allocates the KV cache of ``report``'s size once."""
+    return ModelRunner(
+        loaded.model,
+        loaded.arch,
+        num_blocks=report.num_kv_blocks,
+        block_size=config.block_size,
+        num_host_blocks=report.num_host_blocks,
+        device=config.device,
+        dtype=loaded.dtype,
+        seed=config.seed,
+        kv_cache_dtype=config.kv_cache_dtype,
+        kv_window=config.kv_window,
+        kv_sink_tokens=config.kv_sink_tokens,
+    )
+
+
+def kv_cache_config(
+    config: EngineConfig, report: MemoryReport, max_model_len: int
+) -> KVCacheConfig:
+    """The KV cache manager's configuration: the engine's options on the sized pool."""
+    window = None
+    if config.kv_window is not None:
+        window = KVWindow(config.kv_window, config.kv_sink_tokens)
+    return KVCacheConfig(
+        num_blocks=report.num_kv_blocks,
+        block_size=config.block_size,
+        allocator=config.kv_allocator,
+        enable_prefix_caching=config.enable_prefix_caching,
+        enable_host_prefix_cache=config.enable_host_prefix_cache,
+        num_host_blocks=report.num_host_blocks,
+        kv_window=window,
+        max_model_len=max_model_len,
+    )
+
+
+def build_kv_cache_manager(
+    config: EngineConfig, report: MemoryReport, max_model_len: int
+) -> KVCacheManager:
+    """Phase 7: the manager variant ``create_kv_cache_manager`` picks for this config."""
+    return create_kv_cache_manager(kv_cache_config(config, report, max_model_len))
+
+
+def build_scheduler(
+    config: EngineConfig, max_model_len: int, kv_cache_manager: KVCacheManager
+) -> Scheduler:
+    """Phase 8: the scheduler over the manager."""
+    return Scheduler(config.scheduler_config(max_model_len), kv_cache_manager)
+
+
+def device_free_bytes(device: str) -> int | None:
+    """Free accelerator memory on ``device`` (None on the CPU: the budget decides)."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        free, _total = torch.cuda.mem_get_info(torch.device(device))
+        return free
+    return None

@@ -28,9 +28,7 @@ def request_key(body: dict[str, Any]) -> list[int]:
                 continue
             content = m.get("content")
             if isinstance(content, list):  # content parts: keep the text ones
-                content = "".join(
-                    str(c.get("text", "")) for c in content if isinstance(c, dict)
-                )
+                content = "".join(str(c.get("text", "")) for c in content if isinstance(c, dict))
             parts.append(f"{m.get('role', '')}\0{content if content is not None else ''}\0")
         return _text_key("".join(parts))
     prompt = body.get("prompt")

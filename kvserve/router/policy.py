@@ -222,8 +222,9 @@ class PrefixAwarePolicy:
 
     ``balance_margin``: the longest-match replica is taken while its load is at most the
     least-loaded replica's load + margin; beyond that the least-loaded replica is taken (ties:
-    the longer match, then name order). ``min_match``: matches shorter than this count as no
-    match (a request with no useful match goes to the least-loaded replica).
+    the longer match, then fewer requests routed so far, then name order). ``min_match``:
+    matches shorter than this count as no match (such a request goes to the least-loaded
+    replica).
     """
 
     name = "prefix"
@@ -239,6 +240,9 @@ class PrefixAwarePolicy:
         self.min_match = min_match
         self.tree = PrefixTree(max_tree_tokens)
         self.last_match_len = 0  # matched elements of the last choice (for metrics)
+        # NOTE: breaks load ties on unmatched requests, so that new prefixes spread over idle
+        # replicas instead of all landing on the first name.
+        self.num_routed: dict[str, int] = {}
 
     def choose(self, key: Sequence[int], loads: Mapping[str, int]) -> str:
         """See the class docstring."""
@@ -251,19 +255,22 @@ class PrefixAwarePolicy:
             m = matches.get(r, 0)
             return m if m >= self.min_match else 0
 
-        best = min(names, key=lambda r: (-matched(r), loads[r]))
+        routed = self.num_routed
+        best = min(names, key=lambda r: (-matched(r), loads[r], routed.get(r, 0)))
         if matched(best) == 0 or loads[best] > min_load + self.balance_margin:
-            best = min(names, key=lambda r: (loads[r], -matched(r)))
+            best = min(names, key=lambda r: (loads[r], -matched(r), routed.get(r, 0)))
         self.last_match_len = matched(best)
         return best
 
     def on_routed(self, replica: str, key: Sequence[int]) -> None:
         """Record that ``key`` went to ``replica``."""
         self.tree.insert(key, replica)
+        self.num_routed[replica] = self.num_routed.get(replica, 0) + 1
 
     def remove_replica(self, replica: str) -> None:
         """Forget the replica's prefixes."""
         self.tree.remove_replica(replica)
+        self.num_routed.pop(replica, None)
 
 
 def make_policy(
@@ -276,4 +283,6 @@ def make_policy(
         return RoundRobinPolicy()
     if name == "least-loaded":
         return LeastLoadedPolicy()
-    raise ValueError(f"unknown routing policy {name!r}; expected one of {', '.join(ROUTING_POLICIES)}")
+    raise ValueError(
+        f"unknown routing policy {name!r}; expected one of {', '.join(ROUTING_POLICIES)}"
+    )

@@ -121,9 +121,7 @@ class ReplicaPool:
 
     async def validate_all(self, client: httpx.AsyncClient, timeout_s: float = 10.0) -> None:
         """Start-up check of every replica (ReplicaError on the first bad one)."""
-        ids = await asyncio.gather(
-            *(validate_replica(client, u, timeout_s) for u in self.replicas)
-        )
+        ids = await asyncio.gather(*(validate_replica(client, u, timeout_s) for u in self.replicas))
         self.model_id = ids[0]
 
     async def probe(self, client: httpx.AsyncClient, url: str) -> None:

@@ -34,6 +34,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         help="elements (token ids / prompt bytes) the prefix tree keeps before LRU trimming",
     )
     g.add_argument(
+        "--min-match-ratio",
+        type=float,
+        default=0.5,
+        help="a prefix match counts only if it covers this fraction of the request's prompt",
+    )
+    g.add_argument(
         "--probe-interval", type=float, default=1.0, help="seconds between replica probes"
     )
 
@@ -74,7 +80,10 @@ def build_validated_app(urls: list[str], args: argparse.Namespace):  # noqa: ANN
 
     asyncio.run(validate())
     policy = make_policy(
-        args.routing, balance_margin=args.balance_margin, max_tree_tokens=args.max_tree_tokens
+        args.routing,
+        balance_margin=args.balance_margin,
+        max_tree_tokens=args.max_tree_tokens,
+        min_match_ratio=getattr(args, "min_match_ratio", 0.5),
     )
     return build_router_app(pool, policy)
 

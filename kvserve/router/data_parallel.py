@@ -112,9 +112,7 @@ def local_replicas(
                 else None
             )
             logs.append(log)
-            procs.append(
-                subprocess.Popen(cmd, stdout=log, stderr=log, preexec_fn=_die_with_parent)
-            )
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=log, preexec_fn=_die_with_parent))
             urls.append(f"http://127.0.0.1:{port}")
         wait_healthy(urls, procs)
         yield urls

@@ -222,22 +222,32 @@ class PrefixAwarePolicy:
 
     ``balance_margin``: the longest-match replica is taken while its load is at most the
     least-loaded replica's load + margin; beyond that the least-loaded replica is taken (ties:
-    the longer match, then fewer requests routed so far, then name order). ``min_match``:
-    matches shorter than this count as no match (such a request goes to the least-loaded
-    replica).
+    the longer match, then fewer requests routed so far, then name order). A match counts only
+    when it is at least ``min_match`` elements and ``min_match_ratio`` of the key (SGLang's
+    ``cache_threshold``, 0.5 there too): two tenants whose system prompts share a first few
+    words do not pull each other's traffic. A request with no counted match goes to the
+    least-loaded replica.
     """
 
     name = "prefix"
 
     def __init__(
-        self, *, balance_margin: int = 4, max_tree_tokens: int = 1 << 21, min_match: int = 1
+        self,
+        *,
+        balance_margin: int = 4,
+        max_tree_tokens: int = 1 << 21,
+        min_match: int = 1,
+        min_match_ratio: float = 0.5,
     ) -> None:
         if balance_margin < 0:
             raise ValueError(f"balance_margin must be >= 0, got {balance_margin}")
         if min_match < 1:
             raise ValueError(f"min_match must be >= 1, got {min_match}")
+        if not 0.0 <= min_match_ratio <= 1.0:
+            raise ValueError(f"min_match_ratio must be in [0, 1], got {min_match_ratio}")
         self.balance_margin = balance_margin
         self.min_match = min_match
+        self.min_match_ratio = min_match_ratio
         self.tree = PrefixTree(max_tree_tokens)
         self.last_match_len = 0  # matched elements of the last choice (for metrics)
         # NOTE: breaks load ties on unmatched requests, so that new prefixes spread over idle
@@ -250,10 +260,11 @@ class PrefixAwarePolicy:
         names = sorted(loads)
         matches = self.tree.match(key)
         min_load = min(loads.values())
+        floor = max(self.min_match, self.min_match_ratio * len(key))
 
         def matched(r: str) -> int:
             m = matches.get(r, 0)
-            return m if m >= self.min_match else 0
+            return m if m >= floor else 0
 
         routed = self.num_routed
         best = min(names, key=lambda r: (-matched(r), loads[r], routed.get(r, 0)))
@@ -274,11 +285,19 @@ class PrefixAwarePolicy:
 
 
 def make_policy(
-    name: str, *, balance_margin: int = 4, max_tree_tokens: int = 1 << 21
+    name: str,
+    *,
+    balance_margin: int = 4,
+    max_tree_tokens: int = 1 << 21,
+    min_match_ratio: float = 0.5,
 ) -> RoutingPolicy:
     """A policy by its ``--routing`` name; ValueError naming the choices otherwise."""
     if name == "prefix":
-        return PrefixAwarePolicy(balance_margin=balance_margin, max_tree_tokens=max_tree_tokens)
+        return PrefixAwarePolicy(
+            balance_margin=balance_margin,
+            max_tree_tokens=max_tree_tokens,
+            min_match_ratio=min_match_ratio,
+        )
     if name == "round-robin":
         return RoundRobinPolicy()
     if name == "least-loaded":

@@ -63,7 +63,7 @@ def test_tree_refresh_keeps_a_hot_prefix() -> None:
 
 
 def test_prefix_policy_longest_match_wins() -> None:
-    p = PrefixAwarePolicy(balance_margin=2)
+    p = PrefixAwarePolicy(balance_margin=2, min_match_ratio=0.0)
     loads = {"a": 0, "b": 0}
     p.on_routed("a", [1, 2, 3, 4])
     p.on_routed("b", [1, 2, 5])
@@ -76,7 +76,7 @@ def test_prefix_policy_longest_match_wins() -> None:
 
 
 def test_prefix_policy_overload_margin() -> None:
-    p = PrefixAwarePolicy(balance_margin=2)
+    p = PrefixAwarePolicy(balance_margin=2, min_match_ratio=0.0)
     p.on_routed("a", [1, 2, 3])
     # within the margin (a's load 3 <= min 1 + 2): the match wins
     assert p.choose([1, 2, 3], {"a": 3, "b": 1}) == "a"
@@ -87,6 +87,16 @@ def test_prefix_policy_overload_margin() -> None:
     assert p.choose([1, 2, 3], {"a": 2, "b": 1}) == "b"
     # a replica missing from loads (unhealthy) is never chosen
     assert p.choose([1, 2, 3], {"c": 9}) == "c"
+
+
+def test_prefix_policy_short_partial_matches_do_not_count() -> None:
+    p = PrefixAwarePolicy(min_match_ratio=0.5)
+    p.on_routed("a", [1, 2, 3, 4, 5, 6, 7, 8])
+    loads = {"a": 1, "b": 0}
+    assert p.choose([1, 2, 3, 9, 9, 9, 9, 9], loads) == "b"  # 3 of 8 < half
+    assert p.choose([1, 2, 3, 4, 9, 9, 9, 9], loads) == "a"  # 4 of 8
+    with pytest.raises(ValueError, match="min_match_ratio"):
+        PrefixAwarePolicy(min_match_ratio=1.5)
 
 
 def test_prefix_policy_spreads_groups_then_sticks() -> None:

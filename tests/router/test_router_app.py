@@ -16,7 +16,11 @@ from tests.server.server_proc import free_port
 
 def _args(routing: str = "prefix", probe: float = 0.1) -> argparse.Namespace:
     return argparse.Namespace(
-        routing=routing, balance_margin=4, max_tree_tokens=1 << 16, probe_interval=probe
+        routing=routing,
+        balance_margin=4,
+        max_tree_tokens=1 << 16,
+        probe_interval=probe,
+        min_match_ratio=0.5,
     )
 
 
@@ -93,18 +97,20 @@ def test_streams_pass_through_and_prefix_routing_sticks() -> None:
         app = build_validated_app([url_a, url_b], _args("prefix", probe=30.0))
         with TestClient(app) as client:
             with client.stream(
-                "POST", "/v1/completions", json={"prompt": "S1 hi", "max_tokens": 3, "stream": True}
+                "POST",
+                "/v1/completions",
+                json={"prompt": "S1 " * 20 + "hi", "max_tokens": 3, "stream": True},
             ) as r:
                 lines = [x for x in r.iter_lines() if x]
             assert lines[-1] == "data: [DONE]" and len(lines) == 4
             first = lines[0].split('"text": "')[1][0]
             for i in range(6):
-                body = {"prompt": f"S1 user {i}", "max_tokens": 1}
+                body = {"prompt": "S1 " * 20 + f"user {i}", "max_tokens": 1}
                 text = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
                 assert text == f"{first}:"
             # another system prompt goes to the other replica (no match: least-routed)
             text = client.post(
-                "/v1/completions", json={"prompt": "Z2 other", "max_tokens": 1}
+                "/v1/completions", json={"prompt": "Z2 " * 20, "max_tokens": 1}
             ).json()["choices"][0]["text"]
             assert text != f"{first}:"
             assert url_a in client.get("/metrics").text

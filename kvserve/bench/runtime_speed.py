@@ -96,8 +96,9 @@ def _sync(device: torch.device) -> None:
 def matmul_floor_step(model: LlamaForCausalLM, batch_size: int, steps: int) -> float:
     """Seconds per step of only the weight matmuls of a ``batch_size``-row decode step.
 
-    The same GEMM shapes and weights as the model's linear layers and lm_head, fed with
-    random activations, ``steps`` times; no attention, norms or sampling.
+    The same GEMM shapes, weights and kernels (each projection's ``Linear``, as the forward
+    runs it) as the model's linear layers and lm_head, fed with random activations,
+    ``steps`` times; no attention, norms or sampling.
     """
     ref = model.norm
     arch = model.arch
@@ -105,16 +106,16 @@ def matmul_floor_step(model: LlamaForCausalLM, batch_size: int, steps: int) -> f
     x = torch.randn(batch_size, arch.hidden_size, dtype=ref.dtype, device=ref.device)
     attn = torch.randn(batch_size, q_size, dtype=ref.dtype, device=ref.device)
     act = torch.randn(batch_size, arch.intermediate_size, dtype=ref.dtype, device=ref.device)
+    model.ensure_linears()  # the forward's own methods, built (prepacked) before the clock
     _sync(ref.device)
     t = time.perf_counter()
     for _ in range(steps):
         for layer in model.layers:
-            qkv_t, o_t, gate_up_t, down_t = layer.weights_t()  # the forward's own operands
-            torch.mm(x, qkv_t)
-            torch.mm(attn, o_t)
-            torch.mm(x, gate_up_t)
-            torch.mm(act, down_t)
-        torch.mm(x, model.lm_head.t())
+            layer.qkv_proj(x)
+            layer.o_proj(attn)
+            layer.gate_up_proj(x)
+            layer.down_proj(act)
+        model.lm_head_proj(x)
     _sync(ref.device)
     return (time.perf_counter() - t) / steps
 

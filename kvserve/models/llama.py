@@ -16,12 +16,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvserve.config import ModelArchConfig
 from kvserve.runtime import native
 from kvserve.runtime.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+from kvserve.runtime.layer_ops import TORCH_OPS, LayerOps, RopeViews, layer_ops
+from kvserve.runtime.linear import Linear, LinearPlan, build_linear
+from kvserve.runtime.workspace import Workspace
 
 
 def compute_inv_freq(
@@ -58,61 +60,6 @@ def compute_inv_freq(
     )
 
 
-class Workspace:
-    """Reusable activation buffers for the forward pass, one per role, grown on demand.
-
-    A buffer is reallocated only when a step needs more elements than it holds (or another
-    dtype/device), so after the largest step has run once, steps allocate nothing here.
-    NOTE: every layer reuses the same buffers: a view handed out is valid only until the next
-    ``take`` of that role. Tensors that leave the model (its output) never live here.
-    Repeated ``take`` calls with the same shape return the same view object (no tensor ops):
-    callers must not change its metadata in place (``resize_``, ``t_``, ...).
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
-        # Last view handed out per role: (shape, dtype, device, view).
-        self._views: dict[str, tuple[tuple[int, ...], torch.dtype, torch.device, torch.Tensor]] = {}
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by all buffers."""
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
-
-    def take(
-        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        """A contiguous ``shape`` view of role ``name``'s buffer (contents undefined)."""
-        hit = self._views.get(name)
-        if hit is not None and hit[0] == shape and hit[1] == dtype and hit[2] == device:
-            return hit[3]
-        numel = math.prod(shape)
-        buf = self._buffers.get(name)
-        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
-            buf = torch.empty(numel, dtype=dtype, device=device)
-            self._buffers[name] = buf
-        view = buf[:numel].view(shape)
-        self._views[name] = (tuple(shape), dtype, device, view)
-        return view
-
-    def constant(self, value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A 0-dim tensor holding ``value``, made once.
-
-        NOTE: an in-place op with a Python number wraps it in a fresh 0-dim tensor on every
-        call; a cached one avoids that allocation.
-        """
-        key = f"const:{value!r}"
-        buf = self._buffers.get(key)
-        if buf is None or buf.dtype != dtype or buf.device != device:
-            buf = torch.tensor(value, dtype=dtype, device=device)
-            self._buffers[key] = buf
-        return buf
-
-    def like(self, name: str, shape: tuple[int, ...], ref: torch.Tensor) -> torch.Tensor:
-        """``take`` with ``ref``'s dtype and device."""
-        return self.take(name, shape, ref.dtype, ref.device)
-
-
 def rope_cos_sin(
     inv_freq: torch.Tensor,
     positions: torch.Tensor,
@@ -137,68 +84,6 @@ def rope_cos_sin(
     torch.sin(freqs, out=sin[:, 0, half:])
     torch.neg(sin[:, 0, half:], out=sin[:, 0, :half])
     return cos, sin
-
-
-def apply_rope_(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scratch: torch.Tensor
-) -> torch.Tensor:
-    """Rotate-half RoPE (HF layout) on ``x`` [T, n_heads, d] in place; returns ``x``.
-
-    ``scratch`` is a contiguous [T, n_heads, d] buffer (overwritten).
-    """
-    return _rope_(RopeViews.of(x, scratch), cos, sin)
-
-
-@dataclass(slots=True)
-class RopeViews:
-    """``x`` [T, n, d], a same-shape ``scratch``, and the halves (last dim) of both."""
-
-    x: torch.Tensor
-    x_lo: torch.Tensor  # x[..., :d/2]
-    x_hi: torch.Tensor  # x[..., d/2:]
-    scratch: torch.Tensor
-    scratch_lo: torch.Tensor
-    scratch_hi: torch.Tensor
-
-    @classmethod
-    def of(cls, x: torch.Tensor, scratch: torch.Tensor) -> RopeViews:
-        """Slice the halves of ``x`` and ``scratch``."""
-        half = x.shape[-1] // 2
-        return cls(
-            x, x[..., :half], x[..., half:], scratch, scratch[..., :half], scratch[..., half:]
-        )
-
-
-def _rope_(r: RopeViews, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``apply_rope_`` on pre-sliced views; returns ``r.x``."""
-    r.scratch_lo.copy_(r.x_hi)
-    r.scratch_hi.copy_(r.x_lo)  # swap_halves(x)
-    return r.x.mul_(cos).addcmul_(r.scratch, sin)
-
-
-def rms_norm_into(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor, ws: Workspace
-) -> torch.Tensor:
-    """RMSNorm of ``x`` [T, h] into ``out`` [T, h] (the ops of ``F.rms_norm``, no temporaries)."""
-    if x.dtype not in (torch.float32, torch.float64):
-        # NOTE: F.rms_norm computes half types in float32; keep its numerics there.
-        return out.copy_(F.rms_norm(x, (x.shape[-1],), weight, eps))
-    var = ws.like("rms_var", (x.shape[0], 1), x)  # [T, 1]
-    torch.mul(x, x, out=out)
-    # NOTE: sum then divide is what torch.mean does on CPU, minus its scalar temporaries.
-    torch.sum(out, dim=-1, keepdim=True, out=var)
-    var.div_(ws.constant(float(x.shape[-1]), x.dtype, x.device))
-    var.add_(ws.constant(eps, x.dtype, x.device)).rsqrt_()
-    return torch.mul(x, var, out=out).mul_(weight)
-
-
-def linear_into(
-    x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor
-) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for 2-D ``x`` written into ``out``; takes ``weight.t()``."""
-    if bias is None:
-        return torch.mm(x, weight_t, out=out)
-    return torch.addmm(bias, x, weight_t, out=out)
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -273,31 +158,48 @@ class LlamaDecoderLayer(nn.Module):
         self.register_parameter("gate_up_bias", None)
         self.down_weight = _linear_param(hidden, arch.intermediate_size, **kw)
         self.register_parameter("down_bias", None)
-        # Use the native CPU kernels for norms, RoPE and SiLU (set by the model).
-        self.native_ops = False
-        self._weights_t: tuple[torch.Tensor, ...] | None = None
+        # The kernels: norms/RoPE/SiLU (set by the model) and one Linear per projection,
+        # built from the weights on first use after a load or a dtype/device move.
+        self.ops: LayerOps = TORCH_OPS
+        self.linear_plan: LinearPlan | None = None
+        self.qkv_proj: Linear
+        self.o_proj: Linear
+        self.gate_up_proj: Linear
+        self.down_proj: Linear
+        self._linears_key: tuple[torch.dtype, torch.device] | None = None
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
-        # NOTE: .to()/.half()/... may swap the parameters' storage: drop the cached views.
-        self._weights_t = None
-        return super()._apply(fn, recurse)
+        out = super()._apply(fn, recurse)
+        # NOTE: .to() with the same dtype and device keeps the storage (and any packed copy).
+        if self._linears_key != (self.qkv_weight.dtype, self.qkv_weight.device):
+            self._linears_key = None
+        return out
 
-    def weights_t(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The [in, out] views ``w.t()`` of the qkv, o, gate/up and down weights.
+    def invalidate_linears(self) -> None:
+        """Rebuild the projections on next use (after the weights were written in place)."""
+        self._linears_key = None
 
-        NOTE: made once and kept: ``t()`` is a dispatched op (~7-14 us with its
-        ``as_strided``), four per layer per step, ~1-2 ms of a decode step otherwise.
-        Parameters are only ever written in place (``load_weights``) or moved by
-        ``Module._apply``, which drops this cache.
-        """
-        if self._weights_t is None:
-            self._weights_t = (
-                self.qkv_weight.t(),
-                self.o_weight.t(),
-                self.gate_up_weight.t(),
-                self.down_weight.t(),
-            )
-        return self._weights_t  # type: ignore[return-value]
+    def ensure_linears(self) -> None:
+        """Build the projections unless they are current."""
+        if self._linears_key is None:
+            self.build_linears()
+
+    def build_linears(self) -> list[Linear]:
+        """Build the four projections from the weights (per ``linear_plan``); returns them."""
+        w = self.qkv_weight
+        kw = {"act_dtype": w.dtype, "device": w.device}
+        plan = self.linear_plan
+
+        def make(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+            choice = plan.get(tuple(weight.shape)) if plan is not None else None
+            return build_linear(weight, bias, choice=choice, **kw)
+
+        self.qkv_proj = make(self.qkv_weight, self.qkv_bias)
+        self.o_proj = make(self.o_weight, self.o_bias)
+        self.gate_up_proj = make(self.gate_up_weight, self.gate_up_bias)
+        self.down_proj = make(self.down_weight, self.down_bias)
+        self._linears_key = (w.dtype, w.device)
+        return [self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj]
 
     def step_views(self, ws: Workspace, hidden: torch.Tensor) -> StepViews:
         """This step's ``StepViews`` for ``hidden`` [T, hidden], in ``ws``'s buffers."""
@@ -337,52 +239,22 @@ class LlamaDecoderLayer(nn.Module):
         """
         ws = workspace if workspace is not None else Workspace()
         sv = views if views is not None else self.step_views(ws, hidden)
-        if self.native_ops and hidden.device.type == "cpu":
-            return self._forward_native(hidden, cos, sin, kv_cache, meta, ws, sv)
-        qkv_t, o_t, gate_up_t, down_t = self.weights_t()
+        self.ensure_linears()
+        ops = self.ops
         x = sv.norm  # [T, hidden]
-        rms_norm_into(hidden, self.input_layernorm, self.eps, x, ws)
-        linear_into(x, qkv_t, self.qkv_bias, sv.qkv)
-        _rope_(sv.rope, cos, sin)  # q and k, in place
+        ops.add_rms_norm(hidden, None, self.input_layernorm, self.eps, x, ws)
+        self.qkv_proj(x, sv.qkv)
+        ops.rope_(sv.rope, cos, sin)  # q and k, in place
         attn = self.attn_backend.forward(sv.q, sv.k, sv.v, kv_cache, meta)  # [T, H, d]
-        attn = attn.reshape(hidden.shape[0], self.q_size)  # [T, H d]
         # NOTE: project into the spent norm buffer, then add: bitwise equal to F.linear + add.
         # addmm_ into the residual rounds differently; on the embedded model it drifted to 3e-3
         # max |logit diff| vs transformers (9e-4 this way).
-        hidden.add_(linear_into(attn, o_t, self.o_bias, x))
-        rms_norm_into(hidden, self.post_attention_layernorm, self.eps, x, ws)
-        linear_into(x, gate_up_t, self.gate_up_bias, sv.gate_up)
-        act = F.silu(sv.gate, inplace=True).mul_(sv.up)  # [T, I]
-        hidden.add_(linear_into(act, down_t, self.down_bias, x))
-        return hidden
-
-    def _forward_native(
-        self,
-        hidden: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,  # [T, 1, d]
-        sin: torch.Tensor,  # [T, 1, d]
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        ws: Workspace,
-        sv: StepViews,
-    ) -> torch.Tensor:
-        """``forward`` with the native CPU kernels: 12 dispatched ops a layer instead of ~34.
-
-        Same math and rounding points as the torch path; only summation order differs.
-        """
-        ops = torch.ops.kvserve
-        qkv_t, o_t, gate_up_t, down_t = self.weights_t()
-        x = sv.norm  # [T, hidden]
-        ops.add_rms_norm(hidden, None, self.input_layernorm, self.eps, x)
-        linear_into(x, qkv_t, self.qkv_bias, sv.qkv)
-        ops.rope_(sv.rope.x, cos, sin)  # q and k, in place
-        attn = self.attn_backend.forward(sv.q, sv.k, sv.v, kv_cache, meta)  # [T, H, d]
-        linear_into(attn.reshape(hidden.shape[0], self.q_size), o_t, self.o_bias, x)
-        # hidden += o-projection, then x = norm(hidden): one pass.
-        ops.add_rms_norm(hidden, x, self.post_attention_layernorm, self.eps, x)
-        linear_into(x, gate_up_t, self.gate_up_bias, sv.gate_up)
-        ops.silu_mul(sv.gate, sv.gate_up)  # [T, I] over the gate half, in place
-        hidden.add_(linear_into(sv.gate, down_t, self.down_bias, x))
+        self.o_proj(attn.reshape(hidden.shape[0], self.q_size), x)  # [T, hidden]
+        # hidden += o-projection, then x = norm(hidden)
+        ops.add_rms_norm(hidden, x, self.post_attention_layernorm, self.eps, x, ws)
+        self.gate_up_proj(x, sv.gate_up)
+        act = ops.silu_mul(sv.gate, sv.up, sv.gate_up)  # [T, I]
+        hidden.add_(self.down_proj(act, x))
         return hidden
 
 
@@ -427,23 +299,73 @@ class LlamaForCausalLM(nn.Module):
         # NOTE: kept out of the parameters/buffers so .to(dtype) never lowers its precision.
         self._inv_freq = compute_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling)
         self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
+        self.linear_plan: LinearPlan | None = None
+        self.lm_head_proj: Linear
+        self._lm_head_key: tuple[torch.dtype, torch.device] | None = None
         self.set_native_ops(native.available() if native_ops is None else native_ops)
 
     @property
     def native_ops(self) -> bool:
         """Whether the layers run norms, RoPE and SiLU with the native CPU kernels."""
-        return self._native_ops
+        return self.ops is not TORCH_OPS
 
     def set_native_ops(self, enabled: bool) -> None:
-        """Switch the native CPU kernels for norms, RoPE and SiLU on or off.
+        """Switch the native CPU kernels for norms, RoPE and SiLU on or off (they run on CPU
+        tensors; a model moved to another device runs torch ops).
 
         Raises ValueError when turning them on and they cannot be loaded.
         """
-        if enabled and not native.available():
-            raise ValueError(f"native CPU kernels unavailable: {native.reason()}")
-        self._native_ops = enabled
+        self._want_native = enabled
+        self.ops = layer_ops(native_kernels=enabled, device=self.norm.device)
         for layer in self.layers:
-            layer.native_ops = enabled
+            layer.ops = self.ops
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        out = super()._apply(fn, recurse)
+        if self._lm_head_key != (self.lm_head.dtype, self.lm_head.device):
+            self._lm_head_key = None
+        self.set_native_ops(self._want_native)  # the device may have changed
+        return out
+
+    def set_linear_plan(self, plan: LinearPlan | None) -> None:
+        """Run the projections with the methods ``plan`` names per weight shape (None: the
+        original ``torch.mm`` path); they are rebuilt on next use."""
+        self.linear_plan = plan
+        self._lm_head_key = None
+        for layer in self.layers:
+            layer.linear_plan = plan
+            layer.invalidate_linears()
+
+    def ensure_linears(self) -> None:
+        """Build (prepack) every projection and the lm_head that is not current."""
+        for layer in self.layers:
+            layer.ensure_linears()
+        if self._lm_head_key is None:
+            self._build_lm_head()
+
+    def linears(self) -> list[Linear]:
+        """Every projection and the lm_head, as built now (built first where needed)."""
+        self.ensure_linears()
+        return [
+            *(
+                p
+                for lay in self.layers
+                for p in (lay.qkv_proj, lay.o_proj, lay.gate_up_proj, lay.down_proj)
+            ),
+            self.lm_head_proj,
+        ]
+
+    def build_linears(self) -> list[Linear]:
+        """Build (prepack) every projection and the lm_head now; returns them all."""
+        built = [lin for layer in self.layers for lin in layer.build_linears()]
+        return [*built, self._build_lm_head()]
+
+    def _build_lm_head(self) -> Linear:
+        w = self.lm_head  # [vocab, hidden]
+        choice = self.linear_plan.get(tuple(w.shape)) if self.linear_plan is not None else None
+        self.lm_head_proj = build_linear(w, act_dtype=w.dtype, device=w.device, choice=choice)
+        self._lm_head_key = (w.dtype, w.device)
+        return self.lm_head_proj
 
     def set_attention_backend(self, backend: AttentionBackend | str) -> None:
         """Swap the attention backend of every layer."""
@@ -485,14 +407,13 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             layer(hidden, cos, sin, kv_cache, meta, ws, views)
         out = torch.empty_like(hidden)  # [T, hidden]
-        if self._native_ops and hidden.device.type == "cpu":
-            torch.ops.kvserve.add_rms_norm(hidden, None, self.norm, self.arch.rms_norm_eps, out)
-            return out
-        return rms_norm_into(hidden, self.norm, self.arch.rms_norm_eps, out, ws)
+        return self.ops.add_rms_norm(hidden, None, self.norm, self.arch.rms_norm_eps, out, ws)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] (float32) for the rows of ``hidden`` [N, hidden] that sample."""
-        return F.linear(hidden, self.lm_head).float()
+        if self._lm_head_key is None:
+            self._build_lm_head()
+        return self.lm_head_proj(hidden).float()
 
     @torch.no_grad()
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
@@ -553,6 +474,7 @@ class LlamaForCausalLM(nn.Module):
                 take(p + "mlp.gate_proj.bias", layer.gate_up_bias[:inter])
                 take(p + "mlp.up_proj.bias", layer.gate_up_bias[inter:])
             layer.down_bias = optional_bias(p + "mlp.down_proj.bias", self.arch.hidden_size)
+        self.set_linear_plan(self.linear_plan)  # the weights changed: rebuild the methods
         unexpected = sorted(
             k for k in sd if k not in used and not k.endswith("rotary_emb.inv_freq")
         )

@@ -9,10 +9,11 @@ import torch
 
 from kvserve.config import ModelArchConfig
 from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput
-from kvserve.models.llama import LlamaForCausalLM, Workspace
+from kvserve.models.llama import LlamaForCausalLM
 from kvserve.runtime.input_batch import InputBatch, build_input_batch
 from kvserve.runtime.kv_cache import KVCache
 from kvserve.runtime.sampler import Sampler
+from kvserve.runtime.workspace import Workspace
 
 
 class ModelRunner:

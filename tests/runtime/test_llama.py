@@ -10,10 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.models.llama import LlamaForCausalLM, Workspace, compute_inv_freq, rope_cos_sin
+from kvserve.models.llama import LlamaForCausalLM, compute_inv_freq, rope_cos_sin
 from kvserve.runtime import native
 from kvserve.runtime.attention import SeqSpec, build_attention_metadata
 from kvserve.runtime.kv_cache import KVCache
+from kvserve.runtime.workspace import Workspace
 from tests.runtime.runtime_testutil import ToyAllocator, hf_logits, ours_from_hf, tiny_hf_model
 
 ATOL = 1e-4

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.models.llama import Workspace, apply_rope_, rms_norm_into, rope_cos_sin
+from kvserve.models.llama import rope_cos_sin
 from kvserve.runtime import native
 from kvserve.runtime.attention import (
     NULL_BLOCK_ID,
@@ -24,7 +24,9 @@ from kvserve.runtime.attention import (
     build_attention_metadata,
     get_attention_backend,
 )
+from kvserve.runtime.layer_ops import apply_rope_, rms_norm_into
 from kvserve.runtime.native.backend import NativeCPUBackend
+from kvserve.runtime.workspace import Workspace
 
 CPU = torch.device("cpu")
 DISABLED = os.environ.get(native.DISABLE_ENV) == "0"

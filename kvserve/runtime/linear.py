@@ -1,0 +1,312 @@
+"""The linear-method layer: the one place where a projection ``y = x @ W^T (+ b)`` runs.
+
+A model holds one ``Linear`` per projection (fused qkv, o, gate/up, down, lm_head). A
+``Linear`` owns the weight source and the ``LinearMethod`` chosen for each range of M (rows
+of ``x``); the model never knows which kernel runs. Methods are built once at load (a
+prepacked method copies the weight into its own layout then) from the candidates that the
+registered factories offer; ``kvserve.runtime.kernel_select`` times them and picks one per
+M bucket. Shapes follow HF: a weight is ``[out_features, in_features]``.
+
+Weight sources handed to the factories: a dense ``torch.Tensor`` [out, in] (any float dtype),
+or a quantized weight (issue #16, registered by its own module through
+``register_candidates``). A factory returns the methods it can build for a source (an empty
+list when none applies); a factory that raises is skipped with its reason logged.
+"""
+
+from __future__ import annotations
+
+import abc
+import bisect
+import logging
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# NOTE: the M bound of the last bucket: "every larger M".
+M_MAX = sys.maxsize
+
+# The chosen method names per weight shape (out, in): ``(max_m, method name)`` per bucket.
+LinearPlan = Mapping[tuple[int, int], Sequence[tuple[int, str]]]
+
+_DTYPE_TAGS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def dtype_tag(dtype: torch.dtype) -> str:
+    """Short name of a float dtype as used in method names ("fp32", "bf16", "fp16")."""
+    return _DTYPE_TAGS.get(dtype, str(dtype).removeprefix("torch."))
+
+
+class LinearMethod(abc.ABC):
+    """One way to run ``y = x @ W^T (+ b)`` for one fixed weight, built once at load.
+
+    ``shares_source``: the method reads the weight source's own storage (holds no copy), so
+    the memory report does not count its bytes a second time. ``supports_bias``: ``apply``
+    adds ``self.bias`` itself (set by ``Linear``); otherwise ``Linear`` adds it afterwards.
+    """
+
+    name: str
+    in_features: int
+    out_features: int
+    shares_source: bool = False
+    supports_bias: bool = False
+    bias: torch.Tensor | None = None
+
+    @property
+    @abc.abstractmethod
+    def nbytes(self) -> int:
+        """Weight bytes as held (packed / quantized / the shared source)."""
+
+    @abc.abstractmethod
+    def apply(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` [M, in] (the model's activation dtype) -> [M, out], into ``out`` if given."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name}, {self.out_features}x{self.in_features})"
+
+
+class DenseMmMethod(LinearMethod):
+    """``torch.mm`` on the weight's ``[in, out]`` view: MKL sgemm in fp32 (the original path).
+
+    NOTE: the model stores its linear weights transposed (see ``_linear_param`` in
+    models/llama.py), so ``weight.t()`` is a contiguous ``[in, out]`` operand; for an
+    ``[out, in]``-contiguous weight (the tied lm_head) this is exactly ``F.linear``.
+    """
+
+    shares_source = True
+    supports_bias = True
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight  # [out, in]
+        self.weight_t = weight.t()  # [in, out]
+        tag = dtype_tag(weight.dtype)
+        self.name = "mkl_fp32" if weight.dtype == torch.float32 else f"mm_{tag}"
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if self.bias is None:
+            return torch.mm(x, self.weight_t, out=out)
+        return torch.addmm(self.bias, x, self.weight_t, out=out)
+
+
+class OneDnnPrepackedMethod(LinearMethod):
+    """oneDNN (mkldnn) linear on a weight reordered once into its blocked layout.
+
+    The path torch's inductor takes on CPU: ``torch.ops.mkldnn._reorder_linear_weight`` at
+    load, ``torch.ops.mkldnn._linear_pointwise`` per call. The op has no ``out=`` form: with
+    ``out`` given its result is copied there.
+    """
+
+    supports_bias = True
+
+    def __init__(self, weight: torch.Tensor, *, batch_size_hint: int | None = None) -> None:
+        self.out_features, self.in_features = weight.shape
+        w = weight.contiguous()  # [out, in]
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, batch_size_hint)
+        self._nbytes = w.numel() * w.element_size()
+        self.name = f"onednn_prepacked_{dtype_tag(weight.dtype)}"
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if out is None:
+            return y
+        return out.copy_(y)
+
+
+CandidateFactory = Callable[..., list[LinearMethod]]
+_FACTORIES: list[CandidateFactory] = []
+
+
+def register_candidates(factory: CandidateFactory) -> CandidateFactory:
+    """Add ``factory(weight_source, *, act_dtype, device) -> list[LinearMethod]``.
+
+    Registering the same factory twice is a no-op. Returns ``factory`` (usable as a decorator).
+    """
+    if factory not in _FACTORIES:
+        _FACTORIES.append(factory)
+    return factory
+
+
+def registered_factories() -> tuple[CandidateFactory, ...]:
+    """The registered candidate factories, in registration order."""
+    return tuple(_FACTORIES)
+
+
+def onednn_available() -> bool:
+    """Whether torch's oneDNN linear ops can be used on CPU."""
+    return bool(torch.backends.mkldnn.is_available()) and hasattr(
+        torch.ops.mkldnn, "_reorder_linear_weight"
+    )
+
+
+@register_candidates
+def dense_candidates(
+    source: Any, *, act_dtype: torch.dtype, device: torch.device
+) -> list[LinearMethod]:
+    """The dense methods: ``torch.mm`` (MKL) and, on CPU, oneDNN prepacked (fp32 / bf16)."""
+    if not isinstance(source, torch.Tensor) or source.dim() != 2:
+        return []
+    weight = source if source.dtype == act_dtype else source.to(act_dtype)
+    methods: list[LinearMethod] = [DenseMmMethod(weight)]
+    if device.type == "cpu" and act_dtype in (torch.float32, torch.bfloat16):
+        if onednn_available():
+            methods.append(OneDnnPrepackedMethod(weight))
+        else:
+            log.info("linear candidate onednn_prepacked skipped: oneDNN unavailable in torch")
+    return methods
+
+
+def candidate_methods(
+    source: Any,
+    *,
+    act_dtype: torch.dtype,
+    device: torch.device,
+    skipped: dict[str, str] | None = None,
+) -> list[LinearMethod]:
+    """Every method the registered factories can build for ``source`` (names unique).
+
+    A factory that raises is skipped: its reason is logged and recorded in ``skipped``
+    (factory name -> reason) when given.
+    """
+    methods: list[LinearMethod] = []
+    seen: set[str] = set()
+    for factory in _FACTORIES:
+        try:
+            built = factory(source, act_dtype=act_dtype, device=device)
+        except Exception as e:  # noqa: BLE001 - any failure means "not this candidate"
+            name = getattr(factory, "__name__", repr(factory))
+            reason = f"{type(e).__name__}: {e}"
+            log.warning("linear candidate factory %s skipped: %s", name, reason)
+            if skipped is not None:
+                skipped[name] = reason
+            continue
+        for m in built:
+            if m.name not in seen:
+                seen.add(m.name)
+                methods.append(m)
+    return methods
+
+
+class Linear:
+    """What a model layer holds for one projection: the weight source, an optional bias and
+    the method chosen per M bucket; ``linear(x, out)`` picks by ``x.shape[0]``.
+
+    ``buckets``: ``(max_m, method)`` pairs in increasing ``max_m``; a call with M rows runs the
+    method of the first bucket with ``M <= max_m`` (the last bucket also takes any larger M).
+    """
+
+    __slots__ = ("source", "bias", "buckets", "_bounds", "_methods", "_single")
+
+    def __init__(
+        self,
+        source: Any,
+        buckets: Sequence[tuple[int, LinearMethod]],
+        bias: torch.Tensor | None = None,
+    ) -> None:
+        if not buckets:
+            raise ValueError("a Linear needs at least one (max_m, method) bucket")
+        bounds = [b for b, _ in buckets]
+        if bounds != sorted(set(bounds)):
+            raise ValueError(f"bucket bounds must be strictly increasing, got {bounds}")
+        self.source = source
+        self.bias = bias
+        self.buckets = tuple(buckets)
+        self._bounds = bounds
+        self._methods = [m for _, m in buckets]
+        for m in self._methods:
+            if m.supports_bias:
+                m.bias = bias
+        # NOTE: one method for every M (the usual case): no bisect on the hot path.
+        distinct = {id(m) for m in self._methods}
+        self._single = self._methods[0] if len(distinct) == 1 else None
+
+    @property
+    def in_features(self) -> int:
+        return self._methods[0].in_features
+
+    @property
+    def out_features(self) -> int:
+        return self._methods[0].out_features
+
+    def methods(self) -> list[LinearMethod]:
+        """The distinct methods held, in bucket order."""
+        seen: dict[int, LinearMethod] = {}
+        for m in self._methods:
+            seen.setdefault(id(m), m)
+        return list(seen.values())
+
+    @property
+    def extra_nbytes(self) -> int:
+        """Bytes held beyond the weight source (prepacked / converted copies)."""
+        return sum(m.nbytes for m in self.methods() if not m.shares_source)
+
+    def method_for(self, num_rows: int) -> LinearMethod:
+        """The method that runs a call with ``num_rows`` rows."""
+        if self._single is not None:
+            return self._single
+        i = bisect.bisect_left(self._bounds, num_rows)
+        return self._methods[min(i, len(self._methods) - 1)]
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` [M, in] -> [M, out] (into ``out`` when given)."""
+        method = self._single if self._single is not None else self.method_for(x.shape[0])
+        y = method.apply(x, out)
+        if self.bias is not None and not method.supports_bias:
+            y.add_(self.bias)
+        return y
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"M<={'inf' if b == M_MAX else b}:{m.name}" for b, m in self.buckets)
+        return f"Linear({self.out_features}x{self.in_features}; {parts})"
+
+
+def build_linear(
+    source: Any,
+    bias: torch.Tensor | None = None,
+    *,
+    act_dtype: torch.dtype,
+    device: torch.device,
+    choice: Sequence[tuple[int, str]] | None = None,
+) -> Linear:
+    """A ``Linear`` for ``source``: ``choice`` names the method per bucket (``(max_m, name)``).
+
+    ``choice`` None: ``torch.mm`` on the weight (the original path) for every M. A chosen
+    name no candidate offers falls back to that path with a warning.
+    """
+    if choice is None:
+        if not isinstance(source, torch.Tensor):
+            raise ValueError(f"no default method for a {type(source).__name__} weight source")
+        return Linear(source, [(M_MAX, DenseMmMethod(source))], bias)
+    wanted = {name for _, name in choice}
+    by_name = {
+        m.name: m
+        for m in candidate_methods(source, act_dtype=act_dtype, device=device)
+        if m.name in wanted
+    }
+    buckets: list[tuple[int, LinearMethod]] = []
+    fallback: LinearMethod | None = None
+    for max_m, name in choice:
+        method = by_name.get(name)
+        if method is None:
+            log.warning("linear method %s unavailable for %s: using torch.mm", name, _shape(source))
+            if fallback is None:
+                fallback = DenseMmMethod(source)
+            method = fallback
+        buckets.append((max_m, method))
+    return Linear(source, buckets, bias)
+
+
+def _shape(source: Any) -> tuple[int, ...]:
+    shape = getattr(source, "shape", ())
+    return tuple(int(s) for s in shape)

@@ -135,7 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _optional_commands() -> list[Callable[..., None]]:
     """Sub-commands that live in their own packages (serve, bench, simulate)."""
     out: list[Callable[..., None]] = []
-    for mod_name in ("kvserve.server.cli", "kvserve.bench.cli", "kvserve.sim.cli"):
+    for mod_name in (
+        "kvserve.server.cli",
+        "kvserve.bench.cli",
+        "kvserve.sim.cli",
+        "kvserve.router.cli",
+    ):
         try:
             mod = __import__(mod_name, fromlist=["register"])
         except ModuleNotFoundError as e:

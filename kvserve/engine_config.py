@@ -53,6 +53,10 @@ _HELP: dict[str, str] = {
     "contiguous (the naive baseline, for comparison: one run of consecutive blocks per "
     "request sized for prompt + max_tokens, no prefix caching; see core/contiguous.py)",
     "num_threads": "torch CPU threads (default: all cores)",
+    "tensor_parallel_size": "shard the model over N workers (torch.distributed: gloo on CPU, "
+    "NCCL on CUDA); N must divide the query heads",
+    "distributed_executor_backend": "where tensor-parallel workers and data-parallel replicas "
+    "run: mp (local processes) or ray (Ray actors)",
     "admission_headroom": "fraction of KV blocks kept free when admitting requests",
     "resume_watermark": "after a preemption, admit again only above this free fraction",
     "quantization": "weight quantization (vLLM's flag): auto = a GGUF's quantized tensors run "
@@ -89,6 +93,8 @@ class EngineConfig:
     admission_headroom: float = 0.02
     resume_watermark: float = 0.10
     quantization: str = "none"
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
 
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATION_CHOICES:
@@ -106,6 +112,13 @@ class EngineConfig:
             raise ValueError(f"kv_sink_tokens must be >= 0, got {self.kv_sink_tokens}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(
+                "distributed_executor_backend must be 'mp' or 'ray', got "
+                f"{self.distributed_executor_backend!r}"
+            )
         if self.kv_allocator not in ("paged", "contiguous"):
             raise ValueError(
                 f"kv_allocator must be 'paged' or 'contiguous', got {self.kv_allocator!r}"
@@ -178,6 +191,8 @@ class EngineConfig:
                 kwargs["choices"] = ["auto", "int8", "fp8"]
             if f.name == "kv_allocator":
                 kwargs["choices"] = ["paged", "contiguous"]
+            if f.name == "distributed_executor_backend":
+                kwargs["choices"] = ["mp", "ray"]
             if f.name == "dtype":
                 kwargs["choices"] = ["float32", "bfloat16", "float16"]
             if f.name == "quantization":

@@ -30,6 +30,16 @@ def register(
         help="enable GET /debug/integrity and /debug/stats (for tests)",
     )
     g.add_argument("--log-level", default="warning", help="uvicorn log level")
+    g.add_argument(
+        "--data-parallel-size",
+        type=_positive_int,
+        default=1,
+        help="run N engine replicas behind the prefix-aware router (local processes, or Ray "
+        "actors with --distributed-executor-backend ray)",
+    )
+    from kvserve.router.cli import add_router_args
+
+    add_router_args(p)
     p.set_defaults(func=cmd_serve)
 
 
@@ -49,6 +59,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvserve.engine_config import EngineConfig
     from kvserve.server.app import build_app
 
+    if args.data_parallel_size > 1:
+        from kvserve.router.data_parallel import serve_data_parallel
+
+        return serve_data_parallel(args)
     config = EngineConfig.from_cli_args(args)
     engine, executor = build_on_engine_thread(lambda: LLMEngine(config))
     if not args.quiet:

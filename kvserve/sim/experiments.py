@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from kvserve.sim.hardware import GB
 from kvserve.sim.plots import save_bars, save_figure
+from kvserve.sim.router_experiment import router_replicas
 from kvserve.sim.setup import ExperimentResult, SimSetup
 from kvserve.sim.simulator import SimResult, simulate
 from kvserve.sim.static_batch import simulate_static
@@ -533,6 +534,7 @@ EXPERIMENTS: dict[str, Callable[[SimSetup, str], ExperimentResult]] = {
     "chunked-prefill": chunked_prefill,
     "prefix-cache": prefix_cache,
     "preemption": preemption,
+    "router": router_replicas,
 }
 
 

@@ -27,10 +27,15 @@ def free_port() -> int:
 
 
 def _serve_command() -> list[str]:
-    script = Path(sys.executable).parent / "kvserve"
-    if script.exists():
-        return [str(script), "serve"]
+    # NOTE: `python -m` with the repo root on PYTHONPATH runs this checkout's code; the venv's
+    # console script would import whichever kvserve is installed.
     return [sys.executable, "-m", "kvserve.cli", "serve"]
+
+
+def checkout_env() -> dict[str, str]:
+    """os.environ with this checkout first on PYTHONPATH."""
+    path = os.environ.get("PYTHONPATH", "")
+    return {**os.environ, "PYTHONPATH": str(REPO_ROOT) + (os.pathsep + path if path else "")}
 
 
 @contextmanager
@@ -54,7 +59,7 @@ def running_server(*extra_args: str, api_key: str | None = None) -> Iterator[str
         cmd += ["--api-key", api_key]
     log = tempfile.NamedTemporaryFile("w+", prefix="kvserve-test-", suffix=".log", delete=False)
     proc = subprocess.Popen(
-        cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ}
+        cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=checkout_env()
     )
     base_url = f"http://127.0.0.1:{port}"
     try:

@@ -1,0 +1,253 @@
+"""``kvserve serve --data-parallel-size N``: N engine replicas behind the router.
+
+Replicas are ``kvserve serve`` processes on loopback ports (``--distributed-executor-backend
+mp``, the default), or Ray actors that each run an engine and its server on their node
+(``ray``; joins the cluster at ``RAY_ADDRESS`` or starts a local one). The router then serves
+the one OpenAI endpoint on ``--host``/``--port``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+
+from kvserve.engine_config import EngineConfig
+
+STARTUP_TIMEOUT_S = 600.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def engine_flags(config: EngineConfig) -> list[str]:
+    """The command-line flags that rebuild ``config`` (only fields off their default)."""
+    out: list[str] = []
+    for f in dataclasses.fields(EngineConfig):
+        value = getattr(config, f.name)
+        if value == f.default:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + f.name.replace("_", "-"))
+        elif value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+def replica_config(config: EngineConfig, num_replicas: int) -> EngineConfig:
+    """Each replica's config: the cores split between replicas unless --num-threads is set."""
+    if config.num_threads is not None:
+        return config
+    return config.replace(num_threads=max(1, (os.cpu_count() or 1) // num_replicas))
+
+
+def server_flags(args: argparse.Namespace) -> list[str]:
+    """The replica-side server flags passed through from ``serve``."""
+    out = ["--quiet", "--log-level", args.log_level]
+    if args.api_key is not None:
+        out += ["--api-key", args.api_key]
+    if args.max_queued_requests is not None:
+        out += ["--max-queued-requests", str(args.max_queued_requests)]
+    if args.served_model_name is not None:
+        out += ["--served-model-name", args.served_model_name]
+    return out
+
+
+def wait_healthy(urls: list[str], procs: list[subprocess.Popen] | None = None) -> None:
+    """Block until every URL answers /health 200 (RuntimeError if a process exits first)."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    pending = list(urls)
+    while pending:
+        for i, p in enumerate(procs or []):
+            if p.poll() is not None:
+                raise RuntimeError(f"replica {urls[i]} exited with {p.returncode} at start-up")
+        still = []
+        for url in pending:
+            try:
+                if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                    continue
+            except httpx.TransportError:
+                pass
+            still.append(url)
+        pending = still
+        if pending and time.monotonic() > deadline:
+            raise RuntimeError(f"replicas not healthy after {STARTUP_TIMEOUT_S} s: {pending}")
+        if pending:
+            time.sleep(0.5)
+
+
+@contextmanager
+def local_replicas(
+    config: EngineConfig, num_replicas: int, extra_flags: list[str], *, log_dir: str | None = None
+) -> Iterator[list[str]]:
+    """Run ``num_replicas`` ``kvserve serve`` processes; yields their URLs; stops them on exit."""
+    flags = engine_flags(replica_config(config, num_replicas))
+    procs: list[subprocess.Popen] = []
+    urls: list[str] = []
+    logs = []
+    try:
+        for i in range(num_replicas):
+            port = free_port()
+            cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--port", str(port)]
+            cmd += flags + extra_flags
+            log = (
+                open(os.path.join(log_dir, f"replica-{i}.log"), "w")  # noqa: SIM115
+                if log_dir
+                else None
+            )
+            logs.append(log)
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=log, preexec_fn=_die_with_parent))
+            urls.append(f"http://127.0.0.1:{port}")
+        wait_healthy(urls, procs)
+        yield urls
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for log in logs:
+            if log is not None:
+                log.close()
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the parent dies (Linux), so that a killed
+    ``serve --data-parallel-size`` never leaves replicas behind."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM raise SystemExit, so that ``finally`` blocks stop the replicas.
+
+    NOTE: uvicorn re-raises the signal that stopped it once it has shut down; with the
+    default handler that kills the process before any clean-up runs.
+    """
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+
+
+class ReplicaServer:
+    """One engine and its OpenAI server in this process (the body of a Ray replica actor)."""
+
+    def __init__(self, config: EngineConfig, server_kwargs: dict[str, Any]) -> None:
+        import uvicorn
+
+        from kvserve.async_engine import build_on_engine_thread
+        from kvserve.engine import LLMEngine
+        from kvserve.server.app import build_app
+
+        engine, executor = build_on_engine_thread(lambda: LLMEngine(config))
+        app = build_app(engine, executor=executor, **server_kwargs)
+        host = _node_ip()
+        port = free_port(host)
+        self.url = f"http://{host}:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError(f"the replica server on {self.url} did not start")
+            time.sleep(0.05)
+
+    def get_url(self) -> str:
+        """The server's base URL."""
+        return self.url
+
+    def pid(self) -> int:
+        """The actor's process id."""
+        return os.getpid()
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return str(ray.util.get_node_ip_address())
+    except ImportError:
+        pass
+    return "127.0.0.1"
+
+
+def ray_replicas(
+    config: EngineConfig, num_replicas: int, server_kwargs: dict[str, Any]
+) -> tuple[list[Any], list[str]]:
+    """Start ``num_replicas`` Ray actors (one CPU each unless --num-threads says more).
+
+    Joins the running Ray cluster (``ray.init()`` called before, or ``RAY_ADDRESS``), else
+    starts a local one. Returns the actor handles and their server URLs.
+    """
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False)
+    threads = config.num_threads or 1
+    cfg = config.replace(num_threads=threads)
+    env = {k: os.environ[k] for k in ("PYTHONPATH", "OMP_WAIT_POLICY") if k in os.environ}
+    actor_cls = ray.remote(num_cpus=threads, runtime_env={"env_vars": env})(ReplicaServer)
+    actors = [actor_cls.remote(cfg, server_kwargs) for _ in range(num_replicas)]
+    urls = ray.get([a.get_url.remote() for a in actors], timeout=STARTUP_TIMEOUT_S)
+    return actors, list(urls)
+
+
+def serve_data_parallel(args: argparse.Namespace) -> int:
+    """Start the replicas, then serve the router on ``--host``/``--port`` until interrupted."""
+    import uvicorn
+
+    from kvserve.router.cli import build_validated_app
+
+    config = EngineConfig.from_cli_args(args)
+    n = args.data_parallel_size
+    exit_on_sigterm()
+    backend = getattr(args, "distributed_executor_backend", "mp")
+
+    def run(urls: list[str]) -> int:
+        app = build_validated_app(urls, args)
+        print(
+            f"[kvserve] {n} replicas ({backend}) behind the {args.routing} router on "
+            f"http://{args.host}:{args.port}: {', '.join(urls)}",
+            file=sys.stderr,
+            flush=True,
+        )
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        return 0
+
+    if backend == "ray":
+        kwargs = {
+            "served_model_name": args.served_model_name,
+            "api_key": args.api_key,
+            "max_queued_requests": args.max_queued_requests,
+        }
+        actors, urls = ray_replicas(config, n, kwargs)
+        try:
+            return run(urls)
+        finally:
+            import ray
+
+            for a in actors:
+                ray.kill(a)
+    with local_replicas(config, n, server_flags(args)) as urls:
+        return run(urls)

@@ -1,0 +1,116 @@
+"""The router app over stand-in replicas: start-up checks, 503, leaving and rejoining."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from kvserve.router.cli import build_validated_app
+from kvserve.router.replicas import ReplicaError, parse_load
+from tests.router.fake_replica import fake_app, serve_in_thread
+from tests.server.server_proc import free_port
+
+
+def _args(routing: str = "prefix", probe: float = 0.1) -> argparse.Namespace:
+    return argparse.Namespace(
+        routing=routing,
+        balance_margin=4,
+        max_tree_tokens=1 << 16,
+        probe_interval=probe,
+        min_match_ratio=0.5,
+    )
+
+
+def test_non_openai_and_unreachable_replicas_are_rejected_at_start_up() -> None:
+    with serve_in_thread(fake_app("x", openai=False)) as bad:
+        with pytest.raises(ReplicaError, match=f"replica {bad} is not a kvserve/OpenAI server"):
+            build_validated_app([bad], _args())
+    dead = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ReplicaError, match=f"replica {dead} is not reachable"):
+        build_validated_app([dead], _args())
+    with pytest.raises(ValueError, match="at least one --replica"):
+        build_validated_app([], _args())
+
+
+def test_parse_load_sums_running_and_waiting() -> None:
+    text = "kvserve:num_requests_running 2.0\nkvserve:num_requests_waiting 3.0\nother 9\n"
+    assert parse_load(text) == 5
+    assert parse_load('vllm:num_requests_running{model_name="m"} 4.0\n') == 4
+    assert parse_load("nothing 1\n") is None
+
+
+def _wait(cond, timeout: float = 10.0) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+def _text(client: TestClient) -> str:
+    r = client.post("/v1/completions", json={"prompt": "p", "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_leave_503_and_rejoin() -> None:
+    port_b = free_port()
+    a = serve_in_thread(fake_app("a"))
+    url_a = a.__enter__()
+    try:
+        b = serve_in_thread(fake_app("b"), port=port_b)
+        url_b = b.__enter__()
+        app = build_validated_app([url_a, url_b], _args("round-robin"))
+        pool = app.state.pool
+        with TestClient(app) as client:
+            assert {_text(client) for _ in range(4)} == {"a:", "b:"}
+            assert client.get("/health").status_code == 200
+            # b stops: requests sent to it fail to connect and are retried on a; b leaves
+            b.__exit__(None, None, None)
+            assert [_text(client) for _ in range(4)] == ["a:"] * 4
+            _wait(lambda: not pool.replicas[url_b].healthy)
+            assert client.get("/health").json()["healthy_replicas"] == [url_a]
+            metrics = client.get("/metrics").text
+            assert f'kvserve_router:replica_healthy{{replica="{url_b}"}} 0.0' in metrics
+            assert f'kvserve:num_requests_running{{replica="{url_a}"}} 0.0' in metrics
+            # b comes back on its port: the probes bring it back into the pool
+            with serve_in_thread(fake_app("b"), port=port_b):
+                _wait(lambda: pool.replicas[url_b].healthy)
+                assert {_text(client) for _ in range(4)} == {"a:", "b:"}
+            _wait(lambda: not pool.replicas[url_b].healthy)
+            # both gone: 503 with a JSON error, and /health says so
+            a.__exit__(None, None, None)
+            _wait(lambda: not pool.replicas[url_a].healthy)
+            r = client.post("/v1/completions", json={"prompt": "p", "max_tokens": 1})
+            assert r.status_code == 503
+            assert r.json()["error"]["code"] == "no_replica"
+            assert client.get("/health").status_code == 503
+    finally:
+        a.__exit__(None, None, None)
+
+
+def test_streams_pass_through_and_prefix_routing_sticks() -> None:
+    apps = {"a": fake_app("a"), "b": fake_app("b")}
+    with serve_in_thread(apps["a"]) as url_a, serve_in_thread(apps["b"]) as url_b:
+        app = build_validated_app([url_a, url_b], _args("prefix", probe=30.0))
+        with TestClient(app) as client:
+            with client.stream(
+                "POST",
+                "/v1/completions",
+                json={"prompt": "S1 " * 20 + "hi", "max_tokens": 3, "stream": True},
+            ) as r:
+                lines = [x for x in r.iter_lines() if x]
+            assert lines[-1] == "data: [DONE]" and len(lines) == 4
+            first = lines[0].split('"text": "')[1][0]
+            for i in range(6):
+                body = {"prompt": "S1 " * 20 + f"user {i}", "max_tokens": 1}
+                text = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+                assert text == f"{first}:"
+            # another system prompt goes to the other replica (no match: least-routed)
+            text = client.post(
+                "/v1/completions", json={"prompt": "Z2 " * 20, "max_tokens": 1}
+            ).json()["choices"][0]["text"]
+            assert text != f"{first}:"
+            assert url_a in client.get("/metrics").text

@@ -18,6 +18,8 @@ from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.metrics import HostTransferStats
 from kvserve.core.outputs import LogprobsEntry
 from kvserve.core.scheduler import Scheduler
+from kvserve.core.step_budget import StepTimeBudget
+from kvserve.core.step_cost import chunk_pairs
 from kvserve.core.window import KVWindow, WindowedKVCacheManager
 from kvserve.engine_config import EngineConfig
 from kvserve.engine_metrics import LatencyStats
@@ -161,7 +163,9 @@ class LLMEngine:
                 enable_host_prefix_cache=config.enable_host_prefix_cache,
             )
         self.scheduler = Scheduler(
-            config.scheduler_config(self.max_model_len), self.kv_cache_manager
+            config.scheduler_config(self.max_model_len),
+            self.kv_cache_manager,
+            step_budget=StepTimeBudget(config.step_budget_config()) if config.step_budget else None,
         )
         self.latency = LatencyStats()
         self.host_transfers = HostTransferStats()
@@ -280,6 +284,9 @@ class LLMEngine:
                 "num_prefill_tokens": num_prefill,
                 "num_decode_tokens": sched.total_num_scheduled_tokens - num_prefill,
                 "num_context_tokens": sum(r.start_pos + len(r.token_ids) for r in sched.scheduled),
+                "num_attention_pairs": sum(
+                    chunk_pairs(r.start_pos, len(r.token_ids)) for r in sched.scheduled
+                ),
                 "num_seqs": len(sched.scheduled),
                 "seconds": time.perf_counter() - t0,
                 # NOTE: seconds - schedule_seconds - execute_seconds is the engine's own
@@ -288,6 +295,7 @@ class LLMEngine:
                 "execute_seconds": runner_out.execute_time,
             }
         )
+        self.scheduler.observe_step(self.step_records[-1])
         if len(self.step_records) > 100_000:
             del self.step_records[:50_000]
         return outputs

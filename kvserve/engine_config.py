@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any, get_args
 
 from kvserve.config import CacheConfig, SchedulerConfig
+from kvserve.core.step_budget import PREFILL_POLICIES, StepBudgetConfig
 
 GiB = 1 << 30
 
@@ -52,6 +53,17 @@ _HELP: dict[str, str] = {
     "num_threads": "torch CPU threads (default: all cores)",
     "admission_headroom": "fraction of KV blocks kept free when admitting requests",
     "resume_watermark": "after a preemption, admit again only above this free fraction",
+    "step_budget": "size each step's prefill chunks so the step's predicted time (a cost model "
+    "fitted online on the engine's own steps) stays within a target; --no-step-budget: the "
+    "token budget alone (chunks of up to --max-num-batched-tokens)",
+    "max_step_ms": "step-time target in ms (default: --step-decode-multiple x the predicted "
+    "pure-decode step at the current batch)",
+    "target_itl_ms": "inter-token latency target in ms: the step-time target is this minus the "
+    "measured time between steps",
+    "step_decode_multiple": "default step-time target, as a multiple of the predicted "
+    "pure-decode step at the current batch",
+    "prefill_policy": "who gets a step's prefill time: shortest remaining prompt first, "
+    "round-robin, or fcfs (arrival order)",
 }
 
 
@@ -82,6 +94,11 @@ class EngineConfig:
     num_threads: int | None = None
     admission_headroom: float = 0.02
     resume_watermark: float = 0.10
+    step_budget: bool = True
+    max_step_ms: float | None = None
+    target_itl_ms: float | None = None
+    step_decode_multiple: float = 1.75
+    prefill_policy: str = "shortest"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -111,6 +128,21 @@ class EngineConfig:
         # Build the nested configs once so their validation runs at construction.
         self.cache_config()
         self.scheduler_config(self.max_model_len or 1)
+        self.step_budget_config()
+        if not self.step_budget and (self.max_step_ms or self.target_itl_ms):
+            raise ValueError(
+                "max_step_ms / target_itl_ms (--max-step-ms / --target-itl-ms) need the step "
+                "budget: drop step_budget=False (--no-step-budget)"
+            )
+
+    def step_budget_config(self) -> StepBudgetConfig:
+        """The step-time budget part (its validation names the flags)."""
+        return StepBudgetConfig(
+            max_step_ms=self.max_step_ms,
+            target_itl_ms=self.target_itl_ms,
+            decode_multiple=self.step_decode_multiple,
+            prefill_policy=self.prefill_policy,
+        )
 
     def cache_config(self) -> CacheConfig:
         """The KV pool part of the options."""
@@ -166,6 +198,8 @@ class EngineConfig:
                 kwargs["choices"] = ["auto", "int8", "fp8"]
             if f.name == "kv_allocator":
                 kwargs["choices"] = ["paged", "contiguous"]
+            if f.name == "prefill_policy":
+                kwargs["choices"] = list(PREFILL_POLICIES)
             if f.name == "dtype":
                 kwargs["choices"] = ["float32", "bfloat16", "float16"]
             group.add_argument(flag, **kwargs)

@@ -77,8 +77,10 @@ class StepBudgetConfig:
         _positive_ms("max_step_ms", self.max_step_ms)
         _positive_ms("target_itl_ms", self.target_itl_ms)
         if self.max_step_ms is not None and self.target_itl_ms is not None:
-            raise ValueError("set one of max_step_ms (--max-step-ms) and target_itl_ms "
-                             "(--target-itl-ms), not both")
+            raise ValueError(
+                "set one of max_step_ms (--max-step-ms) and target_itl_ms "
+                "(--target-itl-ms), not both"
+            )
         m = self.decode_multiple
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not 1.0 <= m < math.inf:
             raise ValueError(

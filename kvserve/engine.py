@@ -14,6 +14,7 @@ from typing import Any
 
 from kvserve.core.metrics import HostTransferStats
 from kvserve.core.outputs import LogprobsEntry
+from kvserve.core.step_cost import chunk_pairs
 from kvserve.engine_config import EngineConfig
 from kvserve.engine_metrics import LatencyStats
 from kvserve.engine_startup import (
@@ -213,6 +214,9 @@ class LLMEngine:
                 "num_prefill_tokens": num_prefill,
                 "num_decode_tokens": sched.total_num_scheduled_tokens - num_prefill,
                 "num_context_tokens": sum(r.start_pos + len(r.token_ids) for r in sched.scheduled),
+                "num_attention_pairs": sum(
+                    chunk_pairs(r.start_pos, len(r.token_ids)) for r in sched.scheduled
+                ),
                 "num_seqs": len(sched.scheduled),
                 "seconds": time.perf_counter() - t0,
                 # NOTE: seconds - schedule_seconds - execute_seconds is the engine's own
@@ -221,6 +225,7 @@ class LLMEngine:
                 "execute_seconds": runner_out.execute_time,
             }
         )
+        self.scheduler.observe_step(self.step_records[-1])
         if len(self.step_records) > 100_000:
             del self.step_records[:50_000]
         return outputs

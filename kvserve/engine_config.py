@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any, get_args
 
 from kvserve.config import CacheConfig, SchedulerConfig
+from kvserve.core.step_budget import PREFILL_POLICIES, StepBudgetConfig
 
 # NOTE: mirrors kvserve.models.quant.QUANTIZATION_CHOICES (that module imports torch).
 QUANTIZATION_CHOICES = ("auto", "none", "q8_0", "q4_0", "q4_1")
@@ -62,6 +63,17 @@ _HELP: dict[str, str] = {
     "quantization": "weight quantization (vLLM's flag): auto = a GGUF's quantized tensors run "
     "as stored with the int8-dot kernels (an HF model stays dense); none = dequantize at "
     "load; q8_0 / q4_0 / q4_1 = quantize the weights at load to that GGML format",
+    "step_budget": "size each step's prefill chunks so the step's predicted time (a cost model "
+    "fitted online on the engine's own steps) stays within a target; --no-step-budget: the "
+    "token budget alone (chunks of up to --max-num-batched-tokens)",
+    "max_step_ms": "step-time target in ms (default: --step-decode-multiple x the predicted "
+    "pure-decode step at the current batch)",
+    "target_itl_ms": "inter-token latency target in ms: the step-time target is this minus the "
+    "measured time between steps",
+    "step_decode_multiple": "default step-time target, as a multiple of the predicted "
+    "pure-decode step at the current batch",
+    "prefill_policy": "who gets a step's prefill time: shortest remaining prompt first, "
+    "round-robin, or fcfs (arrival order)",
 }
 
 
@@ -95,6 +107,11 @@ class EngineConfig:
     quantization: str = "none"
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
+    step_budget: bool = True
+    max_step_ms: float | None = None
+    target_itl_ms: float | None = None
+    step_decode_multiple: float = 1.75
+    prefill_policy: str = "shortest"
 
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATION_CHOICES:
@@ -136,6 +153,21 @@ class EngineConfig:
         # Build the nested configs once so their validation runs at construction.
         self.cache_config()
         self.scheduler_config(self.max_model_len or 1)
+        self.step_budget_config()
+        if not self.step_budget and (self.max_step_ms or self.target_itl_ms):
+            raise ValueError(
+                "max_step_ms / target_itl_ms (--max-step-ms / --target-itl-ms) need the step "
+                "budget: drop step_budget=False (--no-step-budget)"
+            )
+
+    def step_budget_config(self) -> StepBudgetConfig:
+        """The step-time budget part (its validation names the flags)."""
+        return StepBudgetConfig(
+            max_step_ms=self.max_step_ms,
+            target_itl_ms=self.target_itl_ms,
+            decode_multiple=self.step_decode_multiple,
+            prefill_policy=self.prefill_policy,
+        )
 
     def cache_config(self) -> CacheConfig:
         """The KV pool part of the options."""
@@ -193,6 +225,8 @@ class EngineConfig:
                 kwargs["choices"] = ["paged", "contiguous"]
             if f.name == "distributed_executor_backend":
                 kwargs["choices"] = ["mp", "ray"]
+            if f.name == "prefill_policy":
+                kwargs["choices"] = list(PREFILL_POLICIES)
             if f.name == "dtype":
                 kwargs["choices"] = ["float32", "bfloat16", "float16"]
             if f.name == "quantization":

@@ -25,6 +25,7 @@ from kvserve.core.kv_cache_config import KVCacheConfig, KVWindow
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.managers import create_kv_cache_manager
 from kvserve.core.scheduler import Scheduler
+from kvserve.core.step_budget import StepTimeBudget
 from kvserve.engine_config import EngineConfig
 from kvserve.memory_budget import MemoryReport, measure_kernel_scratch, plan_kv_blocks
 from kvserve.models.llama import LlamaForCausalLM
@@ -154,8 +155,11 @@ def build_kv_cache_manager(
 def build_scheduler(
     config: EngineConfig, max_model_len: int, kv_cache_manager: KVCacheManager
 ) -> Scheduler:
-    """Phase 8: the scheduler over the manager."""
-    return Scheduler(config.scheduler_config(max_model_len), kv_cache_manager)
+    """Phase 8: the scheduler over the manager (with the step-time budget unless it is off)."""
+    step_budget = StepTimeBudget(config.step_budget_config()) if config.step_budget else None
+    return Scheduler(
+        config.scheduler_config(max_model_len), kv_cache_manager, step_budget=step_budget
+    )
 
 
 def device_free_bytes(device: str) -> int | None:

@@ -382,6 +382,51 @@ def plot_allocators(records: list[Record], path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def _rate(rec: Record) -> float | None:
+    """The finite request rate of a serve record (None for all-at-once or unset)."""
+    rate = rec.get("request_rate")
+    return float(rate) if isinstance(rate, (int, float)) and rate != float("inf") else None
+
+
+def plot_goodput(records: list[Record], path: Path) -> Path | None:
+    """Serve records swept over request rates: SLO attainment, ITL p99 / median, TTFT p90.
+
+    One line per ``label`` (else system and mode); needs two rates or more for some line.
+    """
+    lines: dict[str, list[tuple[float, dict[str, Any]]]] = defaultdict(list)
+    for rec in records:
+        rate = _rate(rec)
+        if rec["benchmark"] == "serve" and rate is not None:
+            lines[rec.get("label") or series_name(rec)].append((rate, rec["results"]))
+    lines = {k: sorted(v, key=lambda p: p[0]) for k, v in lines.items() if len(v) >= 2}
+    if not lines:
+        return None
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
+    panels = (
+        (lambda r: r["slo_attainment"], "fraction of requests meeting the SLOs"),
+        (lambda r: r["itl"]["p99"] / r["itl"]["median"], "ITL p99 / median"),
+        (lambda r: r["ttft"]["p90"] * 1e3, "TTFT p90 (ms)"),
+    )
+    for ax, (get, title) in zip(axes, panels, strict=True):
+        for i, (name, points) in enumerate(sorted(lines.items())):
+            pts = []
+            for rate, res in points:
+                try:
+                    pts.append((rate, float(get(res))))
+                except (KeyError, TypeError, ZeroDivisionError):
+                    continue
+            if pts:
+                xs, ys = zip(*pts, strict=True)
+                ax.plot(xs, ys, marker="o", color=f"C{i % 10}", label=name)
+        ax.set_xlabel("request rate (requests/s)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].axhline(0.9, color="grey", linestyle=":", linewidth=1)
+    axes[1].axhline(2.0, color="grey", linestyle=":", linewidth=1)
+    axes[0].legend(fontsize=8)
+    return _save(fig, path)
+
+
 def plot_all(records: list[Record], out_dir: str) -> list[str]:
     """Every plot the records allow; returns the PNG paths written."""
     out = Path(out_dir)
@@ -395,6 +440,7 @@ def plot_all(records: list[Record], out_dir: str) -> list[str]:
         plot_block_size_sweep(records, out / "block_size_sweep.png"),
         plot_allocators(records, out / "paged_vs_contiguous.png"),
         plot_prefix(records, out / "prefix_cache.png"),
+        plot_goodput(records, out / "goodput_vs_rate.png"),
     ]
     return [str(p) for p in made if p is not None]
 

@@ -51,6 +51,19 @@ def register(sub: argparse._SubParsersAction, engine_parser: Any) -> None:
     )
     p.add_argument("--slo-ttft", type=float, default=None, help="TTFT objective in milliseconds")
     p.add_argument("--slo-tpot", type=float, default=None, help="TPOT objective in milliseconds")
+    p.add_argument(
+        "--slo-itl",
+        type=float,
+        default=None,
+        help="ITL objective in milliseconds, on each request's p99 inter-token gap",
+    )
+    p.add_argument(
+        "--static-batch-size",
+        type=int,
+        default=None,
+        help="static batching by the client: send up to N arrived requests at once, the next "
+        "batch only when all of them are done (TTFT counts from arrival)",
+    )
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
     p.add_argument("--sampling-temperature", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
@@ -80,6 +93,7 @@ def client_config(args: argparse.Namespace) -> ClientConfig:
         request_rate=args.request_rate,
         burstiness=args.burstiness,
         max_concurrency=args.max_concurrency,
+        static_batch_size=args.static_batch_size,
         ignore_eos=args.ignore_eos,
         temperature=args.sampling_temperature,
         seed=args.workload_seed,
@@ -91,13 +105,14 @@ def client_config(args: argparse.Namespace) -> ClientConfig:
 
 def slo_from_args(args: argparse.Namespace) -> SLO:
     """SLOs in seconds from the millisecond flags."""
-    for name in ("slo_ttft", "slo_tpot"):
+    for name in ("slo_ttft", "slo_tpot", "slo_itl"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0 ms, got {value}")
     return SLO(
         ttft=args.slo_ttft / 1e3 if args.slo_ttft is not None else None,
         tpot=args.slo_tpot / 1e3 if args.slo_tpot is not None else None,
+        itl=args.slo_itl / 1e3 if args.slo_itl is not None else None,
     )
 
 
@@ -122,6 +137,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             request_rate=args.request_rate,
             burstiness=args.burstiness,
             max_concurrency=args.max_concurrency,
+            static_batch_size=args.static_batch_size,
             workload=workload_meta(args),
             latency_samples=latency_samples(records),
         ),

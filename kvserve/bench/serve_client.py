@@ -35,6 +35,7 @@ class ClientConfig:
     request_rate: float = math.inf  # requests/s; inf = all at once
     burstiness: float = 1.0  # gamma shape of the gaps; 1.0 = Poisson
     max_concurrency: int | None = None
+    static_batch_size: int | None = None  # static batching by the client (see run_client)
     ignore_eos: bool = True
     temperature: float = 0.0
     seed: int = 0
@@ -53,6 +54,11 @@ class ClientConfig:
             raise ValueError(f"burstiness must be > 0, got {self.burstiness}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.static_batch_size is not None:
+            if self.static_batch_size < 1:
+                raise ValueError(f"static_batch_size must be >= 1, got {self.static_batch_size}")
+            if self.max_concurrency is not None:
+                raise ValueError("static_batch_size and max_concurrency exclude each other")
 
 
 def arrival_gaps(num: int, rate: float, burstiness: float, seed: int) -> list[float]:
@@ -108,9 +114,12 @@ async def _one(
     model: str,
     req: WorkloadRequest,
     clock: Callable[[], float],
+    arrival: float | None = None,
 ) -> RequestRecord:
     body = request_body(cfg, model, req, cfg.backend)
-    rec = RequestRecord(req.request_id, req.prompt_len, req.output_len, send_time=clock())
+    # NOTE: a request held back by the client (static batching) counts from its arrival.
+    send_time = clock() if arrival is None else arrival
+    rec = RequestRecord(req.request_id, req.prompt_len, req.output_len, send_time=send_time)
     num_chunks = 0
     usage_tokens: int | None = None
     try:
@@ -150,7 +159,10 @@ async def run_client(
 ) -> tuple[list[RequestRecord], float]:
     """Send ``requests`` by the arrival process; returns (records in trace order, duration_s).
 
-    The duration runs from the first send to the last response's end.
+    The duration runs from the first send to the last response's end. With
+    ``cfg.static_batch_size = N`` the client batches statically: it sends the requests that
+    have arrived (up to N; the first one waited for if none has) all at once and the next
+    batch only once every one of them is done; TTFT and e2e count from each request's arrival.
     """
     limits = httpx.Limits(max_connections=max(len(requests), 1), max_keepalive_connections=64)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
@@ -171,11 +183,46 @@ async def run_client(
         gaps = arrival_gaps(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
         tasks: list[asyncio.Task[RequestRecord]] = []
         start = clock()
-        for gap, req in zip(gaps, requests, strict=True):
-            if gap > 0:
-                await asyncio.sleep(gap)
-            tasks.append(asyncio.create_task(limited(req)))
-        records = list(await asyncio.gather(*tasks))
+        if cfg.static_batch_size is not None:
+            records = await _run_static(client, cfg, model, requests, gaps, clock, start)
+        else:
+            for gap, req in zip(gaps, requests, strict=True):
+                if gap > 0:
+                    await asyncio.sleep(gap)
+                tasks.append(asyncio.create_task(limited(req)))
+            records = list(await asyncio.gather(*tasks))
     ends = [r.end_time for r in records if r.end_time is not None]
     duration = (max(ends) if ends else clock()) - start
     return records, duration
+
+
+async def _run_static(
+    client: httpx.AsyncClient,
+    cfg: ClientConfig,
+    model: str,
+    requests: list[WorkloadRequest],
+    gaps: list[float],
+    clock: Callable[[], float],
+    start: float,
+) -> list[RequestRecord]:
+    """Static batches of up to ``cfg.static_batch_size`` arrived requests, one after another."""
+    size = cfg.static_batch_size or 1
+    arrivals = []
+    t = 0.0
+    for g in gaps:
+        t += g
+        arrivals.append(start + t)
+    records: list[RequestRecord] = []
+    i = 0
+    while i < len(requests):
+        wait = arrivals[i] - clock()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        now = clock()
+        j = i + 1
+        while j < len(requests) and j - i < size and arrivals[j] <= now:
+            j += 1
+        batch = [_one(client, cfg, model, requests[k], clock, arrivals[k]) for k in range(i, j)]
+        records.extend(await asyncio.gather(*batch))
+        i = j
+    return records

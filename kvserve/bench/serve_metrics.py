@@ -6,7 +6,8 @@ Definitions (as vLLM's ``benchmark_serving``):
 - ITL: gaps between successive output chunks of one request (all requests pooled).
 - TPOT: (e2e - TTFT) / (output tokens - 1), per request with more than one output token.
 - e2e: send -> end of the response stream.
-- goodput: completed requests per second that meet every SLO given (TTFT and/or TPOT).
+- goodput: completed requests per second that meet every SLO given (TTFT, TPOT and/or ITL;
+  the ITL objective holds for a request when the 99th percentile of its own gaps meets it).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.bench.report import cdf_points
-from kvserve.bench.stats import summarize
+from kvserve.bench.stats import percentile, summarize
 
 
 @dataclass
@@ -59,6 +60,7 @@ class SLO:
 
     ttft: float | None = None
     tpot: float | None = None
+    itl: float | None = None  # on the request's p99 inter-token gap
 
     def met(self, rec: RequestRecord) -> bool:
         """True when the request completed and meets every objective that is set."""
@@ -68,6 +70,8 @@ class SLO:
             return False
         # NOTE: a one-token reply has no TPOT; it cannot violate a TPOT objective.
         tpot = rec.tpot
+        if self.itl is not None and rec.itls and percentile(rec.itls, 99.0) > self.itl:
+            return False
         return not (self.tpot is not None and tpot is not None and tpot > self.tpot)
 
 
@@ -102,6 +106,7 @@ def compute_metrics(
         "e2e": summarize([r.e2e for r in done if r.e2e is not None]),
         "slo_ttft_s": slo.ttft,
         "slo_tpot_s": slo.tpot,
+        "slo_itl_s": slo.itl,
         "num_good_requests": num_good,
         "goodput_requests_per_s": num_good / duration_s,
         "slo_attainment": num_good / len(records) if records else 0.0,

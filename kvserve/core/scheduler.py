@@ -17,6 +17,12 @@ this order:
    only: if the head cannot be admitted, nobody behind it is. No admission while any
    request is swapped out. Steps 3 and 4 are skipped in a step that preempted.
 
+With a step-time budget (``step_budget``, a ``core.step_budget.StepTimeBudget``; the engine
+sets one by default), steps 2-4 also respect per-request prefill chunk caps that it plans right
+after step 1, so the step's predicted time stays within its target (decodes are never capped;
+a step without decodes is not capped; see that module). ``observe_step`` feeds it the engine's
+step records.
+
 Admission rules (steps 3 and 4):
 
 - Seats: running requests plus their unforked n > 1 children stay within ``max_num_seqs``.
@@ -55,6 +61,7 @@ from kvserve.config import SchedulerConfig
 from kvserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from kvserve.core.policy import PreemptionPolicy, PriorityPolicy
 from kvserve.core.sched_stats import SchedulerStats, StepStats
+from kvserve.core.step_budget import PrefillCandidate, StepTimeBudget
 from kvserve.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -69,6 +76,7 @@ class _Step:
     stats: StepStats
     budget: int
     scheduled_ids: set[str] = field(default_factory=set)
+    prefill_caps: dict[str, int] | None = None  # step-time budget: tokens per request id
 
 
 def _fraction_to_blocks(fraction: float, num_blocks: int) -> int:
@@ -86,8 +94,10 @@ class Scheduler:
         *,
         policy: PreemptionPolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
+        step_budget: StepTimeBudget | None = None,
     ) -> None:
         self.config = config
+        self.step_budget = step_budget  # None: the token budget alone sizes prefill chunks
         self.kv = kv_cache_manager
         self.policy = policy if policy is not None else PriorityPolicy()
         self.clock = clock
@@ -166,7 +176,14 @@ class Scheduler:
         d.update(self.totals.as_dict())
         d.update(num_running=self.num_running, num_waiting=self.num_waiting)
         d.update(num_swapped=self.num_swapped, admission_closed=int(self.admission_closed))
+        if self.step_budget is not None:
+            d.update(self.step_budget.stats())
         return d
+
+    def observe_step(self, record: dict[str, float]) -> None:
+        """Feed one executed step's record (``LLMEngine.step_records``) to the step budget."""
+        if self.step_budget is not None:
+            self.step_budget.observe(record)
 
     def _validate(self, request: Request) -> None:
         cfg, kv = self.config, self.kv
@@ -232,6 +249,7 @@ class Scheduler:
         self._finished_ids = set()
         self.running.sort(key=self.policy.sort_key)
         self._schedule_running(step, decodes=True)
+        step.prefill_caps = self._plan_prefill(step)
         self._schedule_running(step, decodes=False)
         if not step.stats.num_preemptions:
             self._schedule_swap_ins(step)
@@ -259,7 +277,7 @@ class Scheduler:
             remaining = request.num_tokens - request.num_computed_tokens
             if (remaining == 1) != decodes:
                 continue
-            num_new = self._chunk_size(remaining, step.budget)
+            num_new = self._chunk_size(remaining, self._prefill_budget(request, remaining, step))
             if num_new and self._allocate_or_preempt(request, num_new, step):
                 self._emit(request, num_new, step)
 
@@ -272,6 +290,41 @@ class Scheduler:
         if self.config.enable_chunked_prefill or remaining > self.config.max_num_batched_tokens:
             return budget
         return 0
+
+    def _prefill_budget(self, request: Request, remaining: int, step: _Step) -> int:
+        """The step's token budget, cut to the step-time budget's cap for a prefill chunk."""
+        caps = step.prefill_caps
+        if caps is None or remaining == 1:
+            return step.budget
+        if request.request_id not in caps:
+            # NOTE: a waiting request left out of the plan (admission reopened in this step)
+            # waits one step; anything else unplanned is never held back.
+            waiting = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            return 0 if waiting else step.budget
+        return min(step.budget, caps[request.request_id])
+
+    def _plan_prefill(self, step: _Step) -> dict[str, int] | None:
+        """Ask the step-time budget for prefill chunk caps once this step's decodes are in.
+
+        Candidates in FCFS order: running prefills, swapped requests, then the waiting queue
+        while seats last (no waiting ones while admission is closed or any is swapped).
+        """
+        if self.step_budget is None or not self.config.enable_chunked_prefill:
+            return None
+        decode_contexts = [sr.start_pos + 1 for sr in step.out.scheduled]
+        candidates = []
+        for r in (*self.running, *self.swapped):
+            remaining = r.num_tokens - r.num_computed_tokens
+            if remaining > 1 and r.request_id not in step.scheduled_ids:
+                candidates.append(PrefillCandidate(r.request_id, r.num_computed_tokens, remaining))
+        seats = self.config.max_num_seqs - self._num_seats()
+        if not self.swapped and (not self.running or not self.admission_closed):
+            for r in self.waiting:
+                seats -= 1 + len(r.pending_children)
+                if seats < 0:
+                    break
+                candidates.append(PrefillCandidate(r.request_id, 0, r.num_tokens, waiting=True))
+        return self.step_budget.plan(decode_contexts, candidates, step.budget)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, step: _Step) -> bool:
         """Allocate slots for ``num_new`` tokens, preempting victims until it works.
@@ -350,7 +403,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             remaining = request.num_tokens - request.num_computed_tokens
-            num_new = self._chunk_size(remaining, step.budget)
+            num_new = self._chunk_size(remaining, self._prefill_budget(request, remaining, step))
             # NOTE: if its next block cannot be had it stays running, unscheduled, this step.
             if num_new and self.kv.allocate_slots(request, num_new) is not None:
                 self._emit(request, num_new, step)
@@ -368,7 +421,8 @@ class Scheduler:
     def _admit(self, request: Request, step: _Step, *, alone: bool) -> bool:
         """Allocate the first chunk of the queue head (after prefix hits) and schedule it."""
         computed_block_ids, num_hit = self.kv.get_computed_blocks(request)
-        num_new = self._chunk_size(request.num_tokens - num_hit, step.budget)
+        remaining = request.num_tokens - num_hit
+        num_new = self._chunk_size(remaining, self._prefill_budget(request, remaining, step))
         if num_new == 0:
             return False
         reserve = 0

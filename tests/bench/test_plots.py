@@ -194,3 +194,17 @@ def test_offline_concurrency_is_capped_by_max_num_seqs() -> None:
     assert concurrency({"results": {"num_requests": 8}, "engine": {"max_num_seqs": 32}}) == 8
     assert concurrency({"results": {"num_requests": 8}}) == 8
     assert concurrency({"batch_size": 4, "results": {"num_requests": 8}}) == 4
+
+
+def test_goodput_plot_from_serve_records_swept_over_rates(tmp_path) -> None:
+    res = tmp_path / "res"
+    for label in ("no-budget", "budget"):
+        for rate in (1.0, 2.0, "inf"):  # an all-at-once record is not a point of the sweep
+            sv = {"num_requests": 4, "slo_attainment": 0.5, "itl": _lat(0.05), "ttft": _lat(0.3)}
+            rec = make_record("serve", sv, mode="server", request_rate=rate, label=label)
+            write_json(str(res / f"{label}_{rate}.json"), rec)
+    paths = plot_all(load_records([str(res)]), str(tmp_path / "png"))
+    assert any(p.endswith("goodput_vs_rate.png") for p in paths)
+    one_rate = [r for r in load_records([str(res)]) if r["request_rate"] == 1.0]
+    paths = plot_all(one_rate, str(tmp_path / "png1"))
+    assert not any(p.endswith("goodput_vs_rate.png") for p in paths)

@@ -102,3 +102,20 @@ def test_client_config_validation() -> None:
         ClientConfig(base_url="x", request_rate=0)
     with pytest.raises(ValueError, match="max_concurrency"):
         ClientConfig(base_url="x", max_concurrency=0)
+
+
+def test_static_batches_wait_for_the_whole_batch_and_count_from_arrival() -> None:
+    state = FakeState(first_delay_s=0.05, gap_s=0.02)
+    trace = _trace(6, 3)
+    with serve_fake(state) as url:
+        cfg = ClientConfig(base_url=url, model="m", static_batch_size=4)
+        records, _ = asyncio.run(run_client(cfg, trace))
+    assert state.peak_in_flight == 4  # all at once (rate inf): 4, then the other 2
+    assert all(r.ok for r in records)
+    first, second = records[:4], records[4:]
+    # The second batch arrived with the first, so its TTFT holds the first batch's e2e.
+    assert min(r.ttft for r in second) >= max(r.e2e for r in first)
+    with pytest.raises(ValueError, match="exclude"):
+        ClientConfig(base_url="x", static_batch_size=2, max_concurrency=2)
+    with pytest.raises(ValueError, match="static_batch_size"):
+        ClientConfig(base_url="x", static_batch_size=0)

@@ -83,3 +83,21 @@ def test_latency_samples_keep_every_completed_request_sorted() -> None:
     assert s["tpot"] == pytest.approx([0.1, 0.2])
     assert s["itl"] == pytest.approx([0.1, 0.1, 0.2, 0.2])
     assert s["e2e"] == pytest.approx([0.2, 0.3, 0.8])
+
+
+def test_itl_slo_holds_on_each_requests_p99_gap() -> None:
+    steady = [0.1 * i for i in range(1, 102)]  # 100 gaps of 0.1 s
+    one_stall = [*steady[:-1], steady[-1] + 0.8]  # 99 gaps of 0.1 s, one of 0.9 s
+    two_stalls = [*one_stall[:-2], one_stall[-2] + 0.8, one_stall[-1] + 0.8]
+    recs = [
+        _rec(rid, 0.0, c, c[-1], len(c))
+        for rid, c in zip("abc", (steady, one_stall, two_stalls), strict=True)
+    ]
+    m = compute_metrics(recs, duration_s=12.0, slo=SLO(itl=0.15))
+    # p99 of 100 gaps interpolates between the two largest: one stall passes (0.108 s),
+    # two do not (0.9 s).
+    assert m["num_good_requests"] == 2
+    assert m["slo_itl_s"] == 0.15
+    short = _rec("d", 0.0, [0.1, 0.2, 0.9, 1.0], 1.0, 4)  # gaps 0.1, 0.7, 0.1: p99 0.688
+    assert compute_metrics([short], 1.0, SLO(itl=0.68))["num_good_requests"] == 0
+    assert compute_metrics([short], 1.0, SLO(itl=0.69))["num_good_requests"] == 1

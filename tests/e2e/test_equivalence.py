@@ -99,3 +99,49 @@ def test_bad_batch_queues_nothing(make_llm) -> None:
     assert not llm.engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="vocabulary"):
         llm.generate([[1, 2, 10**9]], SamplingParams(max_tokens=4), use_tqdm=False)
+
+
+def _staggered_tokens(llm, prompts, every: int = 2) -> list[list[int]]:
+    """Greedy tokens with one new request every ``every`` steps (prefills beside decodes)."""
+    engine = llm.engine
+    pending = list(enumerate(prompts))
+    finals: dict[str, list[int]] = {}
+    num_steps = 0
+    while pending or engine.has_unfinished_requests():
+        if pending and (num_steps % every == 0 or not engine.has_unfinished_requests()):
+            i, p = pending.pop(0)
+            engine.add_request(p, GREEDY, request_id=f"r{i}")
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out.outputs[0].token_ids
+        num_steps += 1
+    return [finals[f"r{i}"] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("policy", ["shortest", "round-robin", "fcfs"])
+def test_step_time_budget_is_identical(make_llm, reference, policy: str) -> None:
+    from kvserve.core.step_budget import StepBudgetConfig, StepTimeBudget
+
+    prompts, expected = reference
+    llm = make_llm(num_kv_blocks=512, enable_prefix_caching=False, max_num_batched_tokens=64)
+    # NOTE: a target far below any step (every step with decodes gets one minimum chunk),
+    # and a fit from the first records on, so the caps act from the second request on.
+    cfg = StepBudgetConfig(max_step_ms=1e-3, prefill_policy=policy, min_records=1, skip_first=0)
+    llm.engine.scheduler.step_budget = StepTimeBudget(cfg)
+    assert _staggered_tokens(llm, prompts) == expected
+    stats = llm.stats()
+    assert stats["step_budget_min_chunk_steps"] > 0
+    assert stats["kv_usage"] == 0
+
+
+def test_default_step_budget_learns_from_every_step(make_llm, reference) -> None:
+    prompts, expected = reference
+    llm = make_llm(num_kv_blocks=512)
+    engine = llm.engine
+    assert _staggered_tokens(llm, prompts, every=3) == expected
+    budget = engine.scheduler.step_budget
+    assert budget is not None
+    busy = [r for r in engine.step_records if r["num_seqs"]]
+    assert budget.cost.num_observed == len(busy) - budget.config.skip_first
+    assert budget.cost.ready
+    assert all(r["num_attention_pairs"] >= r["num_context_tokens"] for r in busy)

@@ -1,0 +1,291 @@
+"""Step-time budget: size each step's prefill chunks so the step's predicted time fits a target.
+
+What a running stream feels is step time, not a token count: a step with 512 prefill tokens
+beside the decodes costs several decode steps, chunked or not. So, after the scheduler has
+given every running decode its token, :meth:`StepTimeBudget.plan` hands the prefill
+candidates (running prompts still prefilling, swapped ones, the waiting queue) chunk caps
+such that the step's predicted time stays within the target:
+
+- target: ``max_step_ms``; else ``target_itl_ms`` minus the measured time between steps
+  (what a stream's gap holds besides the step itself); else ``decode_multiple`` x the
+  predicted pure-decode step at the current batch (decodes and context of this step).
+- predictions come from an :class:`~kvserve.core.step_cost.OnlineStepCostModel` fitted on the
+  engine's step records (``observe``); until it has a fit, nothing is capped.
+- the token budget stays an upper bound (the scheduler applies both).
+- decodes are never capped (they are scheduled before the plan); a step without decodes is
+  not capped either: a lone prefill takes the whole token budget (no stream to protect).
+- if nothing fits (the decodes alone exceed the target, or leave less than one token), the
+  first candidate still gets ``min_prefill_chunk`` tokens, so prefill never starves; a target
+  below the pure-decode step is logged once as a warning.
+
+Who gets the time (``prefill_policy``), greedily in this order, each candidate the largest
+chunk that still fits:
+
+- ``fcfs``: the scheduler's order (running prefills by priority and arrival, swapped, then the
+  waiting queue): one long prompt takes every step's time until it is done.
+- ``shortest``: fewest remaining tokens first (shortest-remaining-processing-time), so short
+  prompts are not held behind a long one.
+- ``round-robin``: least recently served first (never served = first), so every waiting
+  prompt gets a chunk in turn.
+
+Waiting requests are admitted head of line only, so whatever the policy, the positions it
+gives to waiting requests are filled in queue order.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvserve.core.step_cost import OnlineStepCostModel, StepLoad
+
+logger = logging.getLogger("kvserve")
+
+PREFILL_POLICIES = ("fcfs", "shortest", "round-robin")
+_GAP_EWMA = 0.1  # weight of the newest inter-step gap in its moving average
+
+
+def _positive_ms(name: str, value: float | None) -> None:
+    if value is None:
+        return
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} ({flag}) must be a number of milliseconds > 0, got {value!r}")
+    if math.isinf(value) or math.isnan(value):
+        raise ValueError(f"{name} ({flag}) must be finite, got {value!r}")
+
+
+@dataclass(frozen=True)
+class StepBudgetConfig:
+    """How the step-time budget picks its target and shares it. ValueError names the flag."""
+
+    max_step_ms: float | None = None
+    target_itl_ms: float | None = None
+    decode_multiple: float = 1.75
+    prefill_policy: str = "shortest"
+    min_prefill_chunk: int = 16
+    window: int = 256  # step records kept per kind for the fit
+    refit_every: int = 16
+    min_records: int = 4  # of each kind (pure decode, with prefill) before anything is capped
+    skip_first: int = 2  # the first steps pay one-off costs (allocator, kernel selection)
+
+    def __post_init__(self) -> None:
+        _positive_ms("max_step_ms", self.max_step_ms)
+        _positive_ms("target_itl_ms", self.target_itl_ms)
+        if self.max_step_ms is not None and self.target_itl_ms is not None:
+            raise ValueError(
+                "set one of max_step_ms (--max-step-ms) and target_itl_ms "
+                "(--target-itl-ms), not both"
+            )
+        m = self.decode_multiple
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 1.0 <= m < math.inf:
+            raise ValueError(
+                f"step_decode_multiple (--step-decode-multiple) must be a number >= 1, got {m!r}"
+            )
+        if self.prefill_policy not in PREFILL_POLICIES:
+            raise ValueError(
+                f"prefill_policy (--prefill-policy) must be one of {', '.join(PREFILL_POLICIES)}, "
+                f"got {self.prefill_policy!r}"
+            )
+        if self.min_prefill_chunk < 1:
+            raise ValueError(f"min_prefill_chunk must be >= 1, got {self.min_prefill_chunk}")
+        if self.skip_first < 0:
+            raise ValueError(f"skip_first must be >= 0, got {self.skip_first}")
+
+
+class StepCostPredictor(Protocol):
+    """What the planner needs of a cost model (the online fit, or a fake in tests)."""
+
+    @property
+    def ready(self) -> bool: ...
+
+    def predict(self, load: StepLoad) -> float: ...
+
+    def observe(self, load: StepLoad, seconds: float) -> None: ...
+
+
+@dataclass(slots=True, frozen=True)
+class PrefillCandidate:
+    """A request that could get a prefill chunk this step."""
+
+    request_id: str
+    start_pos: int  # tokens already computed (waiting: 0; prefix hits are not known yet)
+    remaining: int  # tokens left to compute
+    waiting: bool = False  # in the waiting queue: admitted head of line only
+
+
+class StepTimeBudget:
+    """Plans prefill chunk caps per step (see the module docstring); fed with step records."""
+
+    def __init__(
+        self,
+        config: StepBudgetConfig | None = None,
+        cost_model: StepCostPredictor | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config or StepBudgetConfig()
+        cfg = self.config
+        self.cost: StepCostPredictor = cost_model or OnlineStepCostModel(
+            window=cfg.window, refit_every=cfg.refit_every, min_records=cfg.min_records
+        )
+        self.clock = clock
+        self._last_served: dict[str, int] = {}  # round-robin: plan number of the last chunk
+        self._num_plans = 0
+        self._num_seen = 0
+        self._last_observe: tuple[float, bool] | None = None  # (clock, step had decodes)
+        self.gap_s = 0.0  # moving average of the time between a step's end and the next one's
+        self._warned = False
+        # Figures (stats()).
+        self.last_target_s = math.nan
+        self.last_decode_s = math.nan
+        self.num_capped_steps = 0  # steps whose prefill was cut below the token budget
+        self.num_min_chunk_steps = 0  # steps where nothing fit and a minimum chunk went
+        self.num_over_target_steps = 0  # of those, where the decodes alone exceeded the target
+
+    # ------------------------------------------------------------------ records in
+
+    def observe(self, record: Mapping[str, float]) -> None:
+        """Feed one ``LLMEngine.step_records`` entry (its ``seconds`` and its step's load)."""
+        now = self.clock()
+        load = StepLoad.from_record(record)
+        seconds = float(record["seconds"])
+        has_decodes = load.num_decode_tokens > 0
+        last = self._last_observe
+        if last is not None and last[1] and has_decodes:
+            # NOTE: only between two busy steps: an idle engine waits for arrivals, which is
+            # no part of any stream's gap.
+            gap = max(0.0, (now - last[0]) - seconds)
+            self.gap_s += _GAP_EWMA * (gap - self.gap_s)
+        self._last_observe = (now, has_decodes)
+        self._num_seen += 1
+        if self._num_seen > self.config.skip_first:
+            self.cost.observe(load, seconds)
+
+    # ------------------------------------------------------------------ planning
+
+    def target_s(self, decode_s: float) -> float:
+        """The step-time target in seconds, given the predicted pure-decode step."""
+        cfg = self.config
+        if cfg.max_step_ms is not None:
+            return cfg.max_step_ms / 1e3
+        if cfg.target_itl_ms is not None:
+            return max(cfg.target_itl_ms / 1e3 - self.gap_s, 0.0)
+        return cfg.decode_multiple * decode_s
+
+    def plan(
+        self,
+        decode_contexts: Sequence[int],
+        candidates: Sequence[PrefillCandidate],
+        token_budget: int,
+    ) -> dict[str, int] | None:
+        """Chunk caps (tokens) per candidate id for this step; None = no cap this step.
+
+        ``decode_contexts``: start_pos + 1 of each decode already scheduled this step.
+        ``candidates``: in the scheduler's (FCFS) order. ``token_budget``: tokens left in the
+        step's token budget (an upper bound for the sum of the caps).
+        """
+        if not candidates or not decode_contexts or not self.cost.ready or token_budget <= 0:
+            return None
+        self._num_plans += 1
+        cfg = self.config
+        load = StepLoad.decodes(decode_contexts)
+        decode_s = self.cost.predict(load)
+        target = self.target_s(decode_s)
+        self.last_decode_s, self.last_target_s = decode_s, target
+        order = self._order(candidates)
+        caps = {c.request_id: 0 for c in candidates}
+        left = token_budget
+        granted = 0
+        for c in order:
+            limit = min(c.remaining, left)
+            if limit <= 0:
+                break
+            n = self._largest_fit(load, c.start_pos, limit, target)
+            if n == 0:
+                continue
+            caps[c.request_id] = n
+            load = load.plus_chunk(c.start_pos, n)
+            left -= n
+            granted += n
+        if granted == 0:
+            # NOTE: a running prefill first: a waiting head may not be admitted this step.
+            first = next((c for c in order if not c.waiting), order[0])
+            caps[first.request_id] = min(cfg.min_prefill_chunk, first.remaining, token_budget)
+            self.num_min_chunk_steps += 1
+            if decode_s >= target:
+                self.num_over_target_steps += 1
+                self._warn_below_decode(decode_s, target, len(decode_contexts))
+        for c in candidates:
+            if caps[c.request_id]:
+                self._last_served[c.request_id] = self._num_plans
+        if len(self._last_served) > 4 * len(candidates) + 64:
+            ids = {c.request_id for c in candidates}
+            self._last_served = {k: v for k, v in self._last_served.items() if k in ids}
+        wanted = min(sum(c.remaining for c in candidates), token_budget)
+        self.num_capped_steps += sum(caps.values()) < wanted
+        return caps
+
+    def _largest_fit(self, load: StepLoad, start: int, limit: int, target: float) -> int:
+        """Largest n in [0, limit] with predict(load + chunk(start, n)) <= target (bisection)."""
+        predict = self.cost.predict
+        target *= 1.0 + 1e-9  # NOTE: float rounding must not cost a token at an exact fit
+        if predict(load.plus_chunk(start, 1)) > target:
+            return 0
+        if predict(load.plus_chunk(start, limit)) <= target:
+            return limit
+        lo, hi = 1, limit  # fits at lo, not at hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if predict(load.plus_chunk(start, mid)) <= target:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def _order(self, candidates: Sequence[PrefillCandidate]) -> list[PrefillCandidate]:
+        policy = self.config.prefill_policy
+        if policy == "fcfs":
+            return list(candidates)
+        if policy == "shortest":
+            ranked = sorted(candidates, key=lambda c: c.remaining)
+        else:  # round-robin: least recently served first, never served first of all
+            ranked = sorted(candidates, key=lambda c: self._last_served.get(c.request_id, -1))
+        # Waiting requests keep their queue order in the slots the policy gave them.
+        queue = iter([c for c in candidates if c.waiting])
+        return [next(queue) if c.waiting else c for c in ranked]
+
+    def _warn_below_decode(self, decode_s: float, target: float, num_decodes: int) -> None:
+        if self._warned:
+            return
+        self._warned = True
+        logger.warning(
+            "step-time target %.1f ms is below the predicted pure-decode step (%.1f ms at %d "
+            "decodes): decodes alone exceed it; prefill advances by %d tokens a step "
+            "(min_prefill_chunk) while this lasts",
+            target * 1e3,
+            decode_s * 1e3,
+            num_decodes,
+            self.config.min_prefill_chunk,
+        )
+
+    # ------------------------------------------------------------------ figures
+
+    def stats(self) -> dict[str, float | int]:
+        """Figures for ``stats()``: the last target, the fit, how often it capped."""
+        d: dict[str, float | int] = {
+            "step_budget_target_ms": self.last_target_s * 1e3,
+            "step_budget_decode_ms": self.last_decode_s * 1e3,
+            "step_budget_capped_steps": self.num_capped_steps,
+            "step_budget_min_chunk_steps": self.num_min_chunk_steps,
+            "step_budget_over_target_steps": self.num_over_target_steps,
+            "step_budget_gap_ms": self.gap_s * 1e3,
+        }
+        describe = getattr(self.cost, "describe", None)
+        if callable(describe):
+            d.update(describe())
+        return d

@@ -52,6 +52,11 @@ _HELP: dict[str, str] = {
     "num_threads": "torch CPU threads (default: all cores)",
     "admission_headroom": "fraction of KV blocks kept free when admitting requests",
     "resume_watermark": "after a preemption, admit again only above this free fraction",
+    "scheduling_policy": "fcfs: the queue is served by priority then arrival, nobody is "
+    "preempted for priority; priority (vLLM's name): a waiting request with a smaller "
+    "priority value preempts running ones with larger values when it cannot be admitted",
+    "max_seats_per_request": "seats (of max_num_seqs) the samples of one n > 1 request take "
+    "at once while others wait; the rest wait in the queue (default: max_num_seqs // 2)",
 }
 
 
@@ -82,6 +87,8 @@ class EngineConfig:
     num_threads: int | None = None
     admission_headroom: float = 0.02
     resume_watermark: float = 0.10
+    scheduling_policy: str = "fcfs"
+    max_seats_per_request: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -133,6 +140,8 @@ class EngineConfig:
             preemption_mode=self.preemption_mode,  # type: ignore[arg-type]
             admission_headroom=self.admission_headroom,
             resume_watermark=self.resume_watermark,
+            scheduling_policy=self.scheduling_policy,  # type: ignore[arg-type]
+            max_seats_per_request=self.max_seats_per_request,
         )
 
     def replace(self, **changes: Any) -> EngineConfig:
@@ -166,6 +175,8 @@ class EngineConfig:
                 kwargs["choices"] = ["auto", "int8", "fp8"]
             if f.name == "kv_allocator":
                 kwargs["choices"] = ["paged", "contiguous"]
+            if f.name == "scheduling_policy":
+                kwargs["choices"] = ["fcfs", "priority"]
             if f.name == "dtype":
                 kwargs["choices"] = ["float32", "bfloat16", "float16"]
             group.add_argument(flag, **kwargs)

@@ -27,10 +27,17 @@ def free_port() -> int:
 
 
 def _serve_command() -> list[str]:
-    script = Path(sys.executable).parent / "kvserve"
-    if script.exists():
-        return [str(script), "serve"]
+    # NOTE: not the venv's console script: it imports whichever checkout was installed
+    # (editable), while the test must run this repository's code (see _server_env).
     return [sys.executable, "-m", "kvserve.cli", "serve"]
+
+
+def _server_env() -> dict[str, str]:
+    """The environment with this repository first on PYTHONPATH."""
+    env = {**os.environ}
+    rest = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + rest if rest else "")
+    return env
 
 
 @contextmanager
@@ -54,7 +61,7 @@ def running_server(*extra_args: str, api_key: str | None = None) -> Iterator[str
         cmd += ["--api-key", api_key]
     log = tempfile.NamedTemporaryFile("w+", prefix="kvserve-test-", suffix=".log", delete=False)
     proc = subprocess.Popen(
-        cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ}
+        cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=_server_env()
     )
     base_url = f"http://127.0.0.1:{port}"
     try:

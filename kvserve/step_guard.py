@@ -50,6 +50,8 @@ def execute_isolated(execute: Execute, sched: SchedulerOutput) -> ModelRunnerOut
         raise StepFault(f"moving KV blocks failed: {e!r}") from e
     try:
         out = execute(compute)
+    except StepFault:
+        raise  # by definition no request's own fault
     except Exception as e:  # noqa: BLE001 - isolated below
         if not compute.scheduled:
             raise StepFault(f"the step failed: {e!r}") from e
@@ -75,6 +77,8 @@ def _bisect(
         part = stack.pop()
         try:
             res = execute(SchedulerOutput(scheduled=part))
+        except StepFault:
+            raise
         except Exception as e:  # noqa: BLE001 - narrowed down below
             if len(part) == 1:
                 out.failed[part[0].request_id] = f"the step failed: {e!r}"

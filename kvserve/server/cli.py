@@ -53,6 +53,12 @@ def register(
         action="store_true",
         help="the API key also guards /health and /metrics (open by default, as in vLLM)",
     )
+    g.add_argument(
+        "--debug-inject-faults",
+        action="store_true",
+        help="testing only: a prompt containing KVSERVE_INJECT_FAULT fails its steps, one "
+        "containing KVSERVE_INJECT_FATAL stops the engine (see kvserve/fault_injection.py)",
+    )
     g.add_argument("--log-level", default="warning", help="uvicorn log level")
     p.set_defaults(func=cmd_serve)
 
@@ -75,6 +81,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = EngineConfig.from_cli_args(args)
     engine, executor = build_on_engine_thread(lambda: LLMEngine(config))
+    if args.debug_inject_faults:
+        from kvserve.fault_injection import install
+
+        install(engine)
+        print("[kvserve] fault injection is ON (--debug-inject-faults)", file=sys.stderr)
     if not args.quiet:
         for line in engine.memory_report.lines():
             print(f"[kvserve] {line}", file=sys.stderr)

@@ -15,6 +15,7 @@ from tests.server.fake_engine import FakeEngine
 
 Check = Callable[[httpx.AsyncClient, FakeEngine, Any], Awaitable[None]]
 KEY = {"Authorization": "Bearer k"}
+TOO_LARGE = "json_number_too_large"
 
 
 def _with_client(check: Check, **app_kwargs: Any) -> None:
@@ -109,8 +110,8 @@ def test_body_size_limit_is_413() -> None:
         (b'{"prompt": "\xff\xfe", "max_tokens": 2}', None, "invalid_encoding", "UTF-8"),
         ('{"prompt": ' + "[" * 100 + "]" * 100 + "}", "prompt", "json_too_deep", "64"),
         ('{"prompt": ' + "[" * 5000 + "]" * 5000 + "}", None, "json_too_deep", "nested"),
-        ('{"prompt": "hi", "max_tokens": 1' + "0" * 5000 + "}", None, "json_number_too_large", "digits"),
-        ('{"prompt": "hi", "temperature": 1.' + "5" * 2000 + "}", None, "json_number_too_large", "1000"),
+        ('{"prompt": "hi", "max_tokens": 1' + "0" * 5000 + "}", None, TOO_LARGE, "digits"),
+        ('{"prompt": "hi", "temperature": 1.' + "5" * 2000 + "}", None, TOO_LARGE, "1000"),
     ],
 )  # fmt: skip
 def test_bad_json_is_a_400_naming_the_problem(

@@ -94,7 +94,8 @@ def build_app(
         is_draining=lambda: lifecycle.draining,
     )
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.get("/health")
+    @app.head("/health", include_in_schema=False)
     async def health() -> Response:
         if async_engine.is_dead:
             return APIError(

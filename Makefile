@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvserve-installed
 PROMPT ?= What is the capital of France?
 
-.PHONY: install native run test lint format bench clean
+.PHONY: install native run test lint format bench clean fuzz
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -36,6 +36,10 @@ lint: install
 
 test: install lint
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# Longer fuzzing of the HTTP API (schemathesis, 300 examples per route; the suite runs 15).
+fuzz: install
+	KVSERVE_FUZZ_EXAMPLES=300 $(PY) -m pytest -q -p no:cacheprovider tests/server/test_server_fuzz.py
 
 format: install
 	$(VENV)/bin/ruff format kvserve tests

@@ -34,6 +34,10 @@ class QueueFullError(RuntimeError):
     """More requests are queued than ``max_queued_requests`` allows."""
 
 
+class RequestFailedError(RuntimeError):
+    """This request failed on its own (a fault in its step); the engine serves on."""
+
+
 class EngineLike(Protocol):
     """The part of LLMEngine the async layer uses (tests pass a fake with the same shape)."""
 
@@ -109,8 +113,11 @@ class RequestStream:
 class AsyncLLMEngine:
     """Serve an engine from asyncio: ``add_request`` returns a RequestStream.
 
-    ``max_queued_requests`` bounds the requests that were accepted but have not produced any
-    output yet; beyond it ``add_request`` raises QueueFullError at once.
+    ``max_queued_requests`` bounds the waiting queue: requests accepted that have no seat to
+    go to (the scheduler's waiting requests beyond its free seats); beyond it ``add_request``
+    raises QueueFullError at once. (An engine without a scheduler, e.g. a test's fake, counts
+    accepted requests without output instead.)
+    ``on_fatal`` is called once if the step loop dies (after every stream got the error).
     The loop task starts on first use (or ``start()``) in the running event loop.
     """
 
@@ -121,6 +128,7 @@ class AsyncLLMEngine:
         max_queued_requests: int | None = None,
         observer: OutputObserver | None = None,
         executor: ThreadPoolExecutor | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
     ) -> None:
         """``executor``: a one-worker executor, the engine thread (e.g. the one
         ``build_on_engine_thread`` built the engine on; None: a new one). NOTE: one worker:
@@ -130,6 +138,7 @@ class AsyncLLMEngine:
         self.engine = engine
         self.max_queued_requests = max_queued_requests
         self.observer = observer
+        self.on_fatal = on_fatal
         self.dead_error: BaseException | None = None
         self._streams: dict[str, RequestStream] = {}
         self._executor = executor if executor is not None else engine_thread()
@@ -197,10 +206,11 @@ class AsyncLLMEngine:
         """
         self._check_alive()
         self.start()
-        if self.max_queued_requests is not None and self.num_queued >= self.max_queued_requests:
+        limit = self.max_queued_requests
+        if limit is not None and self._scheduler() is None and self.num_queued >= limit:
             raise QueueFullError(
                 f"too many queued requests ({self.num_queued} >= "
-                f"max_queued_requests={self.max_queued_requests}); retry later"
+                f"max_queued_requests={limit}); retry later"
             )
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         if request_id in self._streams:
@@ -209,11 +219,15 @@ class AsyncLLMEngine:
         stream = RequestStream(request_id, self._abort)
         self._streams[request_id] = stream
         try:
-            await self.run_in_engine(
-                lambda: self.engine.add_request(
+
+            def add() -> None:
+                # NOTE: on the engine thread, so the queue depth is exact (no step between).
+                self._check_queue_depth()
+                self.engine.add_request(
                     prompt, params, request_id=request_id, priority=priority, cache_salt=cache_salt
                 )
-            )
+
+            await self.run_in_engine(add)
         except BaseException:
             self._streams.pop(request_id, None)
             stream.finished = True
@@ -221,6 +235,35 @@ class AsyncLLMEngine:
         assert self._wakeup is not None
         self._wakeup.set()
         return stream
+
+    def _scheduler(self) -> Any:
+        """The engine's scheduler when it reports seats (LLMEngine), else None."""
+        scheduler = getattr(self.engine, "scheduler", None)
+        return scheduler if hasattr(scheduler, "num_free_seats") else None
+
+    def _check_queue_depth(self) -> None:
+        """QueueFullError if the waiting requests beyond the free seats reach the limit."""
+        scheduler = self._scheduler()
+        if self.max_queued_requests is None or scheduler is None:
+            return
+        depth = max(0, scheduler.num_waiting - scheduler.num_free_seats)
+        if depth >= self.max_queued_requests:
+            raise QueueFullError(
+                f"too many queued requests ({depth} waiting for a seat >= "
+                f"max_queued_requests={self.max_queued_requests}); retry later"
+            )
+
+    def fail_all_requests(self, error: BaseException) -> int:
+        """End every open stream with ``error`` and abort its request; returns how many."""
+        streams = list(self._streams.values())
+        self._fail_all(error)
+        if not self.is_dead and self._loop is not None and not self._loop.is_closed():
+            for stream in streams:
+                fut = self._loop.run_in_executor(
+                    self._executor, self.engine.abort_request, stream.request_id
+                )
+                fut.add_done_callback(_log_failure)
+        return len(streams)
 
     def abort(self, request_id: str) -> None:
         """Abort a request in the engine (fire and forget; runs before the next step)."""
@@ -281,11 +324,20 @@ class AsyncLLMEngine:
             logger.exception("the engine step loop died")
             self.dead_error = e
             self._fail_all(EngineDeadError(f"the engine loop has died: {e!r}"))
+            if self.on_fatal is not None:
+                self.on_fatal(e)
 
     def _dispatch(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)
         if stream is None:
             return  # aborted: its late outputs are dropped
+        if out.error is not None:
+            # NOTE: the request failed on its own: its stream ends with the error.
+            del self._streams[out.request_id]
+            stream.put(RequestFailedError(out.error))
+            if self.observer is not None:
+                self.observer.on_request_done(out.request_id)
+            return
         if self.observer is not None:
             self.observer.on_output(out)
         stream.put(out)

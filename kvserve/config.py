@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 PreemptionMode = Literal["recompute", "swap"]
+SchedulingPolicy = Literal["fcfs", "priority"]
 KVCacheDType = Literal["auto", "int8", "fp8"]
 DTypeName = Literal["float32", "bfloat16", "float16"]
 
@@ -85,6 +86,10 @@ class SchedulerConfig:
     admission_headroom: float = 0.02
     # ...and after a preemption stays closed until this fraction is free (hysteresis).
     resume_watermark: float = 0.10
+    # "priority": a waiting request preempts less important running ones (see Scheduler).
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    # Seats one n > 1 request's samples take at once while others wait; None: max_num_seqs // 2.
+    max_seats_per_request: int | None = None
 
     def __post_init__(self) -> None:
         _pos("max_num_seqs", self.max_num_seqs)
@@ -98,6 +103,19 @@ class SchedulerConfig:
             raise ValueError("admission_headroom must be in [0, 1)")
         if not self.admission_headroom <= self.resume_watermark < 1:
             raise ValueError("resume_watermark must be in [admission_headroom, 1)")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
+            )
+        if self.max_seats_per_request is not None:
+            _pos("max_seats_per_request", self.max_seats_per_request)
+
+    @property
+    def seat_share(self) -> int:
+        """Seats the samples of one request take at once while others wait."""
+        if self.max_seats_per_request is not None:
+            return min(self.max_seats_per_request, self.max_num_seqs)
+        return max(1, self.max_num_seqs // 2)
 
 
 def _pos(name: str, v: object) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.core.metrics import HostTransferStats
-from kvserve.core.outputs import LogprobsEntry
+from kvserve.core.outputs import LogprobsEntry, SchedulerOutput
 from kvserve.core.step_cost import chunk_pairs
 from kvserve.engine_config import EngineConfig
 from kvserve.engine_metrics import LatencyStats
@@ -31,6 +31,7 @@ from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.runtime.kv_cache import kv_bytes_per_token
 from kvserve.sampling_params import SamplingParams
+from kvserve.step_guard import StepFault, execute_isolated
 from kvserve.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger("kvserve")
@@ -59,6 +60,7 @@ class _Group:
     params: SamplingParams
     samples: list[_SampleState] = field(default_factory=list)
     reported_finished: bool = False
+    error: str | None = None  # why it failed (a fault of its own), if it did
 
 
 class LLMEngine:
@@ -104,6 +106,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.startup_seconds = time.perf_counter() - t0
         self.num_steps = 0
+        self.num_failed_requests = 0  # requests failed by a fault of their own
+        self._num_blamed_steps = 0  # steps in a row in which every request failed
         self.step_records: list[dict[str, float]] = []
         for line in rep.lines():
             logger.info(line)
@@ -128,6 +132,12 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        max_num_seqs = self.scheduler.config.max_num_seqs
+        if params.n > max_num_seqs:
+            raise ValueError(
+                f"SamplingParams.n={params.n} exceeds max_num_seqs={max_num_seqs} (the samples "
+                "of one request run at once)"
+            )
         prompt_text, token_ids = self._tokenize(prompt)
         now = time.monotonic() if arrival_time is None else arrival_time
         samples = [
@@ -191,7 +201,11 @@ class LLMEngine:
         """Run one scheduler iteration; returns outputs of requests that changed."""
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
-        runner_out = self.runner.execute(sched)
+        # NOTE: requests whose own work fails (a raise isolated by bisection, non-finite
+        # logits, a bad draw) come back in runner_out.failed; a fault no request can be
+        # blamed for raises StepFault and stops the engine.
+        runner_out = execute_isolated(self.runner.execute, sched)
+        failed = self._fail_faulted(sched, runner_out.failed)
         self.host_transfers.record(sched, runner_out, self.kv_cache_manager.counters)
         changed = self.scheduler.update_from_output(sched, runner_out)
         now = time.monotonic()
@@ -201,9 +215,20 @@ class LLMEngine:
             if group is None:
                 continue
             state = group.samples[req.sample_index]
-            self._consume_tokens(state, runner_out.logprobs.get(req.request_id), now)
+            try:
+                self._consume_tokens(state, runner_out.logprobs.get(req.request_id), now)
+            except Exception as e:  # noqa: BLE001 - this request's detokenization only
+                logger.exception("detokenizing %s failed", req.request_id)
+                self._fail_group(group, f"detokenization failed: {e!r}")
+                failed[group.request_id] = group
+                continue
             touched[group.request_id] = group
+        for rid in failed:
+            touched.pop(rid, None)
         outputs = [self._make_output(g, delta=True) for g in touched.values()]
+        outputs += [self._make_output(g, delta=True) for g in failed.values()]
+        for group in failed.values():
+            self._finish_group(group)
         for group in touched.values():
             if all(s.request.is_finished for s in group.samples):
                 self._finish_group(group)
@@ -229,6 +254,47 @@ class LLMEngine:
         if len(self.step_records) > 100_000:
             del self.step_records[:50_000]
         return outputs
+
+    def _fail_faulted(self, sched: SchedulerOutput, faults: dict[str, str]) -> dict[str, _Group]:
+        """Fail every request (all samples of its group) named in ``faults``; returns them.
+
+        Their blocks that this step should have written leave the prefix cache, then every
+        block they hold is freed. Three steps in a row in which every request failed mean the
+        fault is not theirs: StepFault.
+        """
+        if not faults:
+            self._num_blamed_steps = 0
+            return {}
+        num_failed = sum(1 for sr in sched.scheduled if sr.request_id in faults)
+        if num_failed == len(sched.scheduled):
+            self._num_blamed_steps += 1
+            if self._num_blamed_steps >= 3:
+                raise StepFault(f"three steps in a row failed for every request: {faults}")
+        else:
+            self._num_blamed_steps = 0
+        start = {sr.request_id: sr.start_pos for sr in sched.scheduled}
+        forget = getattr(self.kv_cache_manager, "forget_unwritten", None)
+        out: dict[str, _Group] = {}
+        for rid, reason in faults.items():
+            logger.warning("request %s failed: %s", rid, reason)
+            req = self.scheduler.get_request(rid)
+            if req is not None and forget is not None and rid in start:
+                forget(req, start[rid])
+            group = self._sample_to_group.get(rid)
+            if group is None:  # not the engine's own (a test's scheduler-level request)
+                self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+                continue
+            self._fail_group(group, reason)
+            out[group.request_id] = group
+        self.num_failed_requests += len(out)
+        return out
+
+    def _fail_group(self, group: _Group, reason: str) -> None:
+        """Finish every sample of ``group`` with an error; frees their blocks."""
+        if group.error is None:
+            group.error = reason
+        ids = [s.request.request_id for s in group.samples if not s.request.is_finished]
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
 
     def _consume_tokens(
         self, state: _SampleState, logprobs: LogprobsEntry | None, now: float
@@ -292,6 +358,7 @@ class LLMEngine:
             finished=all(s.request.is_finished for s in group.samples),
             num_cached_tokens=max(head.num_cached_tokens, 0),
             metrics=_metrics(head),
+            error=group.error,
         )
 
     # ---- figures --------------------------------------------------------------------------
@@ -301,6 +368,7 @@ class LLMEngine:
         out: dict[str, Any] = dict(self.scheduler.stats())
         out["kv_bytes_per_token"] = self.kv_bytes_per_token
         out["num_steps"] = self.num_steps
+        out["num_failed_requests"] = self.num_failed_requests
         out["num_prompt_tokens"] = self.latency.num_prompt_tokens
         out["num_generation_tokens"] = self.latency.num_generation_tokens
         out.update(self.latency.as_dict())

@@ -74,6 +74,11 @@ _HELP: dict[str, str] = {
     "pure-decode step at the current batch",
     "prefill_policy": "who gets a step's prefill time: shortest remaining prompt first, "
     "round-robin, or fcfs (arrival order)",
+    "scheduling_policy": "fcfs: the queue is served by priority then arrival, nobody is "
+    "preempted for priority; priority (vLLM's name): a waiting request with a smaller "
+    "priority value preempts running ones with larger values when it cannot be admitted",
+    "max_seats_per_request": "seats (of max_num_seqs) the samples of one n > 1 request take "
+    "at once while others wait; the rest wait in the queue (default: max_num_seqs // 2)",
 }
 
 
@@ -112,6 +117,8 @@ class EngineConfig:
     target_itl_ms: float | None = None
     step_decode_multiple: float = 1.75
     prefill_policy: str = "shortest"
+    scheduling_policy: str = "fcfs"
+    max_seats_per_request: int | None = None
 
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATION_CHOICES:
@@ -190,6 +197,8 @@ class EngineConfig:
             preemption_mode=self.preemption_mode,  # type: ignore[arg-type]
             admission_headroom=self.admission_headroom,
             resume_watermark=self.resume_watermark,
+            scheduling_policy=self.scheduling_policy,  # type: ignore[arg-type]
+            max_seats_per_request=self.max_seats_per_request,
         )
 
     def replace(self, **changes: Any) -> EngineConfig:
@@ -227,6 +236,8 @@ class EngineConfig:
                 kwargs["choices"] = ["mp", "ray"]
             if f.name == "prefill_policy":
                 kwargs["choices"] = list(PREFILL_POLICIES)
+            if f.name == "scheduling_policy":
+                kwargs["choices"] = ["fcfs", "priority"]
             if f.name == "dtype":
                 kwargs["choices"] = ["float32", "bfloat16", "float16"]
             if f.name == "quantization":

@@ -49,3 +49,6 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
+    # Set when the request failed on its own (a fault in its step, non-finite logits): it is
+    # finished, its blocks are freed, and ``error`` says why. The engine serves on.
+    error: str | None = None

@@ -61,6 +61,9 @@ class Request:
     )  # prompt tokens served from the prefix cache (-1: not yet looked up)
     num_preemptions: int = 0
     pending_children: list[Request] = field(default_factory=list)
+    # When a sample beyond its request's seat share joined the waiting queue (its queue
+    # position); None: queued at arrival_time.
+    requeue_time: float | None = None
     # Timestamps (time.monotonic) for latency figures.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

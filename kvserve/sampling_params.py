@@ -6,6 +6,13 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+# NOTE: bounds that keep float32 sampling finite. A penalty divides or multiplies logits, and
+# temperature divides them: with |logit| <= 1e30 every result stays below float32's 3.4e38
+# inside these bounds, while 1e-40 (below float32's smallest normal number) turned a row into
+# inf / NaN and drew an id outside the vocabulary. Nobody samples usefully beyond them.
+MIN_REPETITION_PENALTY = 1e-6
+MAX_REPETITION_PENALTY = 1e6
+MAX_TEMPERATURE = 1e6
 
 
 @dataclass(frozen=True)
@@ -43,7 +50,11 @@ class SamplingParams:
         if isinstance(self.stop_token_ids, tuple):
             object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids))
         _check(_int(self.n) and 1 <= self.n <= 128, "n", "must be an int in [1, 128]")
-        _check(_num(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
+        _check(
+            _num(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE,
+            "temperature",
+            f"must be in [0, {MAX_TEMPERATURE:g}] (float32 sampling)",
+        )
         _check(_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         _check(_int(self.top_k) and self.top_k >= -1, "top_k", "must be -1, 0 or >= 1")
         _check(_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
@@ -60,9 +71,11 @@ class SamplingParams:
             "must not exceed max_tokens",
         )
         _check(
-            _num(self.repetition_penalty) and self.repetition_penalty > 0,
+            _num(self.repetition_penalty)
+            and MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
             "repetition_penalty",
-            "must be > 0",
+            f"must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] "
+            "(outside it float32 logits overflow)",
         )
         _check(
             _num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,

@@ -52,7 +52,7 @@ from kvserve.core.host_prefix import HostPrefixTier
 from kvserve.core.host_tier import HostBlock, HostTier
 from kvserve.core.kv_cache_config import KVCacheConfig
 from kvserve.core.metrics import ratio
-from kvserve.core.prefix_cache import PrefixCache, RadixPrefixCache
+from kvserve.core.prefix_cache import CacheEntry, PrefixCache, RadixPrefixCache
 from kvserve.core.prefix_hits import (
     cache_full_blocks,
     device_prefix,
@@ -304,6 +304,37 @@ class KVCacheManager(BlockTableManager):
         """Drop the request's device blocks (tail first) and host blocks. No-op if unknown."""
         super().free(request)
         self._swapped.free(request.request_id)
+
+    def forget_unwritten(self, request: Request, num_written_tokens: int) -> int:
+        """Take the request's blocks from token ``num_written_tokens`` on out of the prefix cache.
+
+        For a request whose step failed: its new blocks were offered to the prefix cache when
+        they were allocated, but their KV was never (or wrongly) written, so no later request
+        may match them. Call before ``free``. Returns the number of blocks forgotten.
+        """
+        table = self._tables.get(request.request_id)
+        if table is None:
+            return 0
+        first = num_written_tokens // self.block_size
+        removed: list[CacheEntry] = []
+        for block in table.blocks[first:]:
+            if block.cache_node is not None:
+                # NOTE: the rest of its path goes too: descendants extend unwritten KV.
+                removed = self._cache.remove_subtree(block)
+                break
+        hosts = [b for b in removed if isinstance(b, HostBlock)]
+        for host in hosts:
+            self._host.uncache(host)
+        self._host.release(hosts)
+        if removed:
+            # Tables that shared a forgotten block now end their cached run before it.
+            for t in self._tables.values():
+                n = 0
+                while n < t.num_cached_blocks and t.blocks[n].cache_node is not None:
+                    n += 1
+                t.num_cached_blocks = n
+                t.num_full_checked = min(t.num_full_checked, n)
+        return len(removed)
 
     def fork(self, parent: Request, child: Request) -> None:
         """As ``BlockTableManager.fork``; a swapped-out child id is taken too."""

@@ -85,3 +85,6 @@ class ModelRunnerOutput:
     # device); measured after the copies finished (synchronized on CUDA). 0.0 when none.
     swap_out_time: float = 0.0
     swap_in_time: float = 0.0
+    # Requests whose own work failed in this step (non-finite logits, a sampling error, an
+    # out-of-vocabulary id), by id -> reason; they have no entry in sampled_token_ids.
+    failed: dict[str, str] = field(default_factory=dict)

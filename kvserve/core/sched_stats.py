@@ -37,6 +37,7 @@ class SchedulerStats:
     preemptions_recompute: int = 0
     preemptions_swap: int = 0
     swap_fallbacks_to_recompute: int = 0  # swap wanted but the host tier was full
+    priority_preemptions: int = 0  # of preemptions: for a more important waiting request
     recomputed_tokens_wasted: int = 0
     max_concurrent_requests: int = 0  # peak number of RUNNING requests
     num_finished_requests: int = 0

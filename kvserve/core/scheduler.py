@@ -170,6 +170,11 @@ class Scheduler:
     def num_swapped(self) -> int:
         return len(self.swapped)
 
+    @property
+    def num_free_seats(self) -> int:
+        """Seats of max_num_seqs no running request holds or has reserved for its samples."""
+        return max(0, self.config.max_num_seqs - self._num_seats())
+
     def stats(self) -> dict[str, float | int]:
         """The KV snapshot plus scheduler figures, by the names in DESIGN.md."""
         d: dict[str, float | int] = dict(self.kv.snapshot())
@@ -225,7 +230,8 @@ class Scheduler:
     def _waiting_key(self, request: Request) -> tuple:
         # Recompute-preempted requests go ahead of fresh ones of the same priority.
         preempted_first = 0 if request.status == RequestStatus.PREEMPTED else 1
-        key = (request.priority, preempted_first, request.arrival_time, request.sample_index)
+        queued_at = request.arrival_time if request.requeue_time is None else request.requeue_time
+        key = (request.priority, preempted_first, queued_at, request.sample_index)
         return (*key, request.request_id)
 
     def _enqueue_waiting(self, request: Request) -> None:
@@ -248,6 +254,8 @@ class Scheduler:
         )
         self._finished_ids = set()
         self.running.sort(key=self.policy.sort_key)
+        if self.config.scheduling_policy == "priority":
+            self._preempt_for_priority(step)
         self._schedule_running(step, decodes=True)
         step.prefill_caps = self._plan_prefill(step)
         self._schedule_running(step, decodes=False)
@@ -348,7 +356,7 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, victim: Request, step: _Step) -> None:
+    def _preempt(self, victim: Request, step: _Step, *, recompute: bool = False) -> None:
         """Swap ``victim`` out (swap mode, host room permitting) or free it for recompute."""
         self.running.remove(victim)
         victim.num_preemptions += 1
@@ -357,7 +365,7 @@ class Scheduler:
         step.out.preempted_req_ids.add(victim.request_id)
         totals = self.totals
         totals.preemptions += 1
-        if self.config.preemption_mode == "swap":
+        if self.config.preemption_mode == "swap" and not recompute:
             pairs = self.kv.swap_out(victim)
             if pairs is not None:
                 step.out.blocks_to_swap_out.extend(pairs)
@@ -375,11 +383,34 @@ class Scheduler:
         self._enqueue_waiting(victim)
 
     def _num_seats(self) -> int:
-        """Running requests plus the unforked children they will fork (max_num_seqs)."""
-        return len(self.running) + sum(len(r.pending_children) for r in self.running)
+        """Running requests plus the unforked children they reserved (max_num_seqs)."""
+        return len(self.running) + sum(self._reserved_children(r) for r in self.running)
+
+    def _reserved_children(self, request: Request) -> int:
+        """Unforked children that fork with the parent: up to its share of the seats."""
+        return min(len(request.pending_children), self.config.seat_share - 1)
 
     def _has_seat(self, request: Request) -> bool:
-        return self._num_seats() + 1 + len(request.pending_children) <= self.config.max_num_seqs
+        need = 1 + self._reserved_children(request)
+        return self._num_seats() + need <= self.config.max_num_seqs
+
+    def _preempt_for_priority(self, step: _Step) -> None:
+        """Priority policy: preempt running requests less important than the waiting head
+        (larger ``priority`` value) while the head lacks a seat or blocks. By recompute, and
+        without closing admission: the head is admitted in a following step (this step
+        admits nobody, as after any preemption)."""
+        while self.waiting:
+            head = self.waiting[0]
+            blocks = self.kv.num_blocks_for(head.num_tokens) + self.headroom_blocks
+            if self._has_seat(head) and self.kv.num_free_blocks >= blocks:
+                return
+            victims = [r for r in self.running if r.priority > head.priority]
+            if not victims:
+                return
+            was_closed = self.admission_closed
+            self._preempt(self.policy.select_victim(victims), step, recompute=True)
+            self.totals.priority_preemptions += 1
+            self.admission_closed = was_closed
 
     def _admission_open(self) -> bool:
         """Hysteresis: closed by a preemption until the free blocks reach the watermark."""
@@ -521,7 +552,21 @@ class Scheduler:
         Each child recomputes the last prompt token (writing into the shared last block
         triggers copy-on-write) and so samples its own first token.
         """
-        for child in parent.pending_children:
+        children = parent.pending_children
+        num_fork = len(children)
+        if self.waiting:
+            # NOTE: others wait: only the parent's share of the seats forks now; the other
+            # samples join the queue behind them (a prefix-cache hit restores the prompt).
+            num_fork = self._reserved_children(parent)
+        else:  # nobody waits: every sample that finds a free seat
+            reserved = self._reserved_children(parent)
+            seats_of_others = self._num_seats() - reserved  # the parent's own seat included
+            num_fork = max(reserved, min(num_fork, self.config.max_num_seqs - seats_of_others))
+        now = self.clock()
+        for child in children[num_fork:]:
+            child.requeue_time = now
+            self._enqueue_waiting(child)
+        for child in children[:num_fork]:
             self.kv.fork(parent, child)
             child.num_computed_tokens = parent.num_prompt_tokens - 1
             child.num_cached_tokens = parent.num_cached_tokens

@@ -10,6 +10,7 @@ import torch
 from kvserve.config import ModelArchConfig
 from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvserve.models.llama import LlamaForCausalLM
+from kvserve.runtime.guard import sample_guarded
 from kvserve.runtime.input_batch import InputBatch, build_input_batch
 from kvserve.runtime.kv_cache import KVCache
 from kvserve.runtime.sampler import Sampler
@@ -118,13 +119,11 @@ class ModelRunner:
                 logits = self.model.compute_logits(
                     hidden.index_select(0, batch.logits_indices)
                 )  # [N, vocab]
-                token_ids, logprobs = self.sampler.sample(logits, batch.sample_requests)
-                for req, token_id, entry in zip(
-                    batch.sample_requests, token_ids, logprobs, strict=True
-                ):
-                    out.sampled_token_ids[req.request_id] = token_id
-                    if entry is not None:
-                        out.logprobs[req.request_id] = entry
+                # NOTE: guarded per request: a row that fails is reported in out.failed
+                # (the engine fails that request) instead of failing the whole step.
+                out.sampled_token_ids, out.logprobs, out.failed = sample_guarded(
+                    self.sampler, logits, batch.sample_requests
+                )
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         out.execute_time = time.perf_counter() - start

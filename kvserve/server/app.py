@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -10,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -18,9 +17,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvserve.async_engine import AsyncLLMEngine, EngineLike
 from kvserve.server import protocol as p
 from kvserve.server.errors import APIError, from_validation_errors
+from kvserve.server.lifecycle import DEFAULT_SHUTDOWN_TIMEOUT_S, Lifecycle
 from kvserve.server.metrics import ServerMetrics
+from kvserve.server.request_guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from kvserve.server.serving import (
     ServingContext,
+    check_model,
     create_chat_completion,
     create_completion,
 )
@@ -43,15 +45,23 @@ def build_app(
     max_queued_requests: int | None = None,
     debug_endpoints: bool = False,
     executor: ThreadPoolExecutor | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    protect_metrics: bool = False,
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
 ) -> FastAPI:
     """An OpenAI-compatible app serving ``engine`` (an LLMEngine or the same interface).
 
-    The step loop starts with the app (lifespan) or on the first request.
+    The step loop starts with the app (lifespan) or on the first request. The API key
+    guards ``/v1/*`` and the debug routes (and ``/health`` and ``/metrics`` with
+    ``protect_metrics``), checked before the body is read; see request_guard.py and
+    lifecycle.py (``app.state.lifecycle``: draining on SIGTERM, exit code).
     """
     metrics = ServerMetrics()
     async_engine = AsyncLLMEngine(
         engine, max_queued_requests=max_queued_requests, observer=metrics, executor=executor
     )
+    lifecycle = Lifecycle(async_engine, shutdown_timeout=shutdown_timeout)
+    async_engine.on_fatal = lifecycle.on_fatal
     max_model_len = int(engine.max_model_len)  # type: ignore[attr-defined]
     kv = getattr(engine, "kv_cache_manager", None)
     pool_tokens = kv.num_blocks * kv.block_size if kv is not None else max_model_len
@@ -74,24 +84,18 @@ def build_app(
     app.state.ctx = ctx
     app.state.async_engine = async_engine
     app.state.metrics = metrics
+    app.state.lifecycle = lifecycle
     _install_error_handlers(app)
-
-    async def check_api_key(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        ok = scheme.lower() == "bearer" and hmac.compare_digest(
-            token.strip().encode(), api_key.encode()
-        )
-        if not ok:
-            raise APIError(
-                "missing or incorrect API key (send 'Authorization: Bearer <key>')",
-                status_code=401,
-                code="invalid_api_key",
-            )
+    app.add_middleware(
+        RequestGuard,
+        api_key=api_key,
+        protect_metrics=protect_metrics,
+        max_request_bytes=max_request_bytes,
+        is_draining=lambda: lifecycle.draining,
+    )
 
     @app.get("/health")
+    @app.head("/health", include_in_schema=False)
     async def health() -> Response:
         if async_engine.is_dead:
             return APIError(
@@ -99,14 +103,23 @@ def build_app(
                 status_code=503,
                 code="engine_dead",
             ).response()
+        if lifecycle.draining:
+            return APIError(
+                "draining: the server is shutting down", status_code=503, code="draining"
+            ).response()
         return JSONResponse({"status": "ok"})
 
-    api = APIRouter(dependencies=[Depends(check_api_key)])
+    api = APIRouter()
 
     @api.get("/v1/models")
     async def list_models() -> Response:
         card = p.ModelCard(id=ctx.model_name, max_model_len=ctx.max_model_len)
         return JSONResponse(p.dump(p.ModelList(data=[card])))
+
+    @api.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> Response:
+        check_model(ctx, model_id)
+        return JSONResponse(p.dump(p.ModelCard(id=ctx.model_name, max_model_len=ctx.max_model_len)))
 
     @api.post("/v1/completions")
     async def completions(body: p.CompletionRequest, request: Request) -> Response:
@@ -116,7 +129,7 @@ def build_app(
     async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(ctx, body, request)
 
-    @api.get("/metrics")
+    @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         metrics.set_engine_stats(await async_engine.stats())
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -158,7 +171,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def internal_error(_request: Request, exc: Exception) -> Response:
         logger.exception("unhandled error")
-        return APIError(f"internal error: {exc!r}", status_code=500).response()
+        # NOTE: the exception's text stays in the log: it may quote internals or input.
+        return APIError(
+            f"internal error ({type(exc).__name__}); see the server log", status_code=500
+        ).response()
 
 
 def _jsonable(value: Any) -> Any:

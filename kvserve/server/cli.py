@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+from kvserve.server.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT_S
 
 
 def register(
@@ -21,13 +26,38 @@ def register(
         "--max-queued-requests",
         type=_positive_int,
         default=None,
-        help="answer 503 at once when this many accepted requests have no output yet",
+        help="answer 503 (with Retry-After) at once when this many requests wait for a seat",
     )
     g.add_argument("--served-model-name", default=None, help="model id in the API")
     g.add_argument(
         "--debug-endpoints",
         action="store_true",
         help="enable GET /debug/integrity and /debug/stats (for tests)",
+    )
+    g.add_argument(
+        "--max-request-bytes",
+        type=_positive_int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="answer 413 to a request body larger than this, before reading more "
+        f"(default {DEFAULT_MAX_REQUEST_BYTES >> 20} MiB)",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        help="on SIGTERM, seconds in-flight requests may still run before they are ended "
+        "with an error (a second signal ends them at once)",
+    )
+    g.add_argument(
+        "--protect-metrics",
+        action="store_true",
+        help="the API key also guards /health and /metrics (open by default, as in vLLM)",
+    )
+    g.add_argument(
+        "--debug-inject-faults",
+        action="store_true",
+        help="testing only: a prompt containing KVSERVE_INJECT_FAULT fails its steps, one "
+        "containing KVSERVE_INJECT_FATAL stops the engine (see kvserve/fault_injection.py)",
     )
     g.add_argument("--log-level", default="warning", help="uvicorn log level")
     g.add_argument(
@@ -65,6 +95,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return serve_data_parallel(args)
     config = EngineConfig.from_cli_args(args)
     engine, executor = build_on_engine_thread(lambda: LLMEngine(config))
+    if args.debug_inject_faults:
+        from kvserve.fault_injection import install
+
+        install(engine)
+        print("[kvserve] fault injection is ON (--debug-inject-faults)", file=sys.stderr)
     if not args.quiet:
         for line in engine.memory_report.lines():
             print(f"[kvserve] {line}", file=sys.stderr)
@@ -75,11 +110,48 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests,
         debug_endpoints=args.debug_endpoints,
         executor=executor,
+        max_request_bytes=args.max_request_bytes,
+        protect_metrics=args.protect_metrics,
+        shutdown_timeout=args.shutdown_timeout,
     )
     print(
         f"[kvserve] serving {app.state.ctx.model_name!r} on http://{args.host}:{args.port}",
         file=sys.stderr,
         flush=True,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
+    lifecycle = app.state.lifecycle
+    server = _draining_server(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level), lifecycle
+    )
+    lifecycle.server = server
+    server.run()
+    return int(lifecycle.exit_code)
+
+
+def _draining_server(config: Any, lifecycle: Any) -> Any:
+    """A uvicorn.Server for ``config`` whose signals drain through ``lifecycle``."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn, except that SIGTERM / SIGINT drain with a deadline (Lifecycle) first.
+
+        NOTE: the signal is not recorded in ``_captured_signals``: uvicorn re-raises those
+        after its shutdown, which would end the process by the signal instead of exit 0.
+        """
+
+        def __init__(self, config: uvicorn.Config, lifecycle: Any) -> None:
+            super().__init__(config)
+            self.lifecycle = lifecycle
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if self.should_exit:  # the drain is over: stop waiting for connections
+                self.force_exit = True
+                return
+            loop = getattr(self, "_loop", None) or asyncio.get_event_loop_policy().get_event_loop()
+            loop.call_soon_threadsafe(self.lifecycle.on_signal)
+
+        async def serve(self, sockets: Any = None) -> None:
+            self._loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+    return DrainingServer(config, lifecycle)

@@ -21,13 +21,18 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type_: str | None = None,
+        retry_after: int | None = None,
     ) -> None:
+        """``retry_after``: seconds for a ``Retry-After`` header (503s get 1 by default)."""
         super().__init__(message)
         self.message = message
         self.status_code = status_code
         self.param = param
         self.code = code
         self.type = type_ or _default_type(status_code)
+        if retry_after is None and status_code == 503:
+            retry_after = 1
+        self.retry_after = retry_after
 
     def body(self) -> dict[str, Any]:
         """The JSON body: ``{"error": {...}}``."""
@@ -42,7 +47,8 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         """A JSONResponse carrying this error."""
-        return JSONResponse(self.body(), status_code=self.status_code)
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
+        return JSONResponse(self.body(), status_code=self.status_code, headers=headers)
 
 
 def _default_type(status_code: int) -> str:
@@ -50,6 +56,8 @@ def _default_type(status_code: int) -> str:
         return "authentication_error"
     if status_code == 404:
         return "not_found_error"
+    if status_code == 413:
+        return "request_too_large"
     if status_code < 500:
         return "invalid_request_error"
     return "server_error"

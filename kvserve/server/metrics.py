@@ -42,6 +42,27 @@ _GAUGES: list[tuple[str, tuple[str, ...], str]] = [
         ("host_tier_load_vs_recompute",),
         "Host-tier load time / the prefill time the loaded tokens would have cost (< 1: cheaper)",
     ),
+    # Capacity figures of stats() (DESIGN.md's table), by their stats() names.
+    ("num_kv_blocks", ("num_kv_blocks",), "KV blocks in the device pool"),
+    ("block_size", ("block_size",), "Tokens per KV block"),
+    ("kv_bytes_per_token", ("kv_bytes_per_token",), "KV cache bytes per token, all layers"),
+    ("num_free_blocks", ("num_free_blocks",), "Free KV blocks (cached-but-free included)"),
+    ("fragmentation", ("fragmentation",), "1 - kv_utilization: internal waste of blocks"),
+    ("prefix_hit_rate", ("prefix_hit_rate",), "Prefix-cache hit tokens / tokens looked up"),
+    ("max_concurrent_requests", ("max_concurrent_requests",), "Peak RUNNING requests"),
+    (
+        "preemptions_per_1k_scheduled",
+        ("preemptions_per_1k_scheduled",),
+        "Preemption rate: preemptions per 1,000 scheduled request-steps",
+    ),
+    (
+        "preempted_step_fraction",
+        ("preempted_step_fraction",),
+        "Fraction of steps that preempted a request",
+    ),
+    ("admission_closed", ("admission_closed",), "1 while admission waits for free blocks"),
+    ("num_host_blocks", ("num_host_blocks",), "Blocks of the host tier"),
+    ("num_free_host_blocks", ("num_free_host_blocks",), "Free blocks of the host tier"),
 ]
 _COUNTERS: list[tuple[str, tuple[str, ...], str]] = [
     ("prefix_cache_queries", ("prefix_cache_queries",), "Prompt tokens looked up"),
@@ -58,6 +79,25 @@ _COUNTERS: list[tuple[str, tuple[str, ...], str]] = [
     ("host_offload_seconds", ("host_offload_seconds",), "Seconds saving prefix blocks to host"),
     ("swap_in_seconds", ("swap_in_seconds",), "Seconds swapping preempted requests back in"),
     ("swap_out_seconds", ("swap_out_seconds",), "Seconds swapping preempted requests out"),
+    # Capacity counters of stats(), by their stats() names.
+    ("cow_copies", ("cow_copies",), "Blocks copied by copy-on-write"),
+    ("fork_shared_blocks", ("fork_shared_blocks",), "Blocks shared by n > 1 forks"),
+    ("swap_out_blocks", ("swap_out_blocks",), "Blocks swapped out by swap preemption"),
+    ("swap_in_blocks", ("swap_in_blocks",), "Blocks swapped back in"),
+    ("offload_blocks", ("offload_blocks",), "Evicted prefix blocks copied to the host tier"),
+    ("load_blocks", ("load_blocks",), "Host-tier prefix blocks loaded back"),
+    ("host_cache_evictions", ("host_cache_evictions",), "Host-tier prefix blocks dropped"),
+    ("alloc_seconds", ("alloc_time_s",), "Seconds spent allocating KV blocks"),
+    ("alloc_calls", ("alloc_calls",), "KV block allocation calls"),
+    ("preemptions_recompute", ("preemptions_recompute",), "Preemptions by recompute"),
+    ("preemptions_swap", ("preemptions_swap",), "Preemptions by swap"),
+    ("priority_preemptions", ("priority_preemptions",), "Preemptions for a higher priority"),
+    ("recomputed_tokens_wasted", ("recomputed_tokens_wasted",), "Tokens recomputed"),
+    ("failed_requests", ("num_failed_requests",), "Requests failed by a fault of their own"),
+    ("finished_requests", ("num_finished_requests",), "Samples finished (any reason)"),
+    ("aborted_requests", ("num_aborted_requests",), "Samples aborted (or failed)"),
+    ("steps", ("num_steps",), "Engine steps"),
+    ("schedule_seconds", ("schedule_time_s",), "Seconds spent in the scheduler"),
 ]
 
 _LATENCY_BUCKETS = (

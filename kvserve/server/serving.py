@@ -12,6 +12,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +21,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from kvserve.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
+from kvserve.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    QueueFullError,
+    RequestFailedError,
+    RequestStream,
+)
 from kvserve.core.outputs import LogprobsEntry
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -164,6 +171,8 @@ def engine_error(e: BaseException) -> APIError:
         return APIError(str(e), status_code=503, code="queue_full")
     if isinstance(e, EngineDeadError):
         return APIError(str(e), status_code=503, code="engine_dead")
+    if isinstance(e, RequestFailedError):
+        return APIError(str(e), status_code=500, code="request_failed")
     return APIError(f"internal error: {e!r}", status_code=500)
 
 
@@ -171,7 +180,7 @@ def engine_error(e: BaseException) -> APIError:
 
 
 def _completion_prompts(ctx: ServingContext, req: p.CompletionRequest) -> list[list[int]]:
-    """Runs on the engine thread: tokenize and check every prompt of the batch."""
+    """Runs on a tokenizer thread: tokenize and check every prompt of the batch."""
     prompt = req.prompt
     if isinstance(prompt, str):
         items: list[str | list[int]] = [prompt]
@@ -207,7 +216,7 @@ async def create_completion(
         raise APIError("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise APIError("best_of must equal n (best-of sampling is not supported)", param="best_of")
-    prompts = await _in_engine(ctx, lambda: _completion_prompts(ctx, req))
+    prompts = await _off_engine(ctx, lambda: _completion_prompts(ctx, req))
     params_list = [
         _sampling_params(
             ctx, req, _resolve_max_tokens(ctx, len(ids), req.max_tokens, "max_tokens"), req.logprobs
@@ -312,7 +321,7 @@ def _completion_logprobs(
 
 
 def _chat_prompt(ctx: ServingContext, req: p.ChatCompletionRequest) -> list[int]:
-    """Runs on the engine thread: render the chat template and check the result."""
+    """Runs on a tokenizer thread: render the chat template and check the result."""
     messages = [
         {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
         for m in req.messages
@@ -334,7 +343,7 @@ async def create_chat_completion(
     check_model(ctx, req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs requires logprobs=true", param="top_logprobs")
-    ids = await _in_engine(ctx, lambda: _chat_prompt(ctx, req))
+    ids = await _off_engine(ctx, lambda: _chat_prompt(ctx, req))
     if req.max_completion_tokens is not None:
         max_tokens = _resolve_max_tokens(
             ctx, len(ids), req.max_completion_tokens, "max_completion_tokens"
@@ -462,11 +471,16 @@ def _usage(prompts: list[list[int]], finals: list[RequestOutput]) -> p.UsageInfo
     )
 
 
-async def _in_engine(ctx: ServingContext, fn: Callable[[], Any]) -> Any:
-    try:
-        return await ctx.engine.run_in_engine(fn)
-    except (QueueFullError, EngineDeadError) as e:
-        raise engine_error(e) from e
+# NOTE: tokenization runs here, off the engine thread: a huge prompt then delays only its
+# sender (the Rust tokenizer releases the GIL while it encodes). Its calls only read the
+# tokenizer, so several may run at once.
+_TOKENIZER_THREADS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvserve-tokenize")
+
+
+async def _off_engine(ctx: ServingContext, fn: Callable[[], Any]) -> Any:
+    if ctx.engine.is_dead:
+        raise engine_error(EngineDeadError(f"the engine loop has died: {ctx.engine.dead_error!r}"))
+    return await asyncio.get_running_loop().run_in_executor(_TOKENIZER_THREADS, fn)
 
 
 async def _add_engine_requests(
@@ -545,6 +559,8 @@ async def collect_or_disconnect(raw: Request, streams: list[RequestStream]) -> l
             return collector.result()
         except (QueueFullError, EngineDeadError) as e:
             raise APIError(str(e), status_code=500, code="engine_dead") from e
+        except RequestFailedError as e:
+            raise engine_error(e) from e
     finally:
         watcher.cancel()
         collector.cancel()
@@ -590,6 +606,8 @@ def sse_response(events: AsyncIterator[str]) -> Response:
                 yield event
         except (EngineDeadError, QueueFullError) as e:
             yield _sse(APIError(str(e), status_code=500, code="engine_dead").body())
+        except RequestFailedError as e:
+            yield _sse(engine_error(e).body())
         finally:
             aclose = getattr(events, "aclose", None)
             if aclose is not None:

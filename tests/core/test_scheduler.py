@@ -539,7 +539,7 @@ def test_abort_pending_child_and_parent_before_fork() -> None:
 
 
 def test_fork_after_prompt_emits_copy_on_write_and_samples_differ() -> None:
-    d = make_driver(max_num_seqs=3)
+    d = make_driver(max_num_seqs=3, max_seats_per_request=3)
     p = make_request("p", prompt(6), max_tokens=6, n=3, seed=7)
     x = make_request("x", prompt(4, base=1), max_tokens=2)
     d.scheduler.add_request(p)

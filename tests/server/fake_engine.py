@@ -85,6 +85,7 @@ class FakeEngine:
         self.requests: dict[str, _Req] = {}
         self.kv_cache_manager = FakeKVCacheManager(self, num_blocks)
         self.fail_next_step = False
+        self.fail_request_ids: set[str] = set()  # these end with an error output (own fault)
         self.num_aborted = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -134,6 +135,12 @@ class FakeEngine:
         time.sleep(self.step_seconds)
         outputs = []
         for req in list(self.requests.values()):
+            if req.request_id in self.fail_request_ids:
+                failed = self._output(req)
+                failed.finished, failed.error = True, "injected fault"
+                outputs.append(failed)
+                del self.requests[req.request_id]
+                continue
             for i, s in enumerate(req.samples):
                 if s.finish_reason is None:
                     s.token_ids.append(self._next_token(req, i, s))

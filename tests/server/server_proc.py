@@ -45,6 +45,15 @@ def running_server(*extra_args: str, api_key: str | None = None) -> Iterator[str
     The process is always terminated (then killed) on exit, and its log is shown on a
     start-up failure.
     """
+    with server_process(*extra_args, api_key=api_key) as (base_url, _proc):
+        yield base_url
+
+
+@contextmanager
+def server_process(
+    *extra_args: str, api_key: str | None = None
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """As running_server, but yields (base URL, the process) for signal and exit tests."""
     port = free_port()
     cmd = [
         *_serve_command(),
@@ -75,7 +84,7 @@ def running_server(*extra_args: str, api_key: str | None = None) -> Iterator[str
             if time.monotonic() > deadline:
                 raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{_read(log)}")
             time.sleep(0.25)
-        yield base_url
+        yield base_url, proc
     finally:
         proc.terminate()
         try:

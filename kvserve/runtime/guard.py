@@ -1,0 +1,80 @@
+"""Per-request guards around sampling: one request's bad numbers never reach another's.
+
+The sampler works on a batch of rows, one per request that samples this step. A row can go
+wrong on its own: the model produced NaN / inf logits for it, or its sampling work raised,
+or the id it drew lies outside the vocabulary (what a NaN row's inverse-CDF draw yields).
+``sample_guarded`` finds such rows, leaves them out of the result and names them with a
+reason, so the engine fails those requests and serves the rest of the batch as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvserve.core.outputs import LogprobsEntry, ScheduledRequest
+from kvserve.runtime.sampler import Sampler
+
+logger = logging.getLogger("kvserve.guard")
+
+
+def nonfinite_rows(logits: torch.Tensor, vocab_size: int) -> list[int]:
+    """Rows of ``logits`` [N, V] holding a NaN or an infinity among the first ``vocab_size``.
+
+    NOTE: a row's sum is finite exactly when every entry is (NaN and inf propagate; a
+    float32 row of finite logits cannot overflow at realistic magnitudes), and one
+    reduction reads the logits once, at a fraction of the step's cost.
+    """
+    sums = logits[:, :vocab_size].float().sum(dim=-1)  # [N]
+    bad = ~torch.isfinite(sums)
+    if not bool(bad.any()):
+        return []
+    return bad.nonzero().flatten().tolist()
+
+
+def sample_guarded(
+    sampler: Sampler, logits: torch.Tensor, reqs: list[ScheduledRequest]
+) -> tuple[dict[str, int], dict[str, LogprobsEntry], dict[str, str]]:
+    """Sample every row of ``logits`` [N, V]; rows that fail are reported, not raised.
+
+    Returns (sampled id per request, logprobs entry per request that asked, failure reason
+    per request that failed). A batch that raises is sampled again row by row, so only the
+    rows that raise alone fail.
+    """
+    vocab = sampler.vocab_size
+    failed: dict[str, str] = {}
+    bad = set(nonfinite_rows(logits, vocab))
+    for i in bad:
+        failed[reqs[i].request_id] = "the model produced non-finite logits"
+    rows = [i for i in range(len(reqs)) if i not in bad]
+    token_ids: dict[str, int] = {}
+    logprobs: dict[str, LogprobsEntry] = {}
+    if not rows:
+        return token_ids, logprobs, failed
+    sub = logits if len(rows) == len(reqs) else logits[rows]  # [M, V]
+    sub_reqs = [reqs[i] for i in rows]
+    try:
+        results = [sampler.sample(sub, sub_reqs)]
+        groups = [sub_reqs]
+    except Exception:  # noqa: BLE001 - isolated below, row by row
+        logger.warning("sampling a batch of %d rows raised; retrying row by row", len(rows))
+        results, groups = [], []
+        for j, req in enumerate(sub_reqs):
+            try:
+                results.append(sampler.sample(sub[j : j + 1], [req]))
+                groups.append([req])
+            except Exception as e:  # noqa: BLE001 - this request's own fault
+                logger.warning("sampling failed for %s: %r", req.request_id, e)
+                failed[req.request_id] = f"sampling failed: {e!r}"
+    for group, (ids, entries) in zip(groups, results, strict=True):
+        for req, token_id, entry in zip(group, ids, entries, strict=True):
+            if not 0 <= token_id < vocab:
+                failed[req.request_id] = (
+                    f"sampling produced token id {token_id}, outside the vocabulary [0, {vocab})"
+                )
+                continue
+            token_ids[req.request_id] = token_id
+            if entry is not None:
+                logprobs[req.request_id] = entry
+    return token_ids, logprobs, failed

@@ -8,6 +8,8 @@
 - ``window``: windowed eviction with attention sinks (a KVCacheManager subclass).
 - ``contiguous``: the naive per-request contiguous reservation, for comparison (a subclass).
 - ``scheduler``: token-budget continuous batching on top of the manager.
+- ``step_cost`` / ``step_budget``: an online step cost model and the step-time budget that
+  sizes prefill chunks with it (the scheduler calls it once a step).
 """
 
 from kvserve.core.block_pool import BlockPool, FreeBlockQueue, KVBlock

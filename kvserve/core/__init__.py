@@ -13,6 +13,8 @@
 - ``integrity`` + ``errors``: the invariant checks and ``IntegrityError``.
 - ``metrics``: the capacity figures.
 - ``scheduler``: token-budget continuous batching on top of the manager.
+- ``step_cost`` / ``step_budget``: an online step cost model and the step-time budget that
+  sizes prefill chunks with it (the scheduler calls it once a step).
 """
 
 from kvserve.core.block_pool import NULL_BLOCK_ID, BlockPool, FreeBlockQueue, KVBlock

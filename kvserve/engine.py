@@ -21,6 +21,7 @@ from kvserve.core.scheduler import Scheduler
 from kvserve.core.window import KVWindow, WindowedKVCacheManager
 from kvserve.engine_config import EngineConfig
 from kvserve.engine_metrics import LatencyStats
+from kvserve.kernel_setup import choose_dtype_and_kernels
 from kvserve.memory_budget import (
     MemoryReport,
     measure_kernel_scratch,
@@ -31,6 +32,7 @@ from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_model
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.request import Request, RequestStatus
+from kvserve.runtime.kernel_select import plan_of
 from kvserve.runtime.kv_cache import kv_bytes_per_token
 from kvserve.runtime.model_runner import ModelRunner
 from kvserve.sampling_params import SamplingParams
@@ -75,18 +77,27 @@ class LLMEngine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
-        dtype = _DTYPES[config.dtype]
         t0 = time.perf_counter()
-        loaded = load_model(config.model, dtype=dtype)
+        # NOTE: "auto" loads float32 and converts once the dtype is chosen (below).
+        loaded = load_model(config.model, dtype=_DTYPES.get(config.dtype, torch.float32))
         self.model_path = loaded.path
         self.arch = arch = loaded.arch
         self.tokenizer = Tokenizer.from_loaded(loaded.tokenizer_dir, loaded.gguf_file)
+        # The dtype (for "auto") and the projection kernels, measured or from the cache.
+        self.kernels = choose_dtype_and_kernels(config, arch)
+        dtype = self.kernels.dtype
+        self.config = config = config.replace(dtype=self.kernels.dtype_name)
         model = LlamaForCausalLM(arch)
         model.load_weights(loaded.state_dict)
         model = model.to(device=config.device, dtype=dtype).eval()
         del loaded
-        weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
-            b.numel() * b.element_size() for b in model.buffers()
+        model.set_linear_plan(plan_of(self.kernels.selection))
+        logger.info(self.kernels.summary())
+        # NOTE: prepacked weight copies are held beside the parameters: counted as weights.
+        weights_bytes = (
+            sum(p.numel() * p.element_size() for p in model.parameters())
+            + sum(b.numel() * b.element_size() for b in model.buffers())
+            + sum(lin.extra_nbytes for lin in model.linears())
         )
         self.max_model_len = min(
             config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings

@@ -132,7 +132,14 @@ def _fmt(num_bytes: int) -> str:
     return f"{num_bytes / MiB:.1f} MiB ({num_bytes} bytes)"
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# NOTE: "auto" is resolved by the engine before it plans (kernel_setup); a config planned
+# without an engine counts float32, the larger of the dtypes "auto" can choose on CPU.
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "auto": torch.float32,
+}
 
 
 def model_weights_bytes(arch: ModelArchConfig, dtype: torch.dtype = torch.float32) -> int:

@@ -173,15 +173,17 @@ def candidate_methods(
     act_dtype: torch.dtype,
     device: torch.device,
     skipped: dict[str, str] | None = None,
+    factories: Sequence[CandidateFactory] | None = None,
 ) -> list[LinearMethod]:
-    """Every method the registered factories can build for ``source`` (names unique).
+    """Every method the registered factories (or ``factories``) can build for ``source``
+    (names unique; the first factory offering a name wins).
 
     A factory that raises is skipped: its reason is logged and recorded in ``skipped``
     (factory name -> reason) when given.
     """
     methods: list[LinearMethod] = []
     seen: set[str] = set()
-    for factory in _FACTORIES:
+    for factory in _FACTORIES if factories is None else factories:
         try:
             built = factory(source, act_dtype=act_dtype, device=device)
         except Exception as e:  # noqa: BLE001 - any failure means "not this candidate"
@@ -278,6 +280,7 @@ def build_linear(
     act_dtype: torch.dtype,
     device: torch.device,
     choice: Sequence[tuple[int, str]] | None = None,
+    factories: Sequence[CandidateFactory] | None = None,
 ) -> Linear:
     """A ``Linear`` for ``source``: ``choice`` names the method per bucket (``(max_m, name)``).
 
@@ -291,7 +294,7 @@ def build_linear(
     wanted = {name for _, name in choice}
     by_name = {
         m.name: m
-        for m in candidate_methods(source, act_dtype=act_dtype, device=device)
+        for m in candidate_methods(source, act_dtype=act_dtype, device=device, factories=factories)
         if m.name in wanted
     }
     buckets: list[tuple[int, LinearMethod]] = []

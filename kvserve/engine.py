@@ -92,12 +92,17 @@ class LLMEngine:
         model = model.to(device=config.device, dtype=dtype).eval()
         del loaded
         model.set_linear_plan(plan_of(self.kernels.selection))
-        logger.info(self.kernels.summary())
         # NOTE: prepacked weight copies are held beside the parameters: counted as weights.
+        self.packed_weights_bytes = sum(lin.extra_nbytes for lin in model.linears())
+        logger.info(
+            "%s; prepacked weight copies %.1f MiB (counted as weights)",
+            self.kernels.summary(),
+            self.packed_weights_bytes / (1 << 20),
+        )
         weights_bytes = (
             sum(p.numel() * p.element_size() for p in model.parameters())
             + sum(b.numel() * b.element_size() for b in model.buffers())
-            + sum(lin.extra_nbytes for lin in model.linears())
+            + self.packed_weights_bytes
         )
         self.max_model_len = min(
             config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings

@@ -65,12 +65,17 @@ class KernelChoice:
     def dtype_name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
 
+    def short(self) -> str:
+        """The dtype (and why) and where the kernel choice came from, in a few words."""
+        how = {"off": "selection off", "cache": "from cache"}.get(self.selection.source, "measured")
+        return f"dtype {self.dtype_name} ({self.reason}); kernels {how}"
+
     def summary(self) -> str:
         """The start-up line: dtype (and why), then the kernels."""
         return f"dtype {self.dtype_name} ({self.reason}); {self.selection.summary()}"
 
 
-def _select(
+def select_shapes(
     config: EngineConfig, arch: ModelArchConfig, dtype: torch.dtype, mode: str
 ) -> Selection:
     counts = projection_shapes(arch)
@@ -96,31 +101,31 @@ def choose_dtype_and_kernels(config: EngineConfig, arch: ModelArchConfig) -> Ker
     if config.dtype != "auto":
         dtype = DTYPES[config.dtype]
         if device.type == "cpu" and dtype == torch.bfloat16 and not native_bf16():
-            fp32 = _select(config, arch, torch.float32, "auto" if mode == "off" else mode)
-            bf16 = _select(config, arch, dtype, "auto" if mode == "off" else mode)
+            fp32 = select_shapes(config, arch, torch.float32, "auto" if mode == "off" else mode)
+            bf16 = select_shapes(config, arch, dtype, "auto" if mode == "off" else mode)
             slow = decode_matmul_seconds(bf16, arch) / max(decode_matmul_seconds(fp32, arch), 1e-12)
             log.warning(
                 "dtype bfloat16 on a CPU without native bf16 (no AMX / AVX512_BF16): decode "
                 "matmuls measured %.2fx the time of float32",
                 slow,
             )
-        return KernelChoice(dtype, _select(config, arch, dtype, mode), "requested")
+        return KernelChoice(dtype, select_shapes(config, arch, dtype, mode), "requested")
     if device.type == "cuda":
         dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return KernelChoice(dtype, _select(config, arch, dtype, mode), "auto: CUDA")
+        return KernelChoice(dtype, select_shapes(config, arch, dtype, mode), "auto: CUDA")
     if not native_bf16():
         return KernelChoice(
-            torch.float32, _select(config, arch, torch.float32, mode), "auto: no native bf16"
+            torch.float32, select_shapes(config, arch, torch.float32, mode), "auto: no native bf16"
         )
     # NOTE: the decision needs timings even with selection off: measure (or read the cache)
     # for the decision, then use the requested mode's selection for the chosen dtype.
     probe = "auto" if mode == "off" else mode
-    fp32 = _select(config, arch, torch.float32, probe)
-    bf16 = _select(config, arch, torch.bfloat16, probe)
+    fp32 = select_shapes(config, arch, torch.float32, probe)
+    bf16 = select_shapes(config, arch, torch.bfloat16, probe)
     t32, t16 = decode_matmul_seconds(fp32, arch), decode_matmul_seconds(bf16, arch)
     dtype, sel = (torch.bfloat16, bf16) if t16 < t32 else (torch.float32, fp32)
     if mode == "off":
-        sel = _select(config, arch, dtype, "off")
+        sel = select_shapes(config, arch, dtype, "off")
     ratio = t32 / t16 if t16 > 0 else float("inf")
     reason = f"auto: native bf16, decode matmuls bf16 {ratio:.2f}x fp32 speed"
     return KernelChoice(dtype, sel, reason)

@@ -29,7 +29,7 @@ from kvserve.memory_budget import (
     plan_step_activations,
 )
 from kvserve.models.llama import LlamaForCausalLM
-from kvserve.models.loader import load_model
+from kvserve.models.loader import load_arch, load_model
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.runtime.kernel_select import plan_of
@@ -40,7 +40,6 @@ from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger("kvserve")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -78,15 +77,15 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
-        # NOTE: "auto" loads float32 and converts once the dtype is chosen (below).
-        loaded = load_model(config.model, dtype=_DTYPES.get(config.dtype, torch.float32))
+        # The dtype (for "auto") and the projection kernels, measured on the model's shapes
+        # (or read from the cache) before any weight is read.
+        self.kernels = choose_dtype_and_kernels(config, load_arch(config.model))
+        dtype = self.kernels.dtype
+        self.config = config = config.replace(dtype=self.kernels.dtype_name)
+        loaded = load_model(config.model, dtype=dtype)
         self.model_path = loaded.path
         self.arch = arch = loaded.arch
         self.tokenizer = Tokenizer.from_loaded(loaded.tokenizer_dir, loaded.gguf_file)
-        # The dtype (for "auto") and the projection kernels, measured or from the cache.
-        self.kernels = choose_dtype_and_kernels(config, arch)
-        dtype = self.kernels.dtype
-        self.config = config = config.replace(dtype=self.kernels.dtype_name)
         model = LlamaForCausalLM(arch)
         model.load_weights(loaded.state_dict)
         model = model.to(device=config.device, dtype=dtype).eval()

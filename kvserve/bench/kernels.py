@@ -26,7 +26,7 @@ from kvserve.kernel_setup import (
     projection_shapes,
     select_shapes,
 )
-from kvserve.models.loader import load_model
+from kvserve.models.loader import load_arch
 from kvserve.runtime.kernel_select import M_MAX, Selection, cpu_identity
 
 
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", default=None, help="write the timings to this JSON file")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    arch = load_model(args.model, torch.float32).arch
+    arch = load_arch(args.model)
     counts = projection_shapes(arch)
     h = arch.hidden_size
     names = dict(zip(list(counts), ["qkv", "o", "gate_up", "down"], strict=False))

@@ -141,7 +141,7 @@ _RUN = textwrap.dedent(
     from kvserve import LLM, SamplingParams
     budget = int(sys.argv[1])
     llm = LLM(memory_budget=budget, max_model_len=1024, max_num_seqs=8,
-              max_num_batched_tokens=128, num_threads=2)
+              max_num_batched_tokens=128, num_threads=2, dtype="float32")
     rep = llm.engine.memory_report
     prompts = [[100 + 7 * i + j for j in range(60 + 30 * i)] for i in range(8)]
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, ignore_eos=True, seed=1)

@@ -133,6 +133,7 @@ class LLMEngine:
             activation_plan=activation_plan,
             device_free_bytes=_device_free_bytes(config.device),
             kernel_scratch_bytes=kernel_scratch,
+            packed_weights_bytes=self.packed_weights_bytes,
         )
         rep = self.memory_report
         self.runner = ModelRunner(

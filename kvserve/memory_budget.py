@@ -70,6 +70,8 @@ class MemoryReport:
     activation_plan: ActivationPlan | None = None
     # GEMM library buffers, measured at start-up (None: not measured, as without a budget).
     kernel_scratch_bytes: int | None = None
+    # Of ``weights_bytes``: the projection kernels' own weight copies (prepacked layouts).
+    packed_weights_bytes: int = 0
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -95,7 +97,9 @@ class MemoryReport:
         out = []
         if self.budget_bytes is not None:
             out.append(f"memory budget: {_fmt(self.budget_bytes)}")
-        out.append(f"weights: {_fmt(self.weights_bytes)}")
+        packed = self.packed_weights_bytes
+        held = f" (of which prepacked kernel copies: {_fmt(packed)})" if packed else ""
+        out.append(f"weights: {_fmt(self.weights_bytes)}{held}")
         out.append(f"activations (largest step): {_fmt(self.activation_bytes)}")
         plan = self.activation_plan
         if plan is not None:
@@ -252,13 +256,15 @@ def plan_kv_blocks(
     activation_plan: ActivationPlan | None = None,
     device_free_bytes: int | None = None,
     kernel_scratch_bytes: int | None = None,
+    packed_weights_bytes: int = 0,
 ) -> MemoryReport:
     """Decide the number of KV blocks from the options, in this order of precedence:
 
     ``num_kv_blocks`` > ``kv_cache_memory`` > ``memory_budget`` > a fraction of available
     memory. ``activation_bytes`` defaults to ``activation_plan.reserve_bytes``;
     ``kernel_scratch_bytes`` is the measured GEMM scratch (``measure_kernel_scratch``; None:
-    not measured, counted as 0).
+    not measured, counted as 0). ``packed_weights_bytes``: the part of ``weights_bytes`` held
+    as prepacked kernel copies (reported, already counted in ``weights_bytes``).
     With a budget, raises MemoryBudgetError (saying how many bytes are missing) when the
     weights, activations, kernel scratch, headroom and one max-length request's KV (or the
     load-time double copy of the weights) do not fit, or when explicit KV sizes overflow it.
@@ -328,6 +334,7 @@ def plan_kv_blocks(
         budget_bytes=budget,
         activation_plan=activation_plan,
         kernel_scratch_bytes=kernel_scratch_bytes,
+        packed_weights_bytes=packed_weights_bytes,
     )
     if budget is not None:
         total = fixed + report.kv_cache_bytes + (report.host_cache_bytes if host_in_budget else 0)

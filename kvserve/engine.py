@@ -41,7 +41,6 @@ from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
 logger = logging.getLogger("kvserve")
 
 
-
 @dataclass
 class _SampleState:
     """Engine-side state of one sample: its detokenizer and logprobs."""

@@ -303,7 +303,9 @@ def plan_kv_blocks(
         elif host_in_budget and config.preemption_mode == "swap":
             num_shares = 2  # the pool and an equal host tier split what is left
         need = -(-max_model_len // config.block_size) * block_bytes * num_shares
-        _check_fits(budget, weights_bytes, step_bytes, max_model_len, need, free)
+        _check_fits(
+            budget, weights_bytes, step_bytes, max_model_len, need, free, packed_weights_bytes
+        )
         num_blocks = free // num_shares // block_bytes
     else:
         avail = device_free_bytes if device_free_bytes is not None else available_memory_bytes()
@@ -358,12 +360,16 @@ def _check_fits(
     max_model_len: int,
     need: int,
     free: int,
+    packed_weights_bytes: int = 0,
 ) -> None:
     """Raise MemoryBudgetError unless ``need`` bytes of KV (one max-length request, and its
     host-tier twin in swap mode) fit in ``free``, and loading fits in the budget.
-    ``step_bytes``: activations + kernel scratch."""
+    ``step_bytes``: activations + kernel scratch.
+    NOTE: the prepacked copies are made after the loader's state dict is freed, so the load
+    peak holds the unpacked weights twice."""
     steady = weights_bytes + step_bytes + HEADROOM_BYTES + need
-    missing = max(need - free, load_peak_bytes(weights_bytes) - budget)
+    load_peak = load_peak_bytes(weights_bytes - packed_weights_bytes)
+    missing = max(need - free, load_peak - budget)
     if missing <= 0:
         return
     raise MemoryBudgetError(
@@ -371,7 +377,7 @@ def _check_fits(
         f"and kernel scratch {step_bytes} + headroom {HEADROOM_BYTES} + one "
         f"max_model_len={max_model_len} "
         f"request's KV ({need}) need {steady} bytes, and loading needs "
-        f"{load_peak_bytes(weights_bytes)} (load headroom + the weights twice); "
+        f"{load_peak} (load headroom + the weights twice); "
         f"{missing} bytes ({missing / MiB:.1f} MiB) are missing. Raise --memory-budget or "
         "lower --max-model-len, --max-num-seqs or --max-num-batched-tokens"
     )

@@ -21,6 +21,7 @@ from kvserve.engine_startup import (
     build_kv_cache_manager,
     build_runner,
     build_scheduler,
+    choose_kernels,
     load_engine_model,
     measure_gemm_scratch,
     resolve_max_model_len,
@@ -72,8 +73,11 @@ class LLMEngine:
         t0 = time.perf_counter()
         # Start-up phases (kvserve/engine_startup.py), in order; each takes what the earlier
         # ones produced.
-        loaded = load_engine_model(config)
+        self.kernels = choose_kernels(config)
+        self.config = config = config.replace(dtype=self.kernels.dtype_name)
+        loaded = load_engine_model(config, self.kernels)
         self.model_path, self.arch, self.tokenizer = loaded.path, loaded.arch, loaded.tokenizer
+        self.packed_weights_bytes = loaded.packed_weights_bytes
         arch = loaded.arch
         self.max_model_len = resolve_max_model_len(config, arch)
         # NOTE: exact, the per-token-per-head scales of int8/fp8 caches included.

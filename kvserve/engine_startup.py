@@ -2,7 +2,10 @@
 
 Order (``LLMEngine.__init__`` runs them in this order; the order matters):
 
-1. ``load_engine_model``: weights -> model on its device and dtype, tokenizer, weight bytes.
+0. ``choose_kernels``: the dtype (for "auto") and each projection's kernel per M bucket,
+   measured on the model's shapes (or read from the cache) before any weight is read.
+1. ``load_engine_model``: weights -> model on its device and dtype with the chosen kernels,
+   tokenizer, weight bytes (prepacked copies included).
 2. ``resolve_max_model_len``: the context length served (config vs the model's).
 3. ``plan_step_activations`` (``memory_budget``): the largest step's activation arena.
 4. ``measure_gemm_scratch``: the GEMM library's own buffers for the planned steps' shapes.
@@ -16,6 +19,7 @@ Order (``LLMEngine.__init__`` runs them in this order; the order matters):
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -27,14 +31,16 @@ from kvserve.core.managers import create_kv_cache_manager
 from kvserve.core.scheduler import Scheduler
 from kvserve.core.step_budget import StepTimeBudget
 from kvserve.engine_config import EngineConfig
+from kvserve.kernel_setup import KernelChoice, choose_dtype_and_kernels
 from kvserve.memory_budget import MemoryReport, measure_kernel_scratch, plan_kv_blocks
 from kvserve.models.llama import LlamaForCausalLM
-from kvserve.models.loader import load_model
+from kvserve.models.loader import load_arch, load_model
+from kvserve.runtime.kernel_select import plan_of
 from kvserve.runtime.memory_plan import ActivationPlan
 from kvserve.runtime.model_runner import ModelRunner
 from kvserve.tokenizer import Tokenizer
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+logger = logging.getLogger("kvserve")
 
 
 @dataclass(frozen=True)
@@ -46,24 +52,40 @@ class EngineModel:
     tokenizer: Tokenizer
     path: str
     dtype: torch.dtype
-    weights_bytes: int  # parameters + buffers, as placed on the device
+    weights_bytes: int  # parameters + buffers as placed on the device + prepacked copies
+    packed_weights_bytes: int  # prepacked weight copies held beside the parameters
 
 
-def load_engine_model(config: EngineConfig) -> EngineModel:
-    """Phase 1: apply the torch settings, load the weights and tokenizer, build the model."""
+def choose_kernels(config: EngineConfig) -> KernelChoice:
+    """Phase 0: apply the torch settings; choose the dtype and the projection kernels."""
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     torch.manual_seed(config.seed)
-    dtype = DTYPES[config.dtype]
+    return choose_dtype_and_kernels(config, load_arch(config.model))
+
+
+def load_engine_model(config: EngineConfig, kernels: KernelChoice) -> EngineModel:
+    """Phase 1: load the weights and tokenizer, build the model with ``kernels``' plan."""
+    dtype = kernels.dtype
     loaded = load_model(config.model, dtype=dtype)
     tokenizer = Tokenizer.from_loaded(loaded.tokenizer_dir, loaded.gguf_file)
     model = LlamaForCausalLM(loaded.arch)
     model.load_weights(loaded.state_dict)
     model = model.to(device=config.device, dtype=dtype).eval()
-    weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
-        b.numel() * b.element_size() for b in model.buffers()
+    model.set_linear_plan(plan_of(kernels.selection))
+    # NOTE: prepacked weight copies are held beside the parameters: counted as weights.
+    packed = sum(lin.extra_nbytes for lin in model.linears())
+    logger.info(
+        "%s; prepacked weight copies %.1f MiB (counted as weights)",
+        kernels.summary(),
+        packed / (1 << 20),
     )
-    return EngineModel(model, loaded.arch, tokenizer, loaded.path, dtype, weights_bytes)
+    weights_bytes = (
+        sum(p.numel() * p.element_size() for p in model.parameters())
+        + sum(b.numel() * b.element_size() for b in model.buffers())
+        + packed
+    )
+    return EngineModel(model, loaded.arch, tokenizer, loaded.path, dtype, weights_bytes, packed)
 
 
 def resolve_max_model_len(config: EngineConfig, arch: ModelArchConfig) -> int:
@@ -106,6 +128,7 @@ def size_kv_pool(
         activation_plan=activation_plan,
         device_free_bytes=device_free_bytes(config.device),
         kernel_scratch_bytes=kernel_scratch_bytes,
+        packed_weights_bytes=loaded.packed_weights_bytes,
     )
 
 

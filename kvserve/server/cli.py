@@ -95,6 +95,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return serve_data_parallel(args)
     config = EngineConfig.from_cli_args(args)
     engine, executor = build_on_engine_thread(lambda: LLMEngine(config))
+    print(f"[kvserve] {engine.kernels.summary()}", file=sys.stderr)
     if args.debug_inject_faults:
         from kvserve.fault_injection import install
 

@@ -16,6 +16,16 @@ MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def make_llm(request, make_llm):  # type: ignore[no-untyped-def]
+    """Every engine of a test at one dtype: bf16 runs are compared with bf16 runs."""
+
+    def factory(**kwargs: object) -> object:
+        return make_llm(dtype=request.param, **kwargs)
+
+    return factory
+
+
 @pytest.fixture(scope="module")
 def reference(make_llm) -> tuple[list[list[int]], list[list[int]]]:
     """Outputs with a roomy pool, prefix cache on, default budget."""

@@ -65,6 +65,10 @@ class SoakResult:
     rss_growth_mib: float = 0.0
     leaked_blocks: int = 0
     integrity_ok: bool = False
+    small_alone_s: float = 0.0  # mean latency of small requests, alone
+    small_beside_huge_s: float = 0.0  # ... while a huge prompt is being tokenized
+    huge_prompt_status: int = 0
+    huge_prompt_s: float = 0.0
     drain_seconds: float | None = None
     drain_exit_code: int | None = None
     drain_stream_ended_with_error: bool = False
@@ -194,11 +198,12 @@ def _plan(num: int, fault_fraction: float, seed: int, model: str, faults: bool) 
         roll = rng.random()
         kind = rng.choices(list(weights), weights=list(weights.values()))[0]
         body: dict[str, Any] | str = _body(kind, rng, model, i)
+        # NOTE: every draw happens in both passes, so their other requests are identical.
         fuzz_body, _note = _fuzzed_body(rng, model)
+        fault_body = {**_body("plain", rng, model, i), "prompt": f"KVSERVE_INJECT_FAULT {i}"}
+        fault_body["stream"] = i % 2 == 0
         if faults and roll < fault_fraction / 2:
-            kind = "fault"
-            body = {**_body("plain", rng, model, i), "prompt": f"KVSERVE_INJECT_FAULT {i}"}
-            body["stream"] = i % 2 == 0
+            kind, body = "fault", fault_body
         elif faults and roll < fault_fraction:
             kind, body = "fuzz", fuzz_body
         plan.append((kind, body))
@@ -280,6 +285,30 @@ def _start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("the server did not become healthy in 600 s")
 
 
+async def _huge_prompt(url: str, model: str, res: SoakResult, num_bytes: int) -> None:
+    """Small requests alone, then beside one whose prompt is ``num_bytes`` of text."""
+    small = {"model": model, "prompt": "Hello there", "max_tokens": 8, "temperature": 0.0}
+    huge = {
+        "model": model,
+        "prompt": "lorem ipsum dolor sit amet " * (num_bytes // 27),
+        "max_tokens": 1,
+    }
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+
+        async def timed(body: dict[str, Any]) -> tuple[int, float]:
+            t0 = time.monotonic()
+            r = await client.post("/v1/completions", json=body)
+            return r.status_code, time.monotonic() - t0
+
+        alone = [await timed(small) for _ in range(4)]
+        res.small_alone_s = sum(t for _, t in alone) / len(alone)
+        big = asyncio.ensure_future(timed(huge))
+        await asyncio.sleep(0.2)  # the huge prompt is being read and tokenized
+        beside = [await timed(small) for _ in range(4)]
+        res.small_beside_huge_s = sum(t for _, t in beside) / len(beside)
+        res.huge_prompt_status, res.huge_prompt_s = await big
+
+
 def _drain(
     proc: subprocess.Popen, url: str, model: str, args: argparse.Namespace, res: SoakResult
 ) -> None:
@@ -331,6 +360,8 @@ def run(args: argparse.Namespace) -> SoakResult:
                 - _metric(metrics, "kvserve:num_free_blocks")
             )
             res.integrity_ok = client.get("/debug/integrity").json().get("ok") is True
+            if args.huge_prompt_bytes > 0:
+                asyncio.run(_huge_prompt(url, model, res, args.huge_prompt_bytes))
         _judge(res, baseline, faulted)
         if proc is not None and args.drain_tokens > 0:
             _drain(proc, url, model, args, res)
@@ -400,6 +431,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=4000,
         help="length of the stream in flight at SIGTERM (0: no drain test)",
+    )
+    p.add_argument(
+        "--huge-prompt-bytes",
+        type=int,
+        default=3 << 20,
+        help="size of the prompt sent beside small requests (0: skip; the server's "
+        "--max-request-bytes must allow it)",
     )
     p.add_argument("--url", default=None, help="use a running server (no RSS, no drain test)")
     p.add_argument(

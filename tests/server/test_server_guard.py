@@ -250,3 +250,12 @@ def test_tokenization_runs_off_the_engine_thread() -> None:
         assert all(name.startswith("kvserve-tokenize") for name in threads), threads
 
     _with_client(check)
+
+
+def test_big_body_is_checked_too() -> None:
+    async def check(c: httpx.AsyncClient, _fake: FakeEngine, _app: Any) -> None:
+        body = '{"prompt": "' + "a" * (300 << 10) + '\\ud800", "max_tokens": 2}'
+        err = _error(await c.post("/v1/completions", **_raw(body)), 400, "prompt")
+        assert err["code"] == "invalid_encoding" and f"character {300 << 10}" in err["message"]
+
+    _with_client(check)

@@ -78,27 +78,63 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+CHAT_EXIT_COMMANDS = ("/exit", "/quit")
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
-    """Interactive multi-turn chat on stdin/stdout; the prefix cache reuses the history."""
+    """Interactive multi-turn chat on stdin/stdout, streamed token by token; the prefix
+    cache reuses the history. ``/exit``, ``/quit``, an empty line or Ctrl-D quit."""
     llm = _build_llm(args)
     params = _sampling_params(args)
     history: list[dict[str, str]] = []
     if args.system:
         history.append({"role": "system", "content": args.system})
-    print("kvserve chat: empty line or Ctrl-D to quit", file=sys.stderr)
+    print("kvserve chat: /exit, /quit, an empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
         try:
             line = input("> ")
         except EOFError:
             break
-        if not line.strip():
+        if not line.strip() or line.strip() in CHAT_EXIT_COMMANDS:
             break
         history.append({"role": "user", "content": line})
-        out = llm.chat(history, params, use_tqdm=False)[0]
-        reply = out.outputs[0].text
-        print(reply, flush=True)
+        reply = stream_chat_reply(llm, history, params, sys.stdout)
         history.append({"role": "assistant", "content": reply})
     return 0
+
+
+def stream_chat_reply(llm, history, params, out) -> str:  # noqa: ANN001 - LLM, SamplingParams, TextIO
+    """Generate the assistant's reply to ``history``, writing its text to ``out`` as it comes
+    (one write per step). A reply cut by max_tokens ends with a marker line; Ctrl-C stops the
+    reply (the request is aborted) and keeps what was written. Returns the reply text."""
+    engine = llm.engine
+    request_id = engine.add_request(llm.tokenizer.apply_chat_template(history), params)
+    text, finish, error = "", None, None
+    try:
+        while finish is None and error is None:
+            for output in engine.step():
+                if output.request_id != request_id:
+                    continue
+                completion = output.outputs[0]
+                if completion.delta_text:
+                    out.write(completion.delta_text)
+                    out.flush()
+                text = completion.text
+                error = output.error
+                if output.finished:
+                    finish = completion.finish_reason or "stop"
+    except KeyboardInterrupt:
+        engine.abort_request(request_id)
+        finish = "interrupted"
+    out.write("\n")
+    if error is not None:
+        out.write(f"[error: {error}]\n")
+    elif finish == "length":
+        out.write(f"[reply cut at --max-tokens {params.max_tokens}]\n")
+    elif finish == "interrupted":
+        out.write("[reply interrupted]\n")
+    out.flush()
+    return text
 
 
 def _engine_parser(

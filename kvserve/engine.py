@@ -37,6 +37,11 @@ from kvserve.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger("kvserve")
 
+# NOTE: a fault that every request hits (a broken device, a corrupt weight) looks, one request
+# at a time, like each request's own; this many steps in a row with every request failed stop
+# the engine instead (so the supervisor restarts it). A single failing step never does.
+MAX_ALL_FAILED_STEPS = 5
+
 
 @dataclass
 class _SampleState:
@@ -263,8 +268,8 @@ class LLMEngine:
         """Fail every request (all samples of its group) named in ``faults``; returns them.
 
         Their blocks that this step should have written leave the prefix cache, then every
-        block they hold is freed. Three steps in a row in which every request failed mean the
-        fault is not theirs: StepFault.
+        block they hold is freed. MAX_ALL_FAILED_STEPS steps in a row in which every request
+        failed mean the fault is not theirs: StepFault.
         """
         if not faults:
             self._num_blamed_steps = 0
@@ -272,8 +277,10 @@ class LLMEngine:
         num_failed = sum(1 for sr in sched.scheduled if sr.request_id in faults)
         if num_failed == len(sched.scheduled):
             self._num_blamed_steps += 1
-            if self._num_blamed_steps >= 3:
-                raise StepFault(f"three steps in a row failed for every request: {faults}")
+            if self._num_blamed_steps >= MAX_ALL_FAILED_STEPS:
+                raise StepFault(
+                    f"{self._num_blamed_steps} steps in a row failed for every request: {faults}"
+                )
         else:
             self._num_blamed_steps = 0
         start = {sr.request_id: sr.start_pos for sr in sched.scheduled}

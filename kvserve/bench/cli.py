@@ -22,6 +22,7 @@ _EXTERNAL = (
     ("accuracy", "kvserve.bench.accuracy", "KV quantization and windowed eviction accuracy"),
     ("router", "kvserve.bench.router", "prefix-aware vs round-robin routing over local replicas"),
     ("itl-report", "kvserve.bench.itl_report", "tables of the step-time budget runs"),
+    ("soak", "kvserve.bench.soak", "mixed requests with injected faults against one server"),
 )
 
 

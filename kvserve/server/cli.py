@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from collections.abc import Callable
 from types import FrameType
@@ -126,7 +127,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     lifecycle.server = server
     server.run()
-    return int(lifecycle.exit_code)
+    # NOTE: every request has been answered and the engine stopped; skip the interpreter's
+    # teardown of the model and KV pool (seconds on a loaded box), which would only stretch
+    # the drain a supervisor waits for.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(lifecycle.exit_code))
 
 
 def _draining_server(config: Any, lifecycle: Any) -> Any:

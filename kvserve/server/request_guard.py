@@ -16,6 +16,7 @@ Everything else (malformed JSON, wrong types) is left to the app's own validatio
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from kvserve.server.errors import APIError
 from kvserve.server.limits import DEFAULT_MAX_REQUEST_BYTES
 
 MAX_JSON_DEPTH = 64
+_THREAD_THRESHOLD_BYTES = 256 << 10
 MAX_NUMBER_DIGITS = 1000
 
 
@@ -74,7 +76,12 @@ class RequestGuard:
             return
         body, error = await self._read_body(scope, receive)
         if error is None and api:
-            error = check_json_body(body)
+            if len(body) > _THREAD_THRESHOLD_BYTES:
+                # NOTE: a big body is checked on a worker thread, so the event loop (other
+                # requests' streams) gets the GIL back every switch interval meanwhile.
+                error = await asyncio.to_thread(check_json_body, body)
+            else:
+                error = check_json_body(body)
         if error is not None:
             await _send_error(scope, receive, send, error)
             return

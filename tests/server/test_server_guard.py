@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -230,3 +231,31 @@ def test_queue_full_503_carries_retry_after() -> None:
         assert 503 in codes and 200 in codes
 
     _with_client(check, max_queued_requests=1)
+
+
+def test_tokenization_runs_off_the_engine_thread() -> None:
+    async def check(c: httpx.AsyncClient, fake: FakeEngine, _app: Any) -> None:
+        threads: list[str] = []
+        real_encode = fake.tokenizer.encode
+
+        def encode(text: str, add_special_tokens: bool = True) -> list[int]:
+            threads.append(threading.current_thread().name)
+            return real_encode(text, add_special_tokens)
+
+        fake.tokenizer.encode = encode  # type: ignore[method-assign]
+        assert (await c.post("/v1/completions", json={"prompt": "hi"})).status_code == 200
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
+        assert len(threads) == 2
+        assert all(name.startswith("kvserve-tokenize") for name in threads), threads
+
+    _with_client(check)
+
+
+def test_big_body_is_checked_too() -> None:
+    async def check(c: httpx.AsyncClient, _fake: FakeEngine, _app: Any) -> None:
+        body = '{"prompt": "' + "a" * (300 << 10) + '\\ud800", "max_tokens": 2}'
+        err = _error(await c.post("/v1/completions", **_raw(body)), 400, "prompt")
+        assert err["code"] == "invalid_encoding" and f"character {300 << 10}" in err["message"]
+
+    _with_client(check)

@@ -49,3 +49,6 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then one entry per
+    # prompt token (its raw logprob plus the top-N); filled once the prompt is computed.
+    prompt_logprobs: list[LogprobsEntry | None] | None = None

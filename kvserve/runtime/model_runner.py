@@ -12,6 +12,8 @@ from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvserve.models.llama import LlamaForCausalLM, Workspace
 from kvserve.runtime.input_batch import InputBatch, build_input_batch
 from kvserve.runtime.kv_cache import KVCache
+from kvserve.runtime.logits_constraints import match_bitmask_rows
+from kvserve.runtime.prompt_logprobs import compute_prompt_logprobs
 from kvserve.runtime.sampler import Sampler
 
 
@@ -117,13 +119,18 @@ class ModelRunner:
                 logits = self.model.compute_logits(
                     hidden.index_select(0, batch.logits_indices)
                 )  # [N, vocab]
-                token_ids, logprobs = self.sampler.sample(logits, batch.sample_requests)
+                token_ids, logprobs = self.sampler.sample(
+                    logits,
+                    batch.sample_requests,
+                    match_bitmask_rows(sched.grammar_bitmask, batch.sample_requests),
+                )
                 for req, token_id, entry in zip(
                     batch.sample_requests, token_ids, logprobs, strict=True
                 ):
                     out.sampled_token_ids[req.request_id] = token_id
                     if entry is not None:
                         out.logprobs[req.request_id] = entry
+            out.prompt_logprobs = compute_prompt_logprobs(self.model, hidden, batch)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         out.execute_time = time.perf_counter() - start

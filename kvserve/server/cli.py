@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
+
+from kvserve.server.tools import TOOL_CALL_PARSERS
 
 
 def register(
@@ -29,6 +32,18 @@ def register(
         action="store_true",
         help="enable GET /debug/integrity and /debug/stats (for tests)",
     )
+    g.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template file (or the template text) replacing the model's",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        choices=TOOL_CALL_PARSERS,
+        help="how tool calls are read from the output (hermes: <tool_call>{...}</tool_call>)",
+    )
     g.add_argument("--log-level", default="warning", help="uvicorn log level")
     p.set_defaults(func=cmd_serve)
 
@@ -40,6 +55,19 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: the text of a file, or the value itself when it is a Jinja
+    template (as vLLM). Exits with a message when it is neither."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{%" in value or "{{" in value:
+        return value
+    raise SystemExit(f"kvserve serve: --chat-template: no such file: {value}")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Build the engine, then run uvicorn until interrupted."""
     import uvicorn
@@ -49,6 +77,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvserve.engine_config import EngineConfig
     from kvserve.server.app import build_app
 
+    chat_template = load_chat_template(args.chat_template)
     config = EngineConfig.from_cli_args(args)
     engine, executor = build_on_engine_thread(lambda: LLMEngine(config))
     if not args.quiet:
@@ -61,6 +90,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests,
         debug_endpoints=args.debug_endpoints,
         executor=executor,
+        chat_template=chat_template,
+        tool_call_parser=args.tool_call_parser,
     )
     print(
         f"[kvserve] serving {app.state.ctx.model_name!r} on http://{args.host}:{args.port}",

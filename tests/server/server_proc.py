@@ -27,9 +27,8 @@ def free_port() -> int:
 
 
 def _serve_command() -> list[str]:
-    script = Path(sys.executable).parent / "kvserve"
-    if script.exists():
-        return [str(script), "serve"]
+    # NOTE: the interpreter running the tests with this checkout on PYTHONPATH, not the
+    # venv's console script (which may import another checkout's kvserve).
     return [sys.executable, "-m", "kvserve.cli", "serve"]
 
 
@@ -54,7 +53,11 @@ def running_server(*extra_args: str, api_key: str | None = None) -> Iterator[str
         cmd += ["--api-key", api_key]
     log = tempfile.NamedTemporaryFile("w+", prefix="kvserve-test-", suffix=".log", delete=False)
     proc = subprocess.Popen(
-        cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ}
+        cmd,
+        cwd=REPO_ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONPATH": _pythonpath()},
     )
     base_url = f"http://127.0.0.1:{port}"
     try:
@@ -80,6 +83,11 @@ def running_server(*extra_args: str, api_key: str | None = None) -> Iterator[str
             proc.wait(timeout=15)
         log.close()
         os.unlink(log.name)
+
+
+def _pythonpath() -> str:
+    old = os.environ.get("PYTHONPATH")
+    return str(REPO_ROOT) + (os.pathsep + old if old else "")
 
 
 def _read(log: tempfile._TemporaryFileWrapper) -> str:  # type: ignore[type-arg]

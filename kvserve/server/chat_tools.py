@@ -206,9 +206,12 @@ class ToolStream:
         elif mode == "named":
             if self.named_id is None:
                 self.named_id = new_call_id()
-                calls.append(self._header(self.named_id, self.plan.function_name or ""))
+                header = self._header(self.named_id, self.plan.function_name or "")
+                assert header.function is not None
+                header.function.arguments = text
+                calls.append(header)
                 self.num_calls = 1
-            if text:
+            elif text:
                 calls.append(p.DeltaToolCall(index=0, function=p.DeltaFunctionCall(arguments=text)))
         elif mode == "required":
             self.buffer += text

@@ -118,9 +118,7 @@ class SamplingParams:
             _check(
                 isinstance(self.logit_bias, dict)
                 and all(_int(t) and t >= 0 for t in self.logit_bias)
-                and all(
-                    _num(v) and abs(v) <= MAX_LOGIT_BIAS for v in self.logit_bias.values()
-                ),
+                and all(_num(v) and abs(v) <= MAX_LOGIT_BIAS for v in self.logit_bias.values()),
                 "logit_bias",
                 f"must map token ids (ints >= 0) to numbers in [-{MAX_LOGIT_BIAS:g}, "
                 f"{MAX_LOGIT_BIAS:g}]",

@@ -19,6 +19,7 @@ _EXTERNAL = (
     ("memory", "kvserve.bench.memory", "activation plan and memory budget"),
     ("hotpath", "kvserve.bench.hotpath", "allocations per steady-state decode step"),
     ("accuracy", "kvserve.bench.accuracy", "KV quantization and windowed eviction accuracy"),
+    ("structured", "kvserve.bench.structured", "structured output overhead and validity"),
 )
 
 

@@ -175,3 +175,16 @@ def test_prompt_logprobs_equal_full_forward(make_llm, hf_model) -> None:
             ranked = sorted((lp.rank, t) for t, lp in entry.items() if lp.rank <= 3)
             assert [t for _, t in ranked][:2] == top[:2]
         assert out.num_cached_tokens == 0, run
+
+
+def test_abort_frees_matchers(make_llm) -> None:
+    llm = make_llm(num_kv_blocks=64)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=30, n=3, structured_outputs=S(json=SCHEMAS["todo"]))
+    rid = engine.add_request("List:", params)
+    assert engine.structured.num_matchers == 3
+    engine.step()
+    engine.step()
+    engine.abort_request(rid)
+    assert engine.structured.num_matchers == 0 and not engine.structured.has(rid)
+    assert not engine.has_unfinished_requests()

@@ -33,6 +33,7 @@ from kvserve.request import Request, RequestStatus
 from kvserve.runtime.kv_cache import kv_bytes_per_token
 from kvserve.sampling_params import SamplingParams
 from kvserve.step_guard import StepFault, execute_isolated
+from kvserve.structured.manager import StructuredOutputManager
 from kvserve.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger("kvserve")
@@ -67,6 +68,7 @@ class _Group:
     samples: list[_SampleState] = field(default_factory=list)
     reported_finished: bool = False
     error: str | None = None  # why it failed (a fault of its own), if it did
+    prompt_logprobs: list[LogprobsEntry | None] | None = None
 
 
 class LLMEngine:
@@ -113,6 +115,9 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self._sample_to_group: dict[str, _Group] = {}
         self._ids = itertools.count()
+        self.structured = StructuredOutputManager(
+            self.tokenizer.hf_tokenizer, arch.vocab_size, self.tokenizer.eos_token_id
+        )
         self.startup_seconds = time.perf_counter() - t0
         self.num_steps = 0
         self.num_failed_requests = 0  # requests failed by a fault of their own
@@ -164,8 +169,14 @@ class LLMEngine:
             for i in range(params.n)
         ]
         samples[0].pending_children = samples[1:]
+        self._check_constraints(params)
         self.scheduler.add_request(samples[0])  # raises ValueError if it can never fit
+        if params.structured_outputs is not None:
+            # NOTE: compiled in _check_constraints, so this is a cache hit and cannot fail.
+            self.structured.add_request([r.request_id for r in samples], params.structured_outputs)
         group = _Group(request_id, prompt_text, token_ids, params)
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]
         for req in samples:
             group.samples.append(
                 _SampleState(
@@ -178,6 +189,18 @@ class LLMEngine:
         self._groups[request_id] = group
         self.latency.num_prompt_tokens += len(token_ids)
         return request_id
+
+    def _check_constraints(self, params: SamplingParams) -> None:
+        """ValueError for a logit_bias id outside the vocabulary or a constraint that does
+        not compile (before anything is queued)."""
+        vocab = self.arch.vocab_size
+        for t in params.logit_bias or {}:
+            if t >= vocab:
+                raise ValueError(
+                    f"SamplingParams.logit_bias token id {t} is outside the vocabulary [0, {vocab})"
+                )
+        if params.structured_outputs is not None:
+            self.structured.validate(params.structured_outputs)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -210,6 +233,7 @@ class LLMEngine:
         """Run one scheduler iteration; returns outputs of requests that changed."""
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        self.structured.prepare(sched, self.scheduler.get_request)
         # NOTE: requests whose own work fails (a raise isolated by bisection, non-finite
         # logits, a bad draw) come back in runner_out.failed; a fault no request can be
         # blamed for raises StepFault and stops the engine.
@@ -217,6 +241,7 @@ class LLMEngine:
         failed = self._fail_faulted(sched, runner_out.failed)
         self.host_transfers.record(sched, runner_out, self.kv_cache_manager.counters)
         changed = self.scheduler.update_from_output(sched, runner_out)
+        self._after_step_extras(runner_out, changed)
         now = time.monotonic()
         touched: dict[str, _Group] = {}
         for req in changed:
@@ -307,6 +332,21 @@ class LLMEngine:
         ids = [s.request.request_id for s in group.samples if not s.request.is_finished]
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
 
+    def _after_step_extras(self, runner_out: Any, changed: list[Request]) -> None:
+        """Structured output and prompt logprobs: matchers consume the new tokens (an
+        unfinished request whose grammar has ended stops); prompt logprobs are recorded."""
+        ended = self.structured.update(changed)
+        if ended:
+            self.scheduler.finish_requests(ended, RequestStatus.FINISHED_STOPPED)
+        for rid, (first_pos, entries) in runner_out.prompt_logprobs.items():
+            group = self._sample_to_group.get(rid)
+            if group is None or group.prompt_logprobs is None or rid != group.request_id:
+                continue
+            for pos, entry in enumerate(entries, start=first_pos):
+                # NOTE: a recompute preemption scores the prompt again; keep the first.
+                if pos == len(group.prompt_logprobs):
+                    group.prompt_logprobs.append(entry)
+
     def _consume_tokens(
         self, state: _SampleState, logprobs: LogprobsEntry | None, now: float
     ) -> None:
@@ -336,6 +376,7 @@ class LLMEngine:
         self._groups.pop(group.request_id, None)
         for s in group.samples:
             self._sample_to_group.pop(s.request.request_id, None)
+            self.structured.free(s.request.request_id)
 
     def _make_output(self, group: _Group, *, delta: bool) -> RequestOutput:
         completions = []
@@ -370,6 +411,9 @@ class LLMEngine:
             num_cached_tokens=max(head.num_cached_tokens, 0),
             metrics=_metrics(head),
             error=group.error,
+            prompt_logprobs=list(group.prompt_logprobs)
+            if group.prompt_logprobs is not None
+            else None,
         )
 
     # ---- figures --------------------------------------------------------------------------

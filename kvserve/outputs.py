@@ -52,3 +52,6 @@ class RequestOutput:
     # Set when the request failed on its own (a fault in its step, non-finite logits): it is
     # finished, its blocks are freed, and ``error`` says why. The engine serves on.
     error: str | None = None
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then one entry per
+    # prompt token (its raw logprob plus the top-N); filled once the prompt is computed.
+    prompt_logprobs: list[LogprobsEntry | None] | None = None

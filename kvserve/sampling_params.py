@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kvserve.structured.spec import StructuredOutputsParams
+
 MAX_LOGPROBS = 20
 # NOTE: bounds that keep float32 sampling finite. A penalty divides or multiplies logits, and
 # temperature divides them: with |logit| <= 1e30 every result stays below float32's 3.4e38
@@ -13,6 +15,7 @@ MAX_LOGPROBS = 20
 MIN_REPETITION_PENALTY = 1e-6
 MAX_REPETITION_PENALTY = 1e6
 MAX_TEMPERATURE = 1e6
+MAX_LOGIT_BIAS = 100.0  # |bias| bound, as OpenAI
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,11 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     extra_stop: tuple[str, ...] = field(default=(), repr=False)
+    # Constrained decoding (JSON schema, regex, choice, grammar); see kvserve.structured.
+    structured_outputs: StructuredOutputsParams | None = None
+    # token id -> value added to its logit before sampling (ids checked against the
+    # vocabulary when the request is added).
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -113,6 +121,21 @@ class SamplingParams:
             "extra_stop",
             "must be a tuple of non-empty strings",
         )
+        _check(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            "must be a StructuredOutputsParams or None",
+        )
+        if self.logit_bias is not None:
+            _check(
+                isinstance(self.logit_bias, dict)
+                and all(_int(t) and t >= 0 for t in self.logit_bias)
+                and all(_num(v) and abs(v) <= MAX_LOGIT_BIAS for v in self.logit_bias.values()),
+                "logit_bias",
+                f"must map token ids (ints >= 0) to numbers in [-{MAX_LOGIT_BIAS:g}, "
+                f"{MAX_LOGIT_BIAS:g}]",
+            )
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             _check(isinstance(getattr(self, name), bool), name, "must be a bool")
 

@@ -124,25 +124,48 @@ class Tokenizer:
         return getattr(self.hf_tokenizer, "chat_template", None)
 
     def render_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """The chat prompt as text. Raises ValueError for malformed messages or when the
-        model has no chat template."""
+        """The chat prompt as text. ``chat_template`` replaces the model's template;
+        ``tools`` (OpenAI tool dicts) reach templates that render them. Raises ValueError
+        for malformed messages, a template that fails, or when there is no template."""
         validate_messages(messages)
-        if not self.chat_template:
+        if not (chat_template or self.chat_template):
             raise ValueError("tokenizer: this model has no chat template; send a plain prompt")
-        text = self.hf_tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False
-        )
+        extra: dict[str, Any] = {}
+        if chat_template is not None:
+            extra["chat_template"] = chat_template
+        if tools:
+            extra["tools"] = tools
+        try:
+            text = self.hf_tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
+            )
+        except Exception as e:  # noqa: BLE001 - jinja errors come in many types
+            if isinstance(e, ValueError):
+                raise
+            raise ValueError(f"tokenizer: the chat template failed: {e}") from e
         if not isinstance(text, str):
             raise ValueError("tokenizer: the chat template did not render to a string")
         return text
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of the chat prompt (the template already holds any BOS it needs)."""
-        text = self.render_chat_template(messages, add_generation_prompt)
+        text = self.render_chat_template(
+            messages, add_generation_prompt, chat_template=chat_template, tools=tools
+        )
         # NOTE: add_special_tokens=False: the template writes BOS/markers itself; adding them
         # again would duplicate BOS on models whose tokenizer prepends one.
         return self.encode(text, add_special_tokens=False)

@@ -23,6 +23,7 @@ _EXTERNAL = (
     ("router", "kvserve.bench.router", "prefix-aware vs round-robin routing over local replicas"),
     ("itl-report", "kvserve.bench.itl_report", "tables of the step-time budget runs"),
     ("soak", "kvserve.bench.soak", "mixed requests with injected faults against one server"),
+    ("structured", "kvserve.bench.structured", "structured output overhead and validity"),
 )
 
 

@@ -6,6 +6,7 @@ Plain dataclasses of ints and lists: the runner never sees or mutates a Request.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvserve.sampling_params import SamplingParams
 
@@ -38,6 +39,19 @@ class ScheduledRequest:
 
 
 @dataclass(slots=True)
+class GrammarBitmask:
+    """Allowed next tokens of the constrained (structured-output) requests of one step.
+
+    Row i belongs to ``request_ids[i]``; bit b of word w (little-endian int32 words) allows
+    token ``32 * w + b``. The sampler sets every other logit to -inf before temperature,
+    top-k and top-p. Plain data: the matchers that fill it stay in the engine.
+    """
+
+    request_ids: list[str]
+    bitmask: Any  # numpy int32 [len(request_ids), ceil(vocab / 32)]
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     """Everything the runner needs for one step.
 
@@ -52,6 +66,9 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device
     finished_req_ids: set[str] = field(default_factory=set)  # runner may drop their state
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Structured output: allowed next tokens of the constrained requests that sample (set by
+    # the engine after schedule(); None when no scheduled request is constrained).
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -88,3 +105,6 @@ class ModelRunnerOutput:
     # Requests whose own work failed in this step (non-finite logits, a sampling error, an
     # out-of-vocabulary id), by id -> reason; they have no entry in sampled_token_ids.
     failed: dict[str, str] = field(default_factory=dict)
+    # request id -> (position of the first scored prompt token, one entry per scored token:
+    # that prompt token's raw logprob and the top-N), for requests with prompt_logprobs.
+    prompt_logprobs: dict[str, tuple[int, list[LogprobsEntry]]] = field(default_factory=dict)

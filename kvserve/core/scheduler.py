@@ -452,6 +452,10 @@ class Scheduler:
     def _admit(self, request: Request, step: _Step, *, alone: bool) -> bool:
         """Allocate the first chunk of the queue head (after prefix hits) and schedule it."""
         computed_block_ids, num_hit = self.kv.get_computed_blocks(request)
+        if request.sampling_params.prompt_logprobs is not None:
+            # NOTE: prompt logprobs come from the prefill's hidden states; cached positions
+            # have none, so such a request computes its whole prompt (it still fills the cache).
+            computed_block_ids, num_hit = [], 0
         remaining = request.num_tokens - num_hit
         num_new = self._chunk_size(remaining, self._prefill_budget(request, remaining, step))
         if num_new == 0:

@@ -14,7 +14,8 @@ import math
 
 import torch
 
-from kvserve.core.outputs import LogprobsEntry, ScheduledRequest
+from kvserve.core.outputs import GrammarBitmask, LogprobsEntry, ScheduledRequest
+from kvserve.runtime.logits_constraints import match_bitmask_rows
 from kvserve.runtime.sampler import Sampler
 
 logger = logging.getLogger("kvserve.guard")
@@ -36,9 +37,14 @@ def nonfinite_rows(logits: torch.Tensor, vocab_size: int) -> list[int]:
 
 
 def sample_guarded(
-    sampler: Sampler, logits: torch.Tensor, reqs: list[ScheduledRequest]
+    sampler: Sampler,
+    logits: torch.Tensor,
+    reqs: list[ScheduledRequest],
+    grammar: GrammarBitmask | None = None,
 ) -> tuple[dict[str, int], dict[str, LogprobsEntry], dict[str, str]]:
     """Sample every row of ``logits`` [N, V]; rows that fail are reported, not raised.
+
+    ``grammar``: the step's structured-output bitmask (rows matched to requests by id).
 
     Returns (sampled id per request, logprobs entry per request that asked, failure reason
     per request that failed). A batch that raises is sampled again row by row, so only the
@@ -57,14 +63,16 @@ def sample_guarded(
     sub = logits if len(rows) == len(reqs) else logits[rows]  # [M, V]
     sub_reqs = [reqs[i] for i in rows]
     try:
-        results = [sampler.sample(sub, sub_reqs)]
+        results = [sampler.sample(sub, sub_reqs, match_bitmask_rows(grammar, sub_reqs))]
         groups = [sub_reqs]
     except Exception:  # noqa: BLE001 - isolated below, row by row
         logger.warning("sampling a batch of %d rows raised; retrying row by row", len(rows))
         results, groups = [], []
         for j, req in enumerate(sub_reqs):
             try:
-                results.append(sampler.sample(sub[j : j + 1], [req]))
+                results.append(
+                    sampler.sample(sub[j : j + 1], [req], match_bitmask_rows(grammar, [req]))
+                )
                 groups.append([req])
             except Exception as e:  # noqa: BLE001 - this request's own fault
                 logger.warning("sampling failed for %s: %r", req.request_id, e)

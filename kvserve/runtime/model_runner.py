@@ -13,6 +13,7 @@ from kvserve.models.llama import LlamaForCausalLM
 from kvserve.runtime.guard import sample_guarded
 from kvserve.runtime.input_batch import InputBatch, build_input_batch
 from kvserve.runtime.kv_cache import KVCache
+from kvserve.runtime.prompt_logprobs import compute_prompt_logprobs
 from kvserve.runtime.sampler import Sampler
 from kvserve.runtime.workspace import Workspace
 
@@ -122,8 +123,9 @@ class ModelRunner:
                 # NOTE: guarded per request: a row that fails is reported in out.failed
                 # (the engine fails that request) instead of failing the whole step.
                 out.sampled_token_ids, out.logprobs, out.failed = sample_guarded(
-                    self.sampler, logits, batch.sample_requests
+                    self.sampler, logits, batch.sample_requests, sched.grammar_bitmask
                 )
+            out.prompt_logprobs = compute_prompt_logprobs(self.model, hidden, batch)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         out.execute_time = time.perf_counter() - start

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.core.outputs import Logprob, LogprobsEntry, ScheduledRequest
+from kvserve.runtime.logits_constraints import RowBitmask, apply_logit_bias, apply_token_bitmask
 from kvserve.sampling_params import SamplingParams
 
 __all__ = ["Sampler", "apply_penalties"]
@@ -78,13 +79,17 @@ class Sampler:
 
     # ------------------------------------------------------------------------------ sample
     def sample(
-        self, logits: torch.Tensor, reqs: list[ScheduledRequest]
+        self,
+        logits: torch.Tensor,
+        reqs: list[ScheduledRequest],
+        token_bitmask: RowBitmask | None = None,
     ) -> tuple[list[int], list[LogprobsEntry | None]]:
         """Sample one token for each row of ``logits`` ([N, V] float, row i = reqs[i]).
 
         Returns the token ids and, per row, a LogprobsEntry (the sampled token plus the
         top-N raw logprobs) when that request asked for logprobs, else None.
-        The caller's tensor is not modified.
+        The caller's tensor is not modified. ``token_bitmask`` (structured output) and each
+        request's ``logit_bias`` edit a copy of the logits before everything else.
         """
         if logits.dim() != 2 or logits.shape[0] != len(reqs):
             raise ValueError(
@@ -99,13 +104,23 @@ class Sampler:
         if not reqs:
             return [], []
         logits = logits[:, : self.vocab_size].float()  # [N, V]
+        raw_logits = logits
         plans = [self._plan(r) for r in reqs]
+        if token_bitmask is not None or any(r.sampling_params.logit_bias for r in reqs):
+            logits = logits.clone(memory_format=torch.contiguous_format)  # [N, V]
+            apply_logit_bias(logits, reqs)
+            if token_bitmask is not None:
+                apply_token_bitmask(logits, token_bitmask)
+                # NOTE: the grammar decides where a constrained output may end; masking EOS
+                # for min_tokens there could leave a row with no allowed token.
+                for i in token_bitmask.rows:
+                    plans[i].min_tokens_ids = None
         if all(p.greedy and not p.penalized and p.min_tokens_ids is None for p in plans):
             # Fast path: the common all-greedy batch is a single argmax.
             token_ids: list[int] = _argmax(logits).tolist()
         else:
             token_ids = self._sample_mixed(logits, reqs, plans)
-        return token_ids, _logprobs_entries(logits, token_ids, reqs)
+        return token_ids, _logprobs_entries(raw_logits, token_ids, reqs)
 
     def _plan(self, req: ScheduledRequest) -> _RowPlan:
         p = req.sampling_params

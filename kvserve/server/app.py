@@ -26,6 +26,7 @@ from kvserve.server.serving import (
     create_chat_completion,
     create_completion,
 )
+from kvserve.server.tokenization import detokenize, tokenize
 
 logger = logging.getLogger("kvserve.server")
 
@@ -48,6 +49,8 @@ def build_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     protect_metrics: bool = False,
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+    chat_template: str | None = None,
+    tool_call_parser: str = "hermes",
 ) -> FastAPI:
     """An OpenAI-compatible app serving ``engine`` (an LLMEngine or the same interface).
 
@@ -72,6 +75,9 @@ def build_app(
         vocab_size=int(engine.arch.vocab_size),  # type: ignore[attr-defined]
         tokenizer=engine.tokenizer,  # type: ignore[attr-defined]
         max_total_tokens=min(max_model_len, pool_tokens),
+        chat_template=chat_template,
+        tool_call_parser=tool_call_parser,
+        validate_constraint=getattr(getattr(engine, "structured", None), "validate", None),
     )
 
     @asynccontextmanager
@@ -128,6 +134,18 @@ def build_app(
     @api.post("/v1/chat/completions")
     async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(ctx, body, request)
+
+    @api.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        try:
+            body = await request.json()
+        except ValueError as e:
+            raise APIError(f"malformed JSON body: {e}", code="json_invalid") from e
+        return await tokenize(ctx, body)
+
+    @api.post("/detokenize")
+    async def detokenize_route(body: p.DetokenizeRequest) -> Response:
+        return await detokenize(ctx, body)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -11,6 +11,7 @@ from types import FrameType
 from typing import Any
 
 from kvserve.server.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT_S
+from kvserve.server.tools import TOOL_CALL_PARSERS
 
 
 def register(
@@ -60,6 +61,18 @@ def register(
         help="testing only: a prompt containing KVSERVE_INJECT_FAULT fails its steps, one "
         "containing KVSERVE_INJECT_FATAL stops the engine (see kvserve/fault_injection.py)",
     )
+    g.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template file (or the template text) replacing the model's",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        choices=TOOL_CALL_PARSERS,
+        help="how tool calls are read from the output (hermes: <tool_call>{...}</tool_call>)",
+    )
     g.add_argument("--log-level", default="warning", help="uvicorn log level")
     g.add_argument(
         "--data-parallel-size",
@@ -81,6 +94,19 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: the text of a file, or the value itself when it is a Jinja
+    template (as vLLM). Exits with a message when it is neither."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{%" in value or "{{" in value:
+        return value
+    raise SystemExit(f"kvserve serve: --chat-template: no such file: {value}")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Build the engine, then run uvicorn until interrupted."""
     import uvicorn
@@ -94,6 +120,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from kvserve.router.data_parallel import serve_data_parallel
 
         return serve_data_parallel(args)
+    chat_template = load_chat_template(args.chat_template)
     config = EngineConfig.from_cli_args(args)
     engine, executor = build_on_engine_thread(lambda: LLMEngine(config))
     print(f"[kvserve] {engine.kernels.summary()}", file=sys.stderr)
@@ -115,6 +142,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         protect_metrics=args.protect_metrics,
         shutdown_timeout=args.shutdown_timeout,
+        chat_template=chat_template,
+        tool_call_parser=args.tool_call_parser,
     )
     print(
         f"[kvserve] serving {app.state.ctx.model_name!r} on http://{args.host}:{args.port}",

@@ -1,8 +1,9 @@
 """Pydantic models of the OpenAI API subset kvserve serves (completions, chat, models).
 
 Request models validate types (strictly: "5" is not an int, "yes" not a bool) and ranges;
-a violation becomes a 400 with the field as ``param`` (see errors.py). Unknown fields are
-ignored, as OpenAI-compatible servers do.
+a violation becomes a 400 with the field as ``param`` (see errors.py). An unknown field is a
+400 naming it (``extra="forbid"``), as OpenAI's own API does: nothing is silently dropped.
+The fields beyond OpenAI's that are accepted are vLLM's extras listed in ``VLLM_EXTRAS``.
 """
 
 from __future__ import annotations
@@ -17,17 +18,51 @@ from kvserve.sampling_params import MAX_LOGPROBS
 TokenId = Annotated[int, Strict()]
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
+_FORBID = ConfigDict(extra="forbid", strict=True)
+
+# The request fields beyond OpenAI's API that kvserve implements, with vLLM's names and
+# meaning; any other field not in OpenAI's API is a 400 (README, "OpenAI server").
+VLLM_EXTRAS: dict[str, tuple[str, ...]] = {
+    "common": (
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "min_tokens",
+        "ignore_eos",
+        "skip_special_tokens",
+        "include_stop_str_in_output",
+        "stop_token_ids",
+        "priority",
+        "cache_salt",
+        "structured_outputs",
+    ),
+    "completions": ("prompt_logprobs",),
+    "chat": ("add_generation_prompt",),
+}
+
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = _FORBID
 
     include_usage: bool = False
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's ``structured_outputs`` extra: exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class SamplingRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = _FORBID
 
     model: str | None = None
     n: int = Field(1, ge=1, le=128)
@@ -51,6 +86,7 @@ class SamplingRequest(BaseModel):
     user: str | None = None
     priority: int = 0
     cache_salt: str | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -66,21 +102,39 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 class TextContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = _FORBID
 
     type: Literal["text"]
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = _FORBID
+
+    name: str
+    arguments: str  # JSON text, as OpenAI
+
+
+class ToolCall(BaseModel):
+    model_config = _FORBID
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = _FORBID
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # role "tool": the call this result answers
 
     def text(self) -> str:
         """The content as one string (text parts joined)."""
@@ -91,10 +145,59 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class FunctionDefinition(BaseModel):
+    model_config = _FORBID
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None = no arguments
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    model_config = _FORBID
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = _FORBID
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _FORBID
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
 class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    response_format: ResponseFormat | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -125,12 +228,22 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's prompt_logprobs entry: one token's raw logprob, rank and text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # token id (as a JSON key) -> entry, per prompt token; None for the first one.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -159,6 +272,7 @@ class ChatLogProbs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -178,9 +292,22 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):
@@ -210,6 +337,47 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """POST /tokenize with a prompt (vLLM)."""
+
+    model_config = _FORBID
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """POST /tokenize with chat messages (vLLM): the rendered chat template's tokens."""
+
+    model_config = _FORBID
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = _FORBID
+
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 def dump(model: BaseModel) -> dict[str, Any]:

@@ -32,7 +32,17 @@ from kvserve.core.outputs import LogprobsEntry
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server import protocol as p
+from kvserve.server.chat_tools import (
+    ChatPlan,
+    ToolStream,
+    drop_none,
+    plan_chat,
+    prompt_messages,
+    response_message,
+    structured_params,
+)
 from kvserve.server.errors import APIError, from_value_error
+from kvserve.structured.spec import StructuredOutputsParams
 
 MAX_SEED = 2**63 - 1 - 1024  # NOTE: room for seed + sample_index in the sampler's generator
 MAX_CHOICES = 256  # prompts x n in one request
@@ -48,6 +58,11 @@ class ServingContext:
     vocab_size: int
     tokenizer: Any
     max_total_tokens: int  # min(max_model_len, KV pool capacity in tokens)
+    chat_template: str | None = None  # --chat-template: replaces the model's template
+    tool_call_parser: str = "hermes"  # --tool-call-parser
+    # Compiles a structured-output constraint (ValueError if invalid); runs on the engine
+    # thread. None: the engine has no structured output (test engines).
+    validate_constraint: Callable[[StructuredOutputsParams], None] | None = None
 
     def __post_init__(self) -> None:
         self.token_text = functools.lru_cache(maxsize=65536)(self._token_text)
@@ -103,15 +118,53 @@ def _resolve_max_tokens(
     return max_tokens
 
 
+def _logit_bias(ctx: ServingContext, bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token id strings -> bias) with every id checked."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            message = f"logit_bias key {key!r} is not a token id"
+            raise APIError(message, param="logit_bias") from None
+        if not 0 <= token_id < ctx.vocab_size:
+            raise APIError(
+                f"logit_bias token id {token_id} is outside the vocabulary [0, {ctx.vocab_size})",
+                param="logit_bias",
+            )
+        out[token_id] = value
+    return out
+
+
+async def _check_constraint(
+    ctx: ServingContext, constraint: StructuredOutputsParams | None, param: str | None
+) -> None:
+    """Compile the constraint now (cached), so a bad schema/regex/grammar is a 400 naming
+    the problem before anything is queued."""
+    if constraint is None or ctx.validate_constraint is None:
+        return
+    check = ctx.validate_constraint
+    try:
+        await off_engine(ctx, lambda: check(constraint))
+    except ValueError as e:
+        raise APIError(str(e), param=param) from e
+
+
 def _sampling_params(
-    ctx: ServingContext, req: p.SamplingRequest, max_tokens: int, logprobs: int | None
+    ctx: ServingContext,
+    req: p.SamplingRequest,
+    max_tokens: int,
+    logprobs: int | None,
+    constraint: StructuredOutputsParams | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
         raise APIError(f"seed must be in [0, {MAX_SEED}]", param="seed")
     if req.top_k is not None and req.top_k > ctx.vocab_size:
         raise APIError(f"top_k must be <= the vocabulary size {ctx.vocab_size}", param="top_k")
-    if req.logit_bias:
-        raise APIError("logit_bias is not supported", param="logit_bias")
+    logit_bias = _logit_bias(ctx, req.logit_bias)
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
     if stop is not None and any(not s for s in stop):
         raise APIError("stop strings must be non-empty", param="stop")
@@ -134,6 +187,9 @@ def _sampling_params(
             frequency_penalty=req.frequency_penalty,
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
+            logit_bias=logit_bias,
+            structured_outputs=constraint,
+            prompt_logprobs=prompt_logprobs,
         )
     except ValueError as e:
         raise from_value_error(e) from e
@@ -210,16 +266,25 @@ async def create_completion(
 ) -> Response:
     """POST /v1/completions."""
     check_model(ctx, req.model)
-    if req.echo:
-        raise APIError("echo is not supported", param="echo")
     if req.suffix:
         raise APIError("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise APIError("best_of must equal n (best-of sampling is not supported)", param="best_of")
-    prompts = await _off_engine(ctx, lambda: _completion_prompts(ctx, req))
+    prompts = await off_engine(ctx, lambda: _completion_prompts(ctx, req))
+    constraint = _completion_constraint(req)
+    await _check_constraint(ctx, constraint, "structured_outputs")
+    # NOTE: echo with logprobs reports the prompt tokens' logprobs too (OpenAI).
+    prompt_lps = req.prompt_logprobs
+    if req.echo and req.logprobs is not None:
+        prompt_lps = max(req.logprobs, prompt_lps or 0)
     params_list = [
         _sampling_params(
-            ctx, req, _resolve_max_tokens(ctx, len(ids), req.max_tokens, "max_tokens"), req.logprobs
+            ctx,
+            req,
+            _resolve_max_tokens(ctx, len(ids), req.max_tokens, "max_tokens"),
+            req.logprobs,
+            constraint,
+            prompt_lps,
         )
         for ids in prompts
     ]
@@ -229,12 +294,17 @@ async def create_completion(
         return sse_response(_completion_stream(ctx, req, request_id, prompts, streams))
     finals = await collect_or_disconnect(raw, streams)
     choices = [
-        p.CompletionChoice(
-            index=i * req.n + c.index,
-            text=c.text,
-            logprobs=_completion_logprobs(ctx, c.token_ids, c.logprobs, 0, req.logprobs),
-            finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason,
+        _with_prompt_parts(
+            ctx,
+            req,
+            out,
+            p.CompletionChoice(
+                index=i * req.n + c.index,
+                text=c.text,
+                logprobs=_completion_logprobs(ctx, c.token_ids, c.logprobs, 0, req.logprobs),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            ),
         )
         for i, out in enumerate(finals)
         for c in out.outputs
@@ -255,6 +325,7 @@ async def _completion_stream(
     created = _now()
     finals: list[RequestOutput | None] = [None] * len(streams)
     sent_finish: set[int] = set()
+    echoed: set[int] = set()
     async with aclosing(merge_streams(streams)) as merged:
         async for i, out in merged:
             finals[i] = out
@@ -268,21 +339,20 @@ async def _completion_stream(
                 if new_finish:
                     sent_finish.add(index)
                 start = len(c.token_ids) - len(c.delta_token_ids)
+                choice = p.CompletionChoice(
+                    index=index,
+                    text=c.delta_text,
+                    logprobs=_completion_logprobs(
+                        ctx, c.token_ids, c.logprobs, start, req.logprobs
+                    ),
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+                if index not in echoed:  # the first chunk of a choice carries the prompt parts
+                    echoed.add(index)
+                    choice = _with_prompt_parts(ctx, req, out, choice)
                 chunk = p.CompletionResponse(
-                    id=request_id,
-                    created=created,
-                    model=ctx.model_name,
-                    choices=[
-                        p.CompletionChoice(
-                            index=index,
-                            text=c.delta_text,
-                            logprobs=_completion_logprobs(
-                                ctx, c.token_ids, c.logprobs, start, req.logprobs
-                            ),
-                            finish_reason=c.finish_reason,
-                            stop_reason=c.stop_reason,
-                        )
-                    ],
+                    id=request_id, created=created, model=ctx.model_name, choices=[choice]
                 )
                 yield _sse(p.dump(chunk))
     if req.include_usage:
@@ -317,18 +387,71 @@ def _completion_logprobs(
     return out
 
 
+def _completion_constraint(req: p.CompletionRequest) -> StructuredOutputsParams | None:
+    if req.structured_outputs is None:
+        return None
+    try:
+        return structured_params(req.structured_outputs)
+    except ValueError as e:
+        raise APIError(str(e), param="structured_outputs") from e
+
+
+def _with_prompt_parts(
+    ctx: ServingContext, req: p.CompletionRequest, out: RequestOutput, choice: p.CompletionChoice
+) -> p.CompletionChoice:
+    """``choice`` with echo (prompt text, and its logprobs when logprobs are asked) and
+    vLLM's ``prompt_logprobs`` added, as the request asks."""
+    lps = out.prompt_logprobs
+    if req.prompt_logprobs is not None and lps is not None:
+        num_top = req.prompt_logprobs
+        choice.prompt_logprobs = [
+            None
+            if entry is None
+            else {
+                str(t): p.PromptLogprob(
+                    logprob=lp.logprob, rank=lp.rank, decoded_token=ctx.token_text(t)
+                )
+                for t, lp in entry.items()
+                if t == tid or lp.rank <= num_top
+            }
+            for tid, entry in zip(out.prompt_token_ids, lps, strict=False)
+        ]
+    if not req.echo:
+        return choice
+    prompt_text = (
+        out.prompt if out.prompt is not None else ctx.tokenizer.decode(out.prompt_token_ids)
+    )
+    choice.text = prompt_text + choice.text
+    if choice.logprobs is not None and lps is not None:
+        head = _completion_logprobs(
+            ctx, out.prompt_token_ids, [e or {} for e in lps], 0, req.logprobs
+        )
+        assert head is not None
+        head.token_logprobs[0] = None
+        head.top_logprobs[0] = None
+        shift = len(prompt_text)
+        head.tokens += choice.logprobs.tokens
+        head.token_logprobs += choice.logprobs.token_logprobs
+        head.top_logprobs += choice.logprobs.top_logprobs
+        head.text_offset += [o + shift for o in choice.logprobs.text_offset]
+        choice.logprobs = head
+    return choice
+
+
 # ---- chat -----------------------------------------------------------------------------------
 
 
-def _chat_prompt(ctx: ServingContext, req: p.ChatCompletionRequest) -> list[int]:
+def _chat_prompt(
+    ctx: ServingContext, req: p.ChatCompletionRequest, plan: ChatPlan | None = None
+) -> list[int]:
     """Runs on a tokenizer thread: render the chat template and check the result."""
-    messages = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        for m in req.messages
-    ]
+    template = ctx.chat_template or getattr(ctx.tokenizer, "chat_template", None)
+    messages, extra = prompt_messages(req, plan or ChatPlan(), template)
+    if ctx.chat_template is not None:
+        extra["chat_template"] = ctx.chat_template
     try:
         ids = ctx.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=req.add_generation_prompt
+            messages, add_generation_prompt=req.add_generation_prompt, **extra
         )
     except ValueError as e:
         raise APIError(str(e), param="messages") from e
@@ -343,7 +466,9 @@ async def create_chat_completion(
     check_model(ctx, req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs requires logprobs=true", param="top_logprobs")
-    ids = await _off_engine(ctx, lambda: _chat_prompt(ctx, req))
+    plan = plan_chat(req)
+    ids = await off_engine(ctx, lambda: _chat_prompt(ctx, req, plan))
+    await _check_constraint(ctx, plan.constraint, plan.constraint_param)
     if req.max_completion_tokens is not None:
         max_tokens = _resolve_max_tokens(
             ctx, len(ids), req.max_completion_tokens, "max_completion_tokens"
@@ -351,22 +476,24 @@ async def create_chat_completion(
     else:
         max_tokens = _resolve_max_tokens(ctx, len(ids), req.max_tokens, "max_tokens")
     num_top = (req.top_logprobs or 0) if req.logprobs else None
-    params = _sampling_params(ctx, req, max_tokens, num_top)
+    params = _sampling_params(ctx, req, max_tokens, num_top, plan.constraint)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await _add_engine_requests(ctx, request_id, [ids], [params], req)
     if req.stream:
-        return sse_response(_chat_stream(ctx, req, request_id, ids, streams[0], num_top))
+        return sse_response(_chat_stream(ctx, req, request_id, ids, streams[0], num_top, plan))
     finals = await collect_or_disconnect(raw, streams)
-    choices = [
-        p.ChatChoice(
-            index=c.index,
-            message=p.ChatResponseMessage(content=c.text),
-            logprobs=_chat_logprobs(ctx, c.token_ids, c.logprobs, 0, num_top),
-            finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason,
+    choices = []
+    for c in finals[0].outputs:
+        message, finish_reason = response_message(plan, c.text, c.finish_reason)
+        choices.append(
+            p.ChatChoice(
+                index=c.index,
+                message=message,
+                logprobs=_chat_logprobs(ctx, c.token_ids, c.logprobs, 0, num_top),
+                finish_reason=finish_reason,
+                stop_reason=c.stop_reason,
+            )
         )
-        for c in finals[0].outputs
-    ]
     resp = p.ChatCompletionResponse(
         id=request_id, model=ctx.model_name, choices=choices, usage=_usage([ids], finals)
     )
@@ -380,8 +507,14 @@ async def _chat_stream(
     prompt_ids: list[int],
     stream: RequestStream,
     num_top: int | None,
+    plan: ChatPlan | None = None,
 ) -> AsyncIterator[str]:
     created = _now()
+    tool_streams = (
+        [ToolStream(plan) for _ in range(req.n)]
+        if plan is not None and plan.tool_mode != "none"
+        else None
+    )
 
     def chunk(choices: list[p.ChatStreamChoice], usage: p.UsageInfo | None = None) -> str:
         payload = p.dump(
@@ -391,7 +524,7 @@ async def _chat_stream(
         )
         for choice in payload["choices"]:
             # NOTE: OpenAI omits unset delta fields rather than sending nulls.
-            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+            choice["delta"] = drop_none(choice["delta"])
         return _sse(payload)
 
     for i in range(req.n):
@@ -409,11 +542,19 @@ async def _chat_stream(
                 if new_finish:
                     sent_finish.add(c.index)
                 start = len(c.token_ids) - len(c.delta_token_ids)
+                delta: p.DeltaMessage | None = p.DeltaMessage(content=c.delta_text)
+                finish_reason = c.finish_reason
+                if tool_streams is not None:
+                    delta, finish_reason = tool_streams[c.index].delta(
+                        c.delta_text, c.finish_reason
+                    )
+                    if delta is None and not new_finish and num_top is None:
+                        continue  # held back (a possible tool-call tag): nothing to send yet
                 choice = p.ChatStreamChoice(
                     index=c.index,
-                    delta=p.DeltaMessage(content=c.delta_text),
+                    delta=delta or p.DeltaMessage(),
                     logprobs=_chat_logprobs(ctx, c.token_ids, c.logprobs, start, num_top),
-                    finish_reason=c.finish_reason,
+                    finish_reason=finish_reason,
                 )
                 yield chunk([choice])
     if req.include_usage:
@@ -477,7 +618,9 @@ def _usage(prompts: list[list[int]], finals: list[RequestOutput]) -> p.UsageInfo
 _TOKENIZER_THREADS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvserve-tokenize")
 
 
-async def _off_engine(ctx: ServingContext, fn: Callable[[], Any]) -> Any:
+async def off_engine(ctx: ServingContext, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` (tokenization, template rendering, a constraint compile) on the tokenizer
+    pool, never on the engine thread: a huge prompt delays only its own request."""
     if ctx.engine.is_dead:
         raise engine_error(EngineDeadError(f"the engine loop has died: {ctx.engine.dead_error!r}"))
     return await asyncio.get_running_loop().run_in_executor(_TOKENIZER_THREADS, fn)

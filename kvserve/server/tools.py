@@ -1,0 +1,279 @@
+"""Tool calling: tool definitions into the prompt, ``<tool_call>`` output back into calls.
+
+Prompting. A chat template that knows tools (its source uses ``tools``, as Qwen2.5's and
+Hermes' do) gets the tool definitions and the structured ``tool_calls`` / ``tool`` turns as
+they are. A template that does not (SmolLM2's) gets the Hermes convention written into the
+messages: the tool signatures in the system prompt inside ``<tools></tools>``, earlier calls
+as ``<tool_call>{...}</tool_call>`` in the assistant turn, and tool results as a user turn
+of ``<tool_response>...</tool_response>`` blocks (Qwen2.5's rendering).
+
+Parsing (``--tool-call-parser hermes``, vLLM's name): every ``<tool_call>`` block holds a JSON
+object ``{"name", "arguments"}`` (or a list of them, as SmolLM2 writes); text outside the
+blocks is the message content. Constrained choices (``required`` or a named function) do not
+parse free text: their output is generated under a JSON schema (``tool_choice_schema``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+TOOL_CALL_PARSERS = ("hermes",)
+START, END = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(re.escape(START) + r"(.*?)(?:" + re.escape(END) + r"|\Z)", re.S)
+
+HERMES_SYSTEM_PROMPT = (
+    "You are a function calling AI model. You are provided with function signatures within "
+    "<tools></tools> XML tags. You may call one or more functions to assist with the user "
+    "query. Don't make assumptions about what values to plug into functions. Here are the "
+    "available tools: <tools>\n{tools}\n</tools>\nFor each function call return a json object "
+    "with function name and arguments within <tool_call></tool_call> XML tags as follows:\n"
+    '<tool_call>\n{{"name": <function-name>, "arguments": <args-dict>}}\n</tool_call>'
+)
+
+
+def new_call_id() -> str:
+    """A tool-call id in OpenAI's style."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(slots=True)
+class ParsedCall:
+    """One tool call: the function's name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=new_call_id)
+
+
+def template_supports_tools(template: str | None) -> bool:
+    """True when the Jinja chat template renders ``tools`` itself."""
+    return bool(template) and re.search(r"\btools\b", template or "") is not None
+
+
+def tools_as_dicts(tools: list[Any]) -> list[dict[str, Any]]:
+    """OpenAI tool objects (pydantic) as plain dicts, without unset fields."""
+    return [t.model_dump(exclude_none=True, by_alias=True) for t in tools]
+
+
+def hermes_messages(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> list[dict[str, Any]]:
+    """``messages`` (OpenAI dicts) rewritten as plain role/content turns in the Hermes format,
+    for a template that does not render tools itself."""
+    out: list[dict[str, Any]] = []
+    if tools:
+        listing = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
+        prompt = HERMES_SYSTEM_PROMPT.format(tools=listing)
+        if messages and messages[0]["role"] == "system":
+            prompt = messages[0]["content"] + "\n\n" + prompt
+            messages = messages[1:]
+        out.append({"role": "system", "content": prompt})
+    for m in messages:
+        if m["role"] == "tool":
+            block = f"<tool_response>\n{m['content']}\n</tool_response>"
+            if out and out[-1].get("_tool_results"):
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block, "_tool_results": True})
+            continue
+        content = m.get("content") or ""
+        for call in m.get("tool_calls") or []:
+            fn = call["function"]
+            payload = {"name": fn["name"], "arguments": _loads_or_text(fn["arguments"])}
+            block = f"{START}\n{json.dumps(payload, ensure_ascii=False)}\n{END}"
+            content = f"{content}\n{block}" if content else block
+        out.append({"role": m["role"], "content": content})
+    for m in out:
+        m.pop("_tool_results", None)
+    return out
+
+
+def native_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` for a tool-aware template: arguments as objects (Qwen's and Hermes'
+    templates serialise them), content always a string."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        m["content"] = m.get("content") or ""
+        if m.get("tool_calls"):
+            m["tool_calls"] = [
+                {
+                    "id": c["id"],
+                    "type": "function",
+                    "function": {
+                        "name": c["function"]["name"],
+                        "arguments": _loads_or_text(c["function"]["arguments"]),
+                    },
+                }
+                for c in m["tool_calls"]
+            ]
+        out.append(m)
+    return out
+
+
+def _loads_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+# ---- constrained tool choice ----------------------------------------------------------------
+
+
+def function_parameters(tool: dict[str, Any]) -> dict[str, Any]:
+    """A function's parameter schema (an empty object schema when it has none)."""
+    return tool["function"].get("parameters") or {"type": "object", "properties": {}}
+
+
+def required_calls_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
+    """JSON schema of ``tool_choice="required"`` output: an array of one (or, with parallel
+    calls, one or more) ``{"name", "arguments"}`` objects, each under its function's schema."""
+    items = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [t["function"]["name"]]},
+                "arguments": function_parameters(t),
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    schema: dict[str, Any] = {
+        "type": "array",
+        "items": items[0] if len(items) == 1 else {"anyOf": items},
+        "minItems": 1,
+    }
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def parse_required_output(text: str) -> list[ParsedCall] | None:
+    """The calls of a ``required`` output (a JSON array); None if it does not parse (cut
+    short by max_tokens)."""
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(items, list):
+        return None
+    return [
+        ParsedCall(i["name"], json.dumps(i["arguments"], ensure_ascii=False))
+        for i in items
+        if isinstance(i, dict) and isinstance(i.get("name"), str) and "arguments" in i
+    ]
+
+
+# ---- parsing free text ---------------------------------------------------------------------
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[ParsedCall]]:
+    """(content outside the blocks or None, calls) of a whole model output. A block whose
+    JSON does not parse stays in the content, so nothing the model wrote is lost."""
+    calls: list[ParsedCall] = []
+    content_parts: list[str] = []
+    pos = 0
+    for m in _BLOCK.finditer(text):
+        parsed = _parse_block(m.group(1))
+        content_parts.append(text[pos : m.start()])
+        if parsed is None:
+            content_parts.append(m.group(0))
+        else:
+            calls.extend(parsed)
+        pos = m.end()
+    content_parts.append(text[pos:])
+    content = "".join(content_parts).strip()
+    return (content or None), calls
+
+
+def _parse_block(body: str) -> list[ParsedCall] | None:
+    try:
+        value = json.loads(body.strip())
+    except json.JSONDecodeError:
+        return None
+    items = value if isinstance(value, list) else [value]
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            return None
+        args = item.get("arguments", item.get("parameters", {}))
+        calls.append(ParsedCall(item["name"], args if isinstance(args, str) else json.dumps(args)))
+    return calls
+
+
+class StreamingToolParser:
+    """Splits a streamed output into content deltas and complete tool calls.
+
+    Text before the first ``<tool_call>`` streams as content, except a tail that could be
+    the start of the tag (held back until it cannot). Each block is reported as a call once
+    its ``</tool_call>`` arrives, or at ``finish()`` if the output ended inside it.
+    """
+
+    def __init__(self) -> None:
+        self.text = ""
+        self._content_sent = 0  # characters of text sent as content
+        self._in_calls = False
+        self._blocks_done = 0
+        self.num_calls = 0
+
+    def feed(self, delta: str) -> tuple[str, list[ParsedCall]]:
+        """(content delta, newly completed calls) after ``delta``."""
+        self.text += delta
+        content = ""
+        if not self._in_calls:
+            start = self.text.find(START, self._content_sent)
+            if start >= 0:
+                content = self.text[self._content_sent : start]
+                self._content_sent = start
+                self._in_calls = True
+            else:
+                safe = len(self.text) - _partial_tag_len(self.text)
+                content = self.text[self._content_sent : safe]
+                self._content_sent = safe
+        calls: list[ParsedCall] = []
+        if self._in_calls:
+            blocks = list(_BLOCK.finditer(self.text, self._content_sent))
+            closed = [b for b in blocks if b.group(0).endswith(END)]
+            for b in closed[self._blocks_done :]:
+                parsed = _parse_block(b.group(1))
+                if parsed is None:
+                    content += b.group(0)  # not a call after all: keep the text
+                else:
+                    calls.extend(parsed)
+            self._blocks_done = len(closed)
+        self.num_calls += len(calls)
+        return content, calls
+
+    def finish(self) -> tuple[str, list[ParsedCall]]:
+        """What is left once the output is complete: held-back content, an unclosed block."""
+        if not self._in_calls:
+            rest = self.text[self._content_sent :]
+            self._content_sent = len(self.text)
+            return rest, []
+        blocks = list(_BLOCK.finditer(self.text, self._content_sent))
+        calls: list[ParsedCall] = []
+        content = ""
+        for b in blocks[self._blocks_done :]:
+            parsed = _parse_block(b.group(1))
+            if parsed is None:
+                content += b.group(0)
+            else:
+                calls.extend(parsed)
+        self._blocks_done = len(blocks)
+        self.num_calls += len(calls)
+        return content, calls
+
+
+def _partial_tag_len(text: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``<tool_call>``."""
+    for n in range(min(len(START) - 1, len(text)), 0, -1):
+        if START.startswith(text[-n:]):
+            return n
+    return 0

@@ -1,0 +1,106 @@
+"""The Hermes tool-call parser (whole and streamed), the prompt rewriting for templates
+without tools, and the JSON schema of tool_choice="required"."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from kvserve.server.tools import (
+    StreamingToolParser,
+    hermes_messages,
+    parse_required_output,
+    parse_tool_calls,
+    required_calls_schema,
+    template_supports_tools,
+)
+
+TOOLS = [
+    {"type": "function", "function": {"name": "a", "parameters": {"type": "object",
+     "properties": {"x": {"type": "integer"}}, "required": ["x"]}}},
+    {"type": "function", "function": {"name": "b"}},
+]  # fmt: skip
+
+TEXT = (
+    'Let me check.<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
+    '<tool_call>[{"name": "b", "arguments": {}}]</tool_call>'
+)
+
+
+def test_parse_whole_output() -> None:
+    content, calls = parse_tool_calls(TEXT)
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {"x": 1}), ("b", {})]
+    assert len({c.id for c in calls}) == 2
+    assert parse_tool_calls("no calls here") == ("no calls here", [])
+    bad = "x <tool_call>{not json}</tool_call>"
+    assert parse_tool_calls(bad) == (bad, [])  # kept as content, nothing lost
+
+
+@pytest.mark.parametrize("step", [1, 3, 7, 1000])
+def test_streamed_equals_whole(step: int) -> None:
+    parser = StreamingToolParser()
+    content, calls = "", []
+    for i in range(0, len(TEXT), step):
+        c, new = parser.feed(TEXT[i : i + step])
+        assert "<" not in c  # a tag prefix is never leaked as content
+        content, calls = content + c, calls + new
+    c, new = parser.finish()
+    content, calls = content + c, calls + new
+    whole_content, whole_calls = parse_tool_calls(TEXT)
+    assert content == whole_content
+    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole_calls]
+
+
+def test_streamed_unclosed_block_and_plain_text() -> None:
+    parser = StreamingToolParser()
+    assert parser.feed('<tool_call>{"name": "a", "arguments": {"x": 2}}') == ("", [])
+    content, calls = parser.finish()
+    assert content == "" and [c.name for c in calls] == ["a"]
+    parser = StreamingToolParser()
+    assert parser.feed("a < b <tool") == ("a < b ", [])
+    assert parser.finish() == ("<tool", [])
+
+
+def test_hermes_messages_for_plain_templates() -> None:
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "a", "arguments": '{"x": 1}'}}]},
+        {"role": "tool", "content": "1", "tool_call_id": "c1"},
+        {"role": "tool", "content": "2", "tool_call_id": "c2"},
+    ]  # fmt: skip
+    out = hermes_messages(msgs, TOOLS)
+    assert [m["role"] for m in out] == ["system", "user", "assistant", "user"]
+    assert out[0]["content"].startswith("Be brief.") and '"name": "a"' in out[0]["content"]
+    assert out[2]["content"] == '<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>'
+    assert (
+        out[3]["content"]
+        == "<tool_response>\n1\n</tool_response>\n<tool_response>\n2\n</tool_response>"
+    )
+    assert all(set(m) == {"role", "content"} for m in out)
+    assert template_supports_tools("{% for tool in tools %}{% endfor %}")
+    assert not template_supports_tools("{{ messages }}")
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_schema(parallel: bool) -> None:
+    schema = required_calls_schema(TOOLS, parallel)
+    one = [{"name": "a", "arguments": {"x": 3}}]
+    jsonschema.validate(one, schema)
+    two = one + [{"name": "b", "arguments": {}}]
+    if parallel:
+        jsonschema.validate(two, schema)
+    else:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(two, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "a", "arguments": {"x": "no"}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([], schema)
+    calls = parse_required_output(json.dumps(two))
+    assert calls is not None and [c.name for c in calls] == ["a", "b"]
+    assert parse_required_output('[{"name": "a", "argu') is None

@@ -29,6 +29,7 @@ from kvserve.memory_budget import (
 )
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_model
+from kvserve.models.quant_model import quantization_summary, quantized_nbytes, summary_line
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.runtime.kv_cache import kv_bytes_per_token
@@ -77,7 +78,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         dtype = _DTYPES[config.dtype]
         t0 = time.perf_counter()
-        loaded = load_model(config.model, dtype=dtype)
+        loaded = load_model(config.model, dtype=dtype, quantization=config.quantization)
         self.model_path = loaded.path
         self.arch = arch = loaded.arch
         self.tokenizer = Tokenizer.from_loaded(loaded.tokenizer_dir, loaded.gguf_file)
@@ -88,6 +89,10 @@ class LLMEngine:
         weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
             b.numel() * b.element_size() for b in model.buffers()
         )
+        # NOTE: quantized weights count as held (blocks), so the KV pool gets the rest.
+        weights_bytes += quantized_nbytes(model)
+        self.quantization = quantization_summary(model, config.quantization)
+        logger.info(summary_line(self.quantization))
         self.max_model_len = min(
             config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings
         )
@@ -367,6 +372,7 @@ class LLMEngine:
         out["num_generation_tokens"] = self.latency.num_generation_tokens
         out.update(self.latency.as_dict())
         out.update(self.host_transfers.as_dict(self.config.block_size))
+        out["quantization"] = self.quantization
         out["memory"] = {
             "weights_bytes": self.memory_report.weights_bytes,
             "activation_bytes": self.memory_report.activation_bytes,

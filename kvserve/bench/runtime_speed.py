@@ -35,6 +35,8 @@ import torch
 from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_model
+from kvserve.models.quant import QUANTIZATION_CHOICES
+from kvserve.models.quant_model import quantized_decode_bytes
 from kvserve.runtime.model_runner import ModelRunner
 from kvserve.sampling_params import SamplingParams
 
@@ -242,11 +244,17 @@ def main(argv: list[str] | None = None) -> None:
         help="after each decode run, time the same weight matmuls alone (see module doc)",
     )
     ap.add_argument("--json", default=None, help="write the figures to this JSON file")
+    ap.add_argument(
+        "--quantization",
+        default="none",
+        choices=QUANTIZATION_CHOICES,
+        help="weights as the engine's --quantization (auto: a GGUF runs as stored)",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     bandwidth = read_bandwidth(device=args.device)
     t0 = time.perf_counter()
-    loaded = load_model(args.model, torch.float32)
+    loaded = load_model(args.model, torch.float32, args.quantization)
     model = LlamaForCausalLM(loaded.arch, device=args.device, attn_backend=args.attn_backend)
     model.load_weights(loaded.state_dict)
     del loaded
@@ -258,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
         block_size=args.block_size,
         device=args.device,
     )
-    weight_bytes = decode_weight_bytes(model)
+    weight_bytes = decode_weight_bytes(model) + quantized_decode_bytes(model)
     bound = bandwidth / weight_bytes
     print(f"loaded in {time.perf_counter() - t0:.1f}s; threads={torch.get_num_threads()}")
     print(

@@ -78,6 +78,13 @@ def quantized_nbytes(model: Any) -> int:
     return sum(source.nbytes for source in quantized_sources(model))
 
 
+def quantized_decode_bytes(model: Any) -> int:
+    """Quantized bytes one decode step reads: all but an untied embedding (T rows of it)."""
+    emb = model.quantized.get("embed_tokens")
+    skip = emb if emb is not None and model.quantized.get("lm_head") is not emb else None
+    return sum(s.nbytes for s in quantized_sources(model) if s is not skip)
+
+
 def quantization_summary(model: Any, requested: str) -> dict[str, Any]:
     """What ``stats()`` and the start-up line report: the mode and the weight bytes by format.
 

@@ -61,17 +61,26 @@ class Setting:
     kv_cache_dtype: str = "auto"
     kv_window: int | None = None
     kv_sink_tokens: int = 0
+    quantization: str = "none"  # weights (EngineConfig.quantization)
 
     def engine_kwargs(self) -> dict[str, Any]:
         return {
             "kv_cache_dtype": self.kv_cache_dtype,
             "kv_window": self.kv_window,
             "kv_sink_tokens": self.kv_sink_tokens,
+            "quantization": self.quantization,
         }
 
 
 def parse_setting(text: str) -> Setting:
-    """``auto`` | ``int8`` | ``fp8`` | ``w<W>s<S>`` (window W, S sinks) | ``int8-w<W>s<S>``."""
+    """``auto`` | ``int8`` | ``fp8`` | ``w<W>s<S>`` (window W, S sinks) | ``int8-w<W>s<S>``;
+    ``weights-<q>`` (``q`` a ``--quantization`` value: auto, q8_0, q4_0, q4_1) runs the
+    weights quantized with a full-precision cache."""
+    if text.startswith("weights-"):
+        quantization = text.removeprefix("weights-")
+        if quantization not in ("auto", "none", "q8_0", "q4_0", "q4_1"):
+            raise ValueError(f"unknown weights setting {text!r}: e.g. weights-auto")
+        return Setting(text, quantization=quantization)
     dtype, _, window = text.partition("-") if "-" in text else (text, "", "")
     if dtype.startswith("w"):
         dtype, window = "auto", dtype

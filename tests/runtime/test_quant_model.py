@@ -166,3 +166,14 @@ def test_quantization_flag() -> None:
         parser.parse_args(["--quantization", "q5_k"])
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(quantization="int4")
+
+
+def test_accuracy_bench_weights_setting() -> None:
+    from kvserve.bench.accuracy import parse_setting
+
+    setting = parse_setting("weights-auto")
+    assert setting.engine_kwargs()["quantization"] == "auto"
+    assert setting.kv_cache_dtype == "auto"
+    assert parse_setting("int8").engine_kwargs()["quantization"] == "none"
+    with pytest.raises(ValueError, match="unknown weights setting"):
+        parse_setting("weights-q5_k")

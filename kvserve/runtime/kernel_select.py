@@ -12,7 +12,9 @@ weight by ``margin`` to be taken. A candidate that raises is skipped with the re
 The decision is cached as JSON under ``$KVSERVE_CACHE_DIR/kernel_select/`` (default
 ``~/.cache/kvserve``), keyed by the CPU model and flags, the torch version, the thread count,
 the dtype, the shapes, the buckets and the candidate factories, so a second start-up costs
-nothing. A cache file that cannot be read is ignored with a warning and measured again.
+nothing. A cache file that cannot be read is ignored with a warning and measured again; one
+measured on a busy machine (1-minute load above 1 per CPU) is measured again by a later
+start-up that finds the machine at least twice as quiet.
 
 Modes: ``off`` (no measurement: ``torch.mm`` everywhere, the original path), ``auto`` (the
 cache, else measure) and ``measure`` (always measure, then refresh the cache).
@@ -110,6 +112,7 @@ class Selection:
     skipped: dict[str, str] = field(default_factory=dict)
     source: str = "measured"  # "measured", "cache" or "off"
     seconds: float = 0.0
+    load: float = 0.0  # machine_load() when measured
 
     def chosen(self, shape: tuple[int, int], max_m: int) -> str | None:
         """The method name chosen for ``shape`` in the bucket ending at ``max_m``."""
@@ -182,8 +185,8 @@ def measure(
     device: torch.device,
     buckets: Sequence[tuple[int, int]],
     max_rows: Mapping[tuple[int, int], int] | None = None,
-    budget_s: float = 0.004,
-    min_calls: int = 3,
+    budget_s: float = 0.010,
+    min_calls: int = 5,
     max_rounds: int = 200,
     timer: Timer = _wall_timer,
     factories: Sequence[CandidateFactory] | None = None,
@@ -372,7 +375,20 @@ def load_cached(path: Path, key: Mapping[str, object]) -> dict | None:
     except (OSError, ValueError, KeyError, TypeError) as e:
         log.warning("kernel selection cache %s is corrupt (%s): ignored, measuring again", path, e)
         return None
-    return {"plan": plan, "timings": timings, "skipped": dict(record.get("skipped", {}))}
+    return {
+        "plan": plan,
+        "timings": timings,
+        "skipped": dict(record.get("skipped", {})),
+        "load": float(record.get("load", 0.0)),
+    }
+
+
+def machine_load() -> float:
+    """1-minute load average per CPU (0.0 where unknown): above 1, timings are disturbed."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except (OSError, AttributeError):
+        return 0.0
 
 
 def save_cached(path: Path, key: Mapping[str, object], sel: Selection) -> None:
@@ -382,6 +398,7 @@ def save_cached(path: Path, key: Mapping[str, object], sel: Selection) -> None:
         "plan": [[o, i, [list(c) for c in choice]] for (o, i), choice in sel.plan.items()],
         "timings": [asdict(t) for t in sel.timings],
         "skipped": sel.skipped,
+        "load": sel.load,
     }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -406,7 +423,7 @@ def select_kernels(
     factories: Sequence[CandidateFactory] | None = None,
     directory: Path | None = None,
     margin: float = 0.05,
-    budget_s: float = 0.004,
+    budget_s: float = 0.010,
 ) -> Selection:
     """Choose a method per weight shape and M bucket (see the module docstring).
 
@@ -430,9 +447,20 @@ def select_kernels(
         factories=facs,
     )
     path = cache_path(key, directory)
+    load = machine_load()
     if mode == "auto":
         cached = load_cached(path, key)
-        if cached is not None:
+        # NOTE: timings taken on a busy machine (load above 1 per CPU) are provisional: a
+        # later start-up on a quieter machine measures again, so a noisy choice does not stick.
+        if cached is not None and cached["load"] > 1.0 and load < cached["load"] / 2:
+            log.info(
+                "kernel selection cache %s was measured at load %.1f per CPU (now %.1f): "
+                "measuring again",
+                path,
+                cached["load"],
+                load,
+            )
+        elif cached is not None:
             return Selection(
                 act_dtype, cached["plan"], cached["timings"], cached["skipped"], "cache"
             )
@@ -455,7 +483,7 @@ def select_kernels(
         budget_s=budget_s,
     )
     plan = choose(timings, buckets, margin=margin)
-    sel = Selection(act_dtype, plan, timings, skipped, "measured", time.perf_counter() - t0)
+    sel = Selection(act_dtype, plan, timings, skipped, "measured", time.perf_counter() - t0, load)
     save_cached(path, key, sel)
     return sel
 

@@ -318,6 +318,7 @@ for attempt in attempts:
 
 def test_memory_plan_traces_the_native_ops_and_counts_their_scratch() -> None:
     from kvserve.config import ModelArchConfig
+    from kvserve.models.llama import LlamaForCausalLM
     from kvserve.runtime.kernel_scratch import native_decode_scratch_bytes
     from kvserve.runtime.memory_plan import plan_activations
 
@@ -328,7 +329,7 @@ def test_memory_plan_traces_the_native_ops_and_counts_their_scratch() -> None:
     )  # fmt: skip
     plan = plan_activations(
         arch, max_num_batched_tokens=8, max_num_seqs=8, max_model_len=64, block_size=4,
-        steps=["decode"], num_threads=2, attn_backend="native",
+        steps=["decode"], num_threads=2, attn_backend="native", model_factory=LlamaForCausalLM,
     )  # fmt: skip
     # The decode step's 8 sequences of up to 64 tokens: one scratch per thread.
     assert plan.kernel_scratch_bytes == native_decode_scratch_bytes(4, 64, 8, 2)

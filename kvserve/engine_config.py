@@ -18,12 +18,17 @@ from kvserve.config import CacheConfig, SchedulerConfig
 QUANTIZATION_CHOICES = ("auto", "none", "q8_0", "q4_0", "q4_1")
 
 GiB = 1 << 30
+# NOTE: kept here (torch-free) and checked against kernel_setup / kernel_select by a test.
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+KERNEL_SELECTION_MODES = ("auto", "measure", "off")
 
 # NOTE: help texts live beside the fields so `kvserve --help` documents the same names as
 # the Python API.
 _HELP: dict[str, str] = {
     "model": "GGUF file or HF directory; default: the embedded SmolLM2-135M-Instruct GGUF",
-    "dtype": "weight and activation dtype (float32 is the fast one on CPU)",
+    "dtype": "weight and activation dtype; auto: bfloat16 on a CPU with native bf16 (AMX or "
+    "AVX512_BF16) where the kernel measurement finds it faster, else float32; on CUDA "
+    "bfloat16 (float16 without bf16)",
     "device": "torch device, e.g. cpu or cuda",
     "seed": "engine seed for unseeded sampling",
     "block_size": "tokens per KV block",
@@ -58,6 +63,8 @@ _HELP: dict[str, str] = {
     "quantization": "weight quantization (vLLM's flag): auto = a GGUF's quantized tensors run "
     "as stored with the int8-dot kernels (an HF model stays dense); none = dequantize at "
     "load; q8_0 / q4_0 / q4_1 = quantize the weights at load to that GGML format",
+    "kernel_selection": "projection kernels: auto (measured at start-up, cached under "
+    "~/.cache/kvserve), measure (measure again) or off (torch.mm everywhere)",
 }
 
 
@@ -66,7 +73,7 @@ class EngineConfig:
     """All engine options. Validation happens in the nested configs (ValueError)."""
 
     model: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     seed: int = 0
     block_size: int = 16
@@ -88,6 +95,7 @@ class EngineConfig:
     num_threads: int | None = None
     admission_headroom: float = 0.02
     resume_watermark: float = 0.10
+    kernel_selection: str = "auto"
     quantization: str = "none"
 
     def __post_init__(self) -> None:
@@ -96,8 +104,15 @@ class EngineConfig:
                 f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
                 f"got {self.quantization!r}"
             )
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(
+                f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}"
+            )
+        if self.kernel_selection not in KERNEL_SELECTION_MODES:
+            raise ValueError(
+                f"unknown kernel_selection {self.kernel_selection!r}; choose one of "
+                f"{', '.join(KERNEL_SELECTION_MODES)}"
+            )
         if not 0 < self.kv_cache_memory_fraction < 1:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1)")
         if self.kv_window is not None and self.kv_window < 1:
@@ -179,7 +194,9 @@ class EngineConfig:
             if f.name == "kv_allocator":
                 kwargs["choices"] = ["paged", "contiguous"]
             if f.name == "dtype":
-                kwargs["choices"] = ["float32", "bfloat16", "float16"]
+                kwargs["choices"] = list(DTYPE_CHOICES)
+            if f.name == "kernel_selection":
+                kwargs["choices"] = list(KERNEL_SELECTION_MODES)
             if f.name == "quantization":
                 kwargs["choices"] = list(QUANTIZATION_CHOICES)
             group.add_argument(flag, **kwargs)

@@ -32,7 +32,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 def quant_llm(make_llm, **kwargs):  # noqa: ANN001, ANN201 - the session factory and an LLM
-    llm = make_llm(quantization="auto", **kwargs)
+    # NOTE: kernel_selection="off" keeps the int8-dot kernel at every M; the selector may
+    # otherwise run prefill chunks through a dense copy, a second numeric path.
+    llm = make_llm(quantization="auto", kernel_selection="off", **kwargs)
     formats = llm.stats()["quantization"]["weight_bytes_by_format"]
     assert formats.keys() >= {"q4_1", "q8_0"}
     return llm

@@ -177,3 +177,23 @@ def test_accuracy_bench_weights_setting() -> None:
     assert parse_setting("int8").engine_kwargs()["quantization"] == "none"
     with pytest.raises(ValueError, match="unknown weights setting"):
         parse_setting("weights-q5_k")
+
+
+@pytest.mark.skipif(not quant_ops.load(), reason="quantized kernels unavailable")
+def test_selection_per_bucket_between_kernel_and_dense_copy(tmp_path: Path) -> None:
+    from kvserve.runtime.kernel_select import m_buckets
+    from kvserve.runtime.quant_select import quantized_shapes, select_quantized_kernels
+
+    path = make_tiny_gguf(tmp_path, "smollm", tensor_type="Q4_1")
+    model = build(path, "auto")
+    shapes = quantized_shapes(model)
+    assert shapes[(model.arch.vocab_size, model.arch.hidden_size)] == "q4_1"
+    plan = select_quantized_kernels(model, act_dtype=torch.float32, budget_s=0.001)
+    assert plan.keys() == shapes.keys()
+    kernel = f"q4_1_{quant_ops.best_isa()}"
+    for choice in plan.values():
+        assert [b for b, _ in choice] == [b for b, _ in m_buckets()]
+        assert {name for _, name in choice} <= {kernel, "dequant_fp32"}
+    model.set_linear_plan(plan)
+    assert_close_to_twin(logits(model), logits(build(path, "none")))
+    assert select_quantized_kernels(model, act_dtype=torch.float32, mode="off") == {}

@@ -36,7 +36,7 @@ from kvserve.request import Request, RequestStatus
 from kvserve.runtime.kernel_select import plan_of
 from kvserve.runtime.kv_cache import kv_bytes_per_token
 from kvserve.runtime.model_runner import ModelRunner
-from kvserve.runtime.quant_select import select_quantized_kernels
+from kvserve.runtime.quant_select import with_quantized_plan
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -91,13 +91,14 @@ class LLMEngine:
         model.load_weights(loaded.state_dict)
         model = model.to(device=config.device, dtype=dtype).eval()
         del loaded
-        plan = plan_of(self.kernels.selection)
-        if config.quantization != "none":
-            # NOTE: quantized projections choose between the int8-dot kernel and a dense copy.
-            quant_plan = select_quantized_kernels(
-                model, act_dtype=dtype, device=config.device, mode=config.kernel_selection
-            )
-            plan = {**(plan or {}), **quant_plan} if plan is not None or quant_plan else None
+        # NOTE: quantized projections choose between the int8-dot kernel and a dense copy.
+        plan = with_quantized_plan(
+            model,
+            plan_of(self.kernels.selection),
+            act_dtype=dtype,
+            device=config.device,
+            mode=config.kernel_selection,
+        )
         model.set_linear_plan(plan)
         # NOTE: prepacked weight copies are held beside the parameters: counted as weights.
         self.packed_weights_bytes = sum(lin.extra_nbytes for lin in model.linears())

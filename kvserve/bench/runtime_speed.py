@@ -42,6 +42,7 @@ from kvserve.models.quant import QUANTIZATION_CHOICES
 from kvserve.models.quant_model import quantized_decode_bytes
 from kvserve.runtime.kernel_select import plan_of
 from kvserve.runtime.model_runner import ModelRunner
+from kvserve.runtime.quant_select import with_quantized_plan
 from kvserve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
@@ -288,7 +289,15 @@ def main(argv: list[str] | None = None) -> None:
         device=args.device,
         dtype=kernels.dtype,
     )
-    model.set_linear_plan(plan_of(kernels.selection))
+    model.set_linear_plan(
+        with_quantized_plan(
+            model,
+            plan_of(kernels.selection),
+            act_dtype=kernels.dtype,
+            device=args.device,
+            mode=args.kernel_selection,
+        )
+    )
     model.ensure_linears()
     weight_bytes = decode_weight_bytes(model) + quantized_decode_bytes(model)
     bound = bandwidth / weight_bytes

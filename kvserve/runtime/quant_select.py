@@ -63,3 +63,20 @@ def select_quantized_kernels(
         budget_s=budget_s,
     )
     return choose(timings, m_buckets(), margin=margin)
+
+
+def with_quantized_plan(
+    model: Any,
+    plan: LinearPlan | None,
+    *,
+    act_dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    mode: str = "auto",
+) -> LinearPlan | None:
+    """``plan`` (the dense selection; None = the default methods) plus the quantized
+    projections' choices (``select_quantized_kernels``); None stays None when there are
+    none (every quantized projection then runs its first candidate, the kernel)."""
+    quant = select_quantized_kernels(model, act_dtype=act_dtype, device=device, mode=mode)
+    if not quant:
+        return plan
+    return {**(plan or {}), **quant}

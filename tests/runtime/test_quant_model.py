@@ -166,6 +166,8 @@ def test_quantization_flag() -> None:
         parser.parse_args(["--quantization", "q5_k"])
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(quantization="int4")
+    with pytest.raises(ValueError, match="CPU only"):
+        EngineConfig(quantization="auto", device="cuda")
 
 
 def test_accuracy_bench_weights_setting() -> None:

@@ -46,12 +46,14 @@ def _sampling_params(args: argparse.Namespace):  # noqa: ANN202 - SamplingParams
 
 def _build_llm(args: argparse.Namespace):  # noqa: ANN202 - LLM
     from kvserve.llm import LLM
+    from kvserve.models.quant_model import summary_line
 
     config = EngineConfig.from_cli_args(args)
     llm = LLM(**{k: v for k, v in vars(config).items()})
     if not args.quiet:
         for line in llm.memory_report():
             print(f"[kvserve] {line}", file=sys.stderr)
+        print(f"[kvserve] {summary_line(llm.engine.quantization)}", file=sys.stderr)
     return llm
 
 

@@ -85,6 +85,7 @@ class LLMEngine:
         loaded = load_engine_model(config, self.kernels)
         self.model_path, self.arch, self.tokenizer = loaded.path, loaded.arch, loaded.tokenizer
         self.packed_weights_bytes = loaded.packed_weights_bytes
+        self.quantization = loaded.quantization
         arch = loaded.arch
         self.max_model_len = resolve_max_model_len(config, arch)
         # NOTE: exact, the per-token-per-head scales of int8/fp8 caches included.
@@ -428,6 +429,7 @@ class LLMEngine:
         out["num_generation_tokens"] = self.latency.num_generation_tokens
         out.update(self.latency.as_dict())
         out.update(self.host_transfers.as_dict(self.config.block_size))
+        out["quantization"] = self.quantization
         out["memory"] = {
             "weights_bytes": self.memory_report.weights_bytes,
             "activation_bytes": self.memory_report.activation_bytes,

@@ -134,6 +134,11 @@ class EngineConfig:
                 f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
                 f"got {self.quantization!r}"
             )
+        if self.quantization not in ("none", "auto") and not self.device.startswith("cpu"):
+            raise ValueError(
+                f"quantization={self.quantization!r} runs on CPU only (the int8-dot kernels); "
+                f"use quantization='none' or 'auto' (dense there) on {self.device!r}"
+            )
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(
                 f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}"

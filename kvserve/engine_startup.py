@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -35,9 +36,11 @@ from kvserve.kernel_setup import KernelChoice, choose_dtype_and_kernels
 from kvserve.memory_budget import MemoryReport, measure_kernel_scratch, plan_kv_blocks
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_arch, load_model
+from kvserve.models.quant_model import quantization_summary, quantized_nbytes, summary_line
 from kvserve.runtime.kernel_select import plan_of
 from kvserve.runtime.memory_plan import ActivationPlan
 from kvserve.runtime.model_runner import ModelRunner
+from kvserve.runtime.quant_select import with_quantized_plan
 from kvserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvserve")
@@ -52,8 +55,9 @@ class EngineModel:
     tokenizer: Tokenizer
     path: str
     dtype: torch.dtype
-    weights_bytes: int  # parameters + buffers as placed on the device + prepacked copies
+    weights_bytes: int  # parameters + buffers + prepacked copies + quantized blocks, as held
     packed_weights_bytes: int  # prepacked weight copies held beside the parameters
+    quantization: dict[str, Any]  # quantization_summary: mode and weight bytes by format
 
 
 def choose_kernels(config: EngineConfig) -> KernelChoice:
@@ -67,12 +71,24 @@ def choose_kernels(config: EngineConfig) -> KernelChoice:
 def load_engine_model(config: EngineConfig, kernels: KernelChoice) -> EngineModel:
     """Phase 1: load the weights and tokenizer, build the model with ``kernels``' plan."""
     dtype = kernels.dtype
-    loaded = load_model(config.model, dtype=dtype)
+    # NOTE: "auto" keeps a GGUF's quantized tensors quantized on the CPU (the int8-dot
+    # kernels); elsewhere it means dense weights (config rejects explicit formats there).
+    on_cpu = torch.device(config.device).type == "cpu"
+    quantization = config.quantization if on_cpu else "none"
+    loaded = load_model(config.model, dtype=dtype, quantization=quantization)
     tokenizer = Tokenizer.from_loaded(loaded.tokenizer_dir, loaded.gguf_file)
     model = LlamaForCausalLM(loaded.arch)
     model.load_weights(loaded.state_dict)
     model = model.to(device=config.device, dtype=dtype).eval()
-    model.set_linear_plan(plan_of(kernels.selection))
+    # NOTE: quantized projections choose between the int8-dot kernel and a dense copy.
+    plan = with_quantized_plan(
+        model,
+        plan_of(kernels.selection),
+        act_dtype=dtype,
+        device=config.device,
+        mode=config.kernel_selection,
+    )
+    model.set_linear_plan(plan)
     # NOTE: prepacked weight copies are held beside the parameters: counted as weights.
     packed = sum(lin.extra_nbytes for lin in model.linears())
     logger.info(
@@ -84,8 +100,14 @@ def load_engine_model(config: EngineConfig, kernels: KernelChoice) -> EngineMode
         sum(p.numel() * p.element_size() for p in model.parameters())
         + sum(b.numel() * b.element_size() for b in model.buffers())
         + packed
+        # NOTE: quantized weights count as held (blocks), so the KV pool gets the rest.
+        + quantized_nbytes(model)
     )
-    return EngineModel(model, loaded.arch, tokenizer, loaded.path, dtype, weights_bytes, packed)
+    summary = quantization_summary(model, quantization)
+    logger.info(summary_line(summary))
+    return EngineModel(
+        model, loaded.arch, tokenizer, loaded.path, dtype, weights_bytes, packed, summary
+    )
 
 
 def resolve_max_model_len(config: EngineConfig, arch: ModelArchConfig) -> int:

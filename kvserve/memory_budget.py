@@ -175,6 +175,8 @@ def plan_step_activations(
     max_model_len (or the pool's size, see ``max_sequence_tokens``), with ``max_layers``
     layers of the model (None = all).
     """
+    from kvserve.models.llama import LlamaForCausalLM
+
     return plan_activations(
         arch,
         max_num_batched_tokens=config.max_num_batched_tokens,
@@ -185,6 +187,7 @@ def plan_step_activations(
         device=config.device,
         max_layers=max_layers,
         num_threads=config.num_threads,
+        model_factory=LlamaForCausalLM,
     )
 
 

@@ -61,6 +61,7 @@ class Setting:
     kv_cache_dtype: str = "auto"
     kv_window: int | None = None
     kv_sink_tokens: int = 0
+    quantization: str = "none"  # weights (EngineConfig.quantization)
     # NOTE: the model dtype is pinned (float32 unless the setting names bf16), so the
     # reference stays fp32 whatever the engine's ``dtype="auto"`` picks on this CPU.
     dtype: str = "float32"
@@ -71,6 +72,7 @@ class Setting:
             "kv_cache_dtype": self.kv_cache_dtype,
             "kv_window": self.kv_window,
             "kv_sink_tokens": self.kv_sink_tokens,
+            "quantization": self.quantization,
         }
 
 
@@ -79,7 +81,14 @@ _MODEL_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 def parse_setting(text: str) -> Setting:
     """``auto`` | ``int8`` | ``fp8`` | ``w<W>s<S>`` (window W, S sinks) | ``int8-w<W>s<S>``,
-    or a model dtype ``fp32`` | ``bf16`` | ``fp16`` (weights, activations and cache)."""
+    or a model dtype ``fp32`` | ``bf16`` | ``fp16`` (weights, activations and cache);
+    ``weights-<q>`` (``q`` a ``--quantization`` value: auto, q8_0, q4_0, q4_1) runs the
+    weights quantized with a full-precision cache."""
+    if text.startswith("weights-"):
+        quantization = text.removeprefix("weights-")
+        if quantization not in ("auto", "none", "q8_0", "q4_0", "q4_1"):
+            raise ValueError(f"unknown weights setting {text!r}: e.g. weights-auto")
+        return Setting(text, quantization=quantization)
     if text in _MODEL_DTYPES:
         return Setting(text, dtype=_MODEL_DTYPES[text])
     dtype, _, window = text.partition("-") if "-" in text else (text, "", "")

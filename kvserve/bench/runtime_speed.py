@@ -38,8 +38,11 @@ from kvserve.engine_config import DTYPE_CHOICES, KERNEL_SELECTION_MODES, EngineC
 from kvserve.kernel_setup import choose_dtype_and_kernels
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_model
+from kvserve.models.quant import QUANTIZATION_CHOICES
+from kvserve.models.quant_model import quantized_decode_bytes
 from kvserve.runtime.kernel_select import plan_of
 from kvserve.runtime.model_runner import ModelRunner
+from kvserve.runtime.quant_select import with_quantized_plan
 from kvserve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
@@ -253,11 +256,17 @@ def main(argv: list[str] | None = None) -> None:
         help="as the engine's (off: torch.mm everywhere, the original fp32 MKL path)",
     )
     ap.add_argument("--json", default=None, help="write the figures to this JSON file")
+    ap.add_argument(
+        "--quantization",
+        default="none",
+        choices=QUANTIZATION_CHOICES,
+        help="weights as the engine's --quantization (auto: a GGUF runs as stored)",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     bandwidth = read_bandwidth(device=args.device)
     t0 = time.perf_counter()
-    loaded = load_model(args.model, torch.float32)
+    loaded = load_model(args.model, torch.float32, args.quantization)
     model = LlamaForCausalLM(loaded.arch, device=args.device, attn_backend=args.attn_backend)
     model.load_weights(loaded.state_dict)
     del loaded
@@ -280,9 +289,17 @@ def main(argv: list[str] | None = None) -> None:
         device=args.device,
         dtype=kernels.dtype,
     )
-    model.set_linear_plan(plan_of(kernels.selection))
+    model.set_linear_plan(
+        with_quantized_plan(
+            model,
+            plan_of(kernels.selection),
+            act_dtype=kernels.dtype,
+            device=args.device,
+            mode=args.kernel_selection,
+        )
+    )
     model.ensure_linears()
-    weight_bytes = decode_weight_bytes(model)
+    weight_bytes = decode_weight_bytes(model) + quantized_decode_bytes(model)
     bound = bandwidth / weight_bytes
     print(f"loaded in {time.perf_counter() - t0:.1f}s; threads={torch.get_num_threads()}")
     print(

@@ -14,15 +14,19 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from kvserve.config import ModelArchConfig
+from kvserve.models.quant import QuantizedWeight
+from kvserve.models.quant_model import attach_quantized
 from kvserve.runtime import native
 from kvserve.runtime.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from kvserve.runtime.layer_ops import TORCH_OPS, LayerOps, RopeViews, layer_ops
 from kvserve.runtime.linear import Linear, LinearPlan, build_linear
+from kvserve.runtime.quant_linear import embedding_lookup
 from kvserve.runtime.workspace import Workspace
 
 
@@ -167,6 +171,8 @@ class LlamaDecoderLayer(nn.Module):
         self.gate_up_proj: Linear
         self.down_proj: Linear
         self._linears_key: tuple[torch.dtype, torch.device] | None = None
+        # Quantized weight sources by projection ("qkv", ...), set by attach_quantized.
+        self.quantized: dict[str, Any] = {}
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         out = super()._apply(fn, recurse)
@@ -194,10 +200,11 @@ class LlamaDecoderLayer(nn.Module):
             choice = plan.get(tuple(weight.shape)) if plan is not None else None
             return build_linear(weight, bias, choice=choice, **kw)
 
-        self.qkv_proj = make(self.qkv_weight, self.qkv_bias)
-        self.o_proj = make(self.o_weight, self.o_bias)
-        self.gate_up_proj = make(self.gate_up_weight, self.gate_up_bias)
-        self.down_proj = make(self.down_weight, self.down_bias)
+        q = self.quantized
+        self.qkv_proj = make(q.get("qkv", self.qkv_weight), self.qkv_bias)
+        self.o_proj = make(q.get("o", self.o_weight), self.o_bias)
+        self.gate_up_proj = make(q.get("gate_up", self.gate_up_weight), self.gate_up_bias)
+        self.down_proj = make(q.get("down", self.down_weight), self.down_bias)
         self._linears_key = (w.dtype, w.device)
         return [self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj]
 
@@ -302,6 +309,8 @@ class LlamaForCausalLM(nn.Module):
         self.linear_plan: LinearPlan | None = None
         self.lm_head_proj: Linear
         self._lm_head_key: tuple[torch.dtype, torch.device] | None = None
+        # Quantized "embed_tokens" / "lm_head" sources, set by attach_quantized.
+        self.quantized: dict[str, Any] = {}
         self.set_native_ops(native.available() if native_ops is None else native_ops)
 
     @property
@@ -362,8 +371,9 @@ class LlamaForCausalLM(nn.Module):
 
     def _build_lm_head(self) -> Linear:
         w = self.lm_head  # [vocab, hidden]
-        choice = self.linear_plan.get(tuple(w.shape)) if self.linear_plan is not None else None
-        self.lm_head_proj = build_linear(w, act_dtype=w.dtype, device=w.device, choice=choice)
+        src = self.quantized.get("lm_head", w)
+        choice = self.linear_plan.get(tuple(src.shape)) if self.linear_plan is not None else None
+        self.lm_head_proj = build_linear(src, act_dtype=w.dtype, device=w.device, choice=choice)
         self._lm_head_key = (w.dtype, w.device)
         return self.lm_head_proj
 
@@ -400,8 +410,11 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"expected {len(self.layers)} layer caches, got {len(kv_caches)}")
         ws = workspace if workspace is not None else Workspace()
         emb = self.embed_tokens
-        hidden = ws.like("hidden", (input_ids.shape[0], emb.shape[1]), emb)  # [T, hidden]
-        torch.index_select(emb, 0, input_ids, out=hidden)
+        hidden = ws.like("hidden", (input_ids.shape[0], self.arch.hidden_size), emb)  # [T, h]
+        if "embed_tokens" in self.quantized:
+            embedding_lookup(self.quantized["embed_tokens"], input_ids, hidden)
+        else:
+            torch.index_select(emb, 0, input_ids, out=hidden)
         cos, sin = rope_cos_sin(self._inv_freq_on(positions.device), positions, hidden.dtype, ws)
         views = self.layers[0].step_views(ws, hidden)  # every layer has the same shapes
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -423,6 +436,7 @@ class LlamaForCausalLM(nn.Module):
         """
         sd = dict(state_dict)
         used: set[str] = set()
+        quantized: dict[str, QuantizedWeight] = {}  # kept as blocks (attach_quantized)
 
         def take(name: str, target: torch.Tensor) -> None:
             if name not in sd:
@@ -432,6 +446,10 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(
                     f"weight {name!r} has shape {tuple(t.shape)}, expected {tuple(target.shape)}"
                 )
+            if isinstance(t, QuantizedWeight):
+                quantized[name] = t
+                used.add(name)
+                return
             target.copy_(t)
             used.add(name)
 
@@ -474,6 +492,8 @@ class LlamaForCausalLM(nn.Module):
                 take(p + "mlp.gate_proj.bias", layer.gate_up_bias[:inter])
                 take(p + "mlp.up_proj.bias", layer.gate_up_bias[inter:])
             layer.down_bias = optional_bias(p + "mlp.down_proj.bias", self.arch.hidden_size)
+        if quantized:
+            attach_quantized(self, quantized, sd)
         self.set_linear_plan(self.linear_plan)  # the weights changed: rebuild the methods
         unexpected = sorted(
             k for k in sd if k not in used and not k.endswith("rotary_emb.inv_freq")

@@ -299,7 +299,8 @@ def build_linear(
     """
     if choice is None:
         if not isinstance(source, torch.Tensor):
-            raise ValueError(f"no default method for a {type(source).__name__} weight source")
+            # NOTE: e.g. a quantized weight: its factory lists its own kernel first.
+            return Linear(source, [(M_MAX, _first_candidate(source, act_dtype, device))], bias)
         return Linear(source, [(M_MAX, DenseMmMethod(source))], bias)
     wanted = {name for _, name in choice}
     by_name = {
@@ -314,10 +315,22 @@ def build_linear(
         if method is None:
             log.warning("linear method %s unavailable for %s: using torch.mm", name, _shape(source))
             if fallback is None:
-                fallback = DenseMmMethod(source)
+                fallback = (
+                    DenseMmMethod(source)
+                    if isinstance(source, torch.Tensor)
+                    else _first_candidate(source, act_dtype, device)
+                )
             method = fallback
         buckets.append((max_m, method))
     return Linear(source, buckets, bias)
+
+
+def _first_candidate(source: Any, act_dtype: torch.dtype, device: torch.device) -> LinearMethod:
+    """The first method the registered factories offer for a non-tensor ``source``."""
+    methods = candidate_methods(source, act_dtype=act_dtype, device=device)
+    if not methods:
+        raise ValueError(f"no linear method can run a {type(source).__name__} weight source")
+    return methods[0]
 
 
 def _shape(source: Any) -> tuple[int, ...]:

@@ -284,3 +284,17 @@ def test_real_candidates_match_fp32_linear(m, half_n, k, dtype, bias, seed) -> N
         scale = ref.abs().max().item() or 1.0
         assert err <= TOLERANCE[dtype] * scale, (method.name, m, n, k, err, scale)
         assert lin(x).shape == (m, n)  # out=None allocates
+
+
+def test_a_selection_measured_on_a_busy_machine_is_redone_when_it_is_quiet(
+    tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setattr(kernel_select, "machine_load", lambda: 5.0)
+    assert _select(tmp_path, mode="auto").load == 5.0
+    calls: list[str] = []
+    # still busy: the provisional cache is used
+    assert _select(tmp_path, mode="auto", timer=fake_timer(calls)).source == "cache"
+    monkeypatch.setattr(kernel_select, "machine_load", lambda: 0.3)
+    sel = _select(tmp_path, mode="auto", timer=fake_timer(calls))
+    assert sel.source == "measured" and calls
+    assert _select(tmp_path, mode="auto").source == "cache"  # a quiet measurement sticks

@@ -1,0 +1,120 @@
+"""Quantized weights in the Llama model: which projections hold blocks instead of parameters.
+
+``LlamaForCausalLM.load_weights`` hands the ``QuantizedWeight`` entries of a state dict to
+``attach_quantized``: each fused projection (qkv, o, gate_up, down) with a quantized part gets
+its weight source in ``layer.quantized[name]`` (one ``QuantizedWeight`` when the parts share
+a format, else ``QuantizedParts``), the embedding and the lm_head in ``model.quantized``; the
+dense parameters they replace are dropped (0 elements), so only the blocks stay resident.
+The projections' ``Linear``s are then built from these sources (``kvserve.runtime.quant_linear``
+registers their methods); the embedding looks rows up with ``embedding_lookup``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvserve.models.quant import QuantizedWeight
+
+# Projection name -> its HF weight names (rows stacked in this order).
+_PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "o": ("self_attn.o_proj.weight",),
+    "gate_up": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "down": ("mlp.down_proj.weight",),
+}
+
+
+def _dropped(like: torch.Tensor) -> nn.Parameter:
+    """A 0-element parameter keeping ``like``'s dtype and device (what ``.to()`` moves)."""
+    return nn.Parameter(torch.empty(0, dtype=like.dtype, device=like.device), requires_grad=False)
+
+
+def attach_quantized(
+    model: Any,  # LlamaForCausalLM
+    quantized: Mapping[str, QuantizedWeight],
+    state_dict: Mapping[str, Any],
+) -> None:
+    """Give ``model`` the quantized weight sources of ``quantized`` (HF names)."""
+    from kvserve.runtime.quant_linear import fuse_weights
+
+    emb = quantized.get("model.embed_tokens.weight")
+    if emb is not None:
+        model.quantized["embed_tokens"] = emb
+        model.embed_tokens = _dropped(model.embed_tokens)
+        if model.arch.tie_word_embeddings:
+            model.quantized["lm_head"] = emb
+            model.lm_head = model.embed_tokens
+    head = quantized.get("lm_head.weight")
+    if head is not None and not model.arch.tie_word_embeddings:
+        model.quantized["lm_head"] = head
+        model.lm_head = _dropped(model.lm_head)
+    for i, layer in enumerate(model.layers):
+        prefix = f"model.layers.{i}."
+        for proj, names in _PROJECTIONS.items():
+            full = [prefix + n for n in names]
+            if not any(n in quantized for n in full):
+                continue
+            layer.quantized[proj] = fuse_weights([state_dict[n] for n in full])
+            setattr(layer, f"{proj}_weight", _dropped(getattr(layer, f"{proj}_weight")))
+
+
+def quantized_sources(model: Any) -> list[Any]:
+    """The distinct quantized weight sources of ``model`` (a tied table once)."""
+    seen: dict[int, Any] = {}
+    for source in model.quantized.values():
+        seen.setdefault(id(source), source)
+    for layer in model.layers:
+        for source in layer.quantized.values():
+            seen.setdefault(id(source), source)
+    return list(seen.values())
+
+
+def quantized_nbytes(model: Any) -> int:
+    """Bytes held by ``model``'s quantized weights (blocks and dense parts of mixed ones)."""
+    return sum(source.nbytes for source in quantized_sources(model))
+
+
+def quantized_decode_bytes(model: Any) -> int:
+    """Quantized bytes one decode step reads: all but an untied embedding (T rows of it)."""
+    emb = model.quantized.get("embed_tokens")
+    skip = emb if emb is not None and model.quantized.get("lm_head") is not emb else None
+    return sum(s.nbytes for s in quantized_sources(model) if s is not skip)
+
+
+def quantization_summary(model: Any, requested: str) -> dict[str, Any]:
+    """What ``stats()`` and the start-up line report: the mode and the weight bytes by format.
+
+    ``formats``: held format (``q4_1``, ``q8_0``, ``dense``) -> bytes; ``kernels``: the
+    instruction set the int8-dot kernels run with (None when they are unavailable).
+    """
+    from kvserve.runtime.native import quant_ops
+
+    formats: dict[str, int] = {}
+    for source in quantized_sources(model):
+        parts = getattr(source, "parts", (source,))
+        for part in parts:
+            key = part.qtype if isinstance(part, QuantizedWeight) else "dense"
+            nbytes = (
+                part.nbytes
+                if isinstance(part, QuantizedWeight)
+                else part.numel() * part.element_size()
+            )
+            formats[key] = formats.get(key, 0) + nbytes
+    dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    formats["dense"] = formats.get("dense", 0) + dense
+    kernels = quant_ops.best_isa() if formats.keys() - {"dense"} and quant_ops.available() else None
+    return {"mode": requested, "weight_bytes_by_format": formats, "kernels": kernels}
+
+
+def summary_line(summary: dict[str, Any]) -> str:
+    """One line for the start-up log: ``quantization auto: q4_1 66.4 MB, ...``."""
+    parts = ", ".join(
+        f"{name} {nbytes / 1e6:.1f} MB"
+        for name, nbytes in sorted(summary["weight_bytes_by_format"].items())
+    )
+    kernels = f"; int8-dot kernels: {summary['kernels']}" if summary["kernels"] else ""
+    return f"quantization {summary['mode']}: weights {parts}{kernels}"

@@ -1,0 +1,206 @@
+"""Linear methods for quantized weights, registered with the linear-method layer.
+
+Candidates for a ``QuantizedWeight`` source (``kvserve.models.quant``):
+
+- ``QuantKernelMethod`` (``{qtype}_{isa}``, e.g. ``q4_1_avx512_vnni``): the native int8-dot
+  kernels over the blocks as held (``kvserve_quant_ops.cpp``); holds nothing extra.
+- ``DequantDenseMethod`` (``dequant_{dtype}``): a dense copy made once at load, run with
+  ``torch.mm``. Memory cost: ``out * in * element_size`` bytes on top of the blocks (fp32:
+  4 / (bits per weight / 8) = 6.4x a Q4_1 weight; bf16 3.2x); only chosen where the selector
+  measures it faster (large M, prefill).
+
+A fused projection whose parts have different formats (``QuantizedParts``, from
+``fuse_weights``) gets ``QuantSplitMethod``: each part runs into its column slice of ``out``.
+
+Importing this module registers ``quantized_candidates``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.models.quant import QuantizedWeight
+from kvserve.runtime.linear import LinearMethod, dtype_tag, register_candidates
+from kvserve.runtime.native import quant_ops
+
+WeightPart = torch.Tensor | QuantizedWeight
+
+
+@dataclass(frozen=True)
+class QuantizedParts:
+    """A fused weight whose parts (stacked by rows) cannot share one block format."""
+
+    parts: tuple[WeightPart, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(int(p.shape[0]) for p in self.parts), int(self.parts[0].shape[1]))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_part_nbytes(p) for p in self.parts)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dense fused weight ``[out, in]``."""
+        return torch.cat([_dense(p, dtype) for p in self.parts])
+
+
+def _part_nbytes(part: WeightPart) -> int:
+    if isinstance(part, QuantizedWeight):
+        return part.nbytes
+    return part.numel() * part.element_size()
+
+
+def _dense(part: WeightPart, dtype: torch.dtype) -> torch.Tensor:
+    return part.dequantize(dtype) if isinstance(part, QuantizedWeight) else part.to(dtype)
+
+
+def fuse_weights(parts: Sequence[WeightPart]) -> torch.Tensor | QuantizedWeight | QuantizedParts:
+    """Stack the rows of ``parts`` (q/k/v, gate/up) into one weight source.
+
+    All dense: ``torch.cat``. All quantized in one format: ``QuantizedWeight.concat_rows``.
+    Otherwise a ``QuantizedParts`` that ``QuantSplitMethod`` runs part by part.
+    """
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(list(parts))  # type: ignore[arg-type]
+    quantized = [p for p in parts if isinstance(p, QuantizedWeight)]
+    if len(quantized) == len(parts) and QuantizedWeight.can_concat(quantized):
+        return QuantizedWeight.concat_rows(quantized)
+    return QuantizedParts(tuple(parts))
+
+
+def is_quantized(source: object) -> bool:
+    """Whether ``source`` is a quantized weight source (held in blocks, at least partly)."""
+    return isinstance(source, QuantizedWeight | QuantizedParts)
+
+
+def embedding_lookup(
+    weight: QuantizedWeight,
+    ids: torch.Tensor,  # int64 [T]
+    out: torch.Tensor,  # [T, hidden]
+) -> torch.Tensor:
+    """Rows ``ids`` of a quantized embedding table, dequantized into ``out``.
+
+    NOTE: only the T gathered rows are dequantized; the table stays in blocks.
+    """
+    if quant_ops.available() and out.device.type == "cpu":
+        return quant_ops.embedding(ids, weight.data, weight.qtype, out)
+    rows = QuantizedWeight(weight.qtype, weight.data[ids.cpu()], (ids.shape[0], weight.shape[1]))
+    return out.copy_(rows.dequantize(torch.float32))
+
+
+class QuantKernelMethod(LinearMethod):
+    """The native int8-dot kernel over a ``QuantizedWeight``'s blocks (see module docstring).
+
+    ``isa`` forces an instruction set ("avx512_vnni", "avx_vnni", "avx2", "scalar"); "auto"
+    takes the best the CPU has, and the name says which.
+    """
+
+    shares_source = True
+    supports_bias = False
+
+    def __init__(self, weight: QuantizedWeight, *, isa: str = "auto") -> None:
+        self.weight = weight
+        self.out_features, self.in_features = weight.shape
+        self.isa = quant_ops.best_isa() if isa == "auto" else isa
+        self.name = f"{weight.qtype}_{self.isa}"
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        return quant_ops.linear(x, self.weight.data, self.weight.qtype, out=out, isa=self.isa)
+
+
+class DequantDenseMethod(LinearMethod):
+    """A dense ``act_dtype`` copy of the weight, run with ``torch.mm``.
+
+    NOTE: the copy is made on the first ``apply`` (the selector's first timing run), so that
+    listing the candidates of a model costs no dense copy of every weight; ``nbytes`` is the
+    copy's size either way.
+    """
+
+    shares_source = False
+    supports_bias = True
+
+    def __init__(self, source: QuantizedWeight | QuantizedParts, act_dtype: torch.dtype) -> None:
+        self.source = source
+        self.act_dtype = act_dtype
+        self.out_features, self.in_features = source.shape
+        self.weight_t: torch.Tensor | None = None  # [in, out], made on first use
+        self.name = f"dequant_{dtype_tag(act_dtype)}"
+
+    @property
+    def nbytes(self) -> int:
+        return self.out_features * self.in_features * self.act_dtype.itemsize
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if self.weight_t is None:
+            # [in, out] contiguous: the layout MKL ran fastest for decode (see models/llama.py).
+            self.weight_t = self.source.dequantize(self.act_dtype).t().contiguous()
+        if self.bias is None:
+            return torch.mm(x, self.weight_t, out=out)
+        return torch.addmm(self.bias, x, self.weight_t, out=out)
+
+
+class QuantSplitMethod(LinearMethod):
+    """A fused weight of mixed formats: each part writes its column slice of ``out``."""
+
+    shares_source = True
+    supports_bias = False
+
+    def __init__(
+        self, source: QuantizedParts, act_dtype: torch.dtype, *, isa: str = "auto"
+    ) -> None:
+        self.source = source
+        self.out_features, self.in_features = source.shape
+        # (first column, end column, kernel or a dense part's [in, out] weight)
+        self._runs: list[tuple[int, int, QuantKernelMethod | torch.Tensor]] = []
+        start = 0
+        for part in source.parts:
+            end = start + int(part.shape[0])
+            if isinstance(part, QuantizedWeight):
+                run: QuantKernelMethod | torch.Tensor = QuantKernelMethod(part, isa=isa)
+            else:
+                run = part.to(act_dtype).t()
+            self._runs.append((start, end, run))
+            start = end
+        isa_name = quant_ops.best_isa() if isa == "auto" else isa
+        self.name = f"split_{isa_name}"
+
+    @property
+    def nbytes(self) -> int:
+        return self.source.nbytes
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+        for start, end, run in self._runs:
+            if isinstance(run, QuantKernelMethod):
+                run.apply(x, out[:, start:end])
+            else:
+                out[:, start:end].copy_(torch.mm(x, run))
+        return out
+
+
+@register_candidates
+def quantized_candidates(
+    source: object, *, act_dtype: torch.dtype, device: torch.device
+) -> list[LinearMethod]:
+    """The kernel (when the native quantized kernels load, on CPU) and the dense fallback."""
+    if not is_quantized(source):
+        return []
+    methods: list[LinearMethod] = []
+    if device.type == "cpu" and quant_ops.available():
+        if isinstance(source, QuantizedWeight):
+            methods.append(QuantKernelMethod(source))
+        else:
+            methods.append(QuantSplitMethod(source, act_dtype))  # type: ignore[arg-type]
+    methods.append(DequantDenseMethod(source, act_dtype))  # type: ignore[arg-type]
+    return methods

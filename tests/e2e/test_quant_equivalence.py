@@ -1,0 +1,113 @@
+"""The memory-management scenarios of test_equivalence.py with quantized weights.
+
+The embedded GGUF runs as stored (``quantization="auto"``: Q4_1 layers, Q8_0 embedding and
+lm_head through the int8-dot kernels), compared with itself: prefix caching off, token
+budgets, preemption (recompute and swap).
+
+NOTE: why not token-for-token equality, as the dense tests demand. The kernels are batch
+invariant (each token's activations are quantized on their own and every output is summed in
+one fixed order: ``test_linear_is_batch_invariant``), but the rest of a step is not bitwise
+invariant to chunking: a prompt prefilled in other chunks (budgets, prefix-cache hits,
+recompute after preemption) differs by float rounding in attention (1.9e-5 max on the
+final hidden state of the dense model, 40 tokens in 1 vs 2 chunks). The dense model absorbs
+that; int8 activation rounding is discontinuous, so such an ulp can move an activation by a
+whole int8 step, and greedy decoding then takes the other branch at near-ties (measured: of
+6 requests x 24 tokens, 0-2 requests diverge per scenario, one at its first token). So these
+tests check the scenario's invariants, that every request completes, and that at least 4
+of the 6 requests match the reference token for token and 80 % of all tokens agree.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.models.quant import quantize_dense
+from kvserve.runtime.native import quant_ops
+from kvserve.sampling_params import SamplingParams
+from tests.e2e.prompts import chat_prompts
+
+MAX_TOKENS = 24
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def quant_llm(make_llm, **kwargs):  # noqa: ANN001, ANN201 - the session factory and an LLM
+    # NOTE: kernel_selection="off" keeps the int8-dot kernel at every M; the selector may
+    # otherwise run prefill chunks through a dense copy, a second numeric path.
+    llm = make_llm(quantization="auto", kernel_selection="off", **kwargs)
+    formats = llm.stats()["quantization"]["weight_bytes_by_format"]
+    assert formats.keys() >= {"q4_1", "q8_0"}
+    return llm
+
+
+@pytest.fixture(scope="module")
+def reference(make_llm) -> tuple[list[list[int]], list[list[int]]]:
+    llm = quant_llm(make_llm, num_kv_blocks=512)
+    prompts = chat_prompts(llm.tokenizer)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert llm.stats()["preemptions"] == 0
+    return prompts, [o.outputs[0].token_ids for o in outs]
+
+
+def _tokens(llm, prompts) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def assert_agrees(got: list[list[int]], expected: list[list[int]]) -> None:
+    assert all(len(g) == MAX_TOKENS for g in got)
+    identical = sum(g == e for g, e in zip(got, expected, strict=True))
+    same = sum(
+        a == b for g, e in zip(got, expected, strict=True) for a, b in zip(g, e, strict=True)
+    )
+    assert identical >= len(expected) - 2, f"{identical} of {len(expected)} identical"
+    assert same >= 0.8 * MAX_TOKENS * len(expected), f"{same} tokens agree"
+
+
+def test_linear_is_batch_invariant() -> None:
+    """A token's output does not depend on the other rows of its batch (bitwise)."""
+    assert quant_ops.load(), quant_ops.reason()
+    gen = torch.Generator().manual_seed(0)
+    for qtype in ("q4_1", "q8_0"):
+        weight = quantize_dense(torch.randn(100, 576, generator=gen), qtype)
+        x = torch.randn(9, 576, generator=gen)
+        full = quant_ops.linear(x, weight.data, qtype)
+        for i in range(9):
+            one = quant_ops.linear(x[i : i + 1], weight.data, qtype)
+            assert torch.equal(full[i : i + 1], one)
+
+
+def test_prefix_cache_off(make_llm, reference) -> None:
+    prompts, expected = reference
+    llm = quant_llm(make_llm, num_kv_blocks=512, enable_prefix_caching=False)
+    assert_agrees(_tokens(llm, prompts), expected)
+    assert llm.stats()["prefix_hit_rate"] == 0
+
+
+def test_prefix_cache_hits_on_second_pass(make_llm, reference) -> None:
+    prompts, expected = reference
+    llm = quant_llm(make_llm, num_kv_blocks=512)
+    assert _tokens(llm, prompts) == expected  # the same engine and schedule: identical
+    assert_agrees(_tokens(llm, prompts), expected)
+    assert llm.stats()["prefix_hit_rate"] > 0.4
+
+
+@pytest.mark.parametrize("budget", [16, 64, 2048])
+def test_token_budgets(make_llm, reference, budget: int) -> None:
+    prompts, expected = reference
+    llm = quant_llm(make_llm, num_kv_blocks=512, max_num_batched_tokens=budget)
+    assert_agrees(_tokens(llm, prompts), expected)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption(make_llm, reference, mode: str) -> None:
+    prompts, expected = reference
+    longest = max(len(p) for p in prompts) + MAX_TOKENS
+    num_blocks = 2 * (-(-longest // 16)) + 1  # room for about two requests at a time
+    llm = quant_llm(
+        make_llm, num_kv_blocks=num_blocks, preemption_mode=mode, max_num_batched_tokens=256
+    )
+    assert_agrees(_tokens(llm, prompts), expected)
+    stats = llm.stats()
+    assert stats["preemptions"] > 0
+    assert stats["kv_usage"] == 0
+    llm.engine.kv_cache_manager.check_integrity()

@@ -1,0 +1,201 @@
+"""The Llama model with quantized weights: the methods it runs, its output against the
+dequantized twin, the fallback without the native kernels, and the bytes it holds."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve.engine_config import EngineConfig
+from kvserve.models.llama import LlamaForCausalLM
+from kvserve.models.loader import load_model
+from kvserve.models.quant import QuantizedWeight
+from kvserve.models.quant_model import quantization_summary, quantized_nbytes, summary_line
+from kvserve.runtime.attention import SeqSpec, build_attention_metadata
+from kvserve.runtime.native import quant_ops
+from kvserve.runtime.quant_linear import (
+    DequantDenseMethod,
+    QuantizedParts,
+    QuantKernelMethod,
+    QuantSplitMethod,
+    quantized_candidates,
+)
+from tests.tiny_models import make_tiny_gguf, make_tiny_model
+
+CPU = torch.device("cpu")
+NUM_TOKENS = 20
+
+
+def build(path: str, quantization: str) -> LlamaForCausalLM:
+    loaded = load_model(path, "float32", quantization)
+    model = LlamaForCausalLM(loaded.arch)
+    model.load_weights(loaded.state_dict)
+    return model.eval()
+
+
+def build_twin(path: str, quantization: str) -> LlamaForCausalLM:
+    """The dense model of the quantized weights' exact values (dequantized at load)."""
+    loaded = load_model(path, "float32", quantization)
+    state_dict = {
+        name: t.dequantize() if isinstance(t, QuantizedWeight) else t
+        for name, t in loaded.state_dict.items()
+    }
+    model = LlamaForCausalLM(loaded.arch)
+    model.load_weights(state_dict)
+    return model.eval()
+
+
+@torch.no_grad()
+def logits(model: LlamaForCausalLM) -> torch.Tensor:
+    """Logits of a 20-token prompt (one prefill chunk). [20, vocab]"""
+    arch = model.arch
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, arch.vocab_size, (NUM_TOKENS,), generator=gen)
+    caches = [
+        torch.zeros(2, 4, 16, arch.num_key_value_heads, arch.head_dim)
+        for _ in range(arch.num_hidden_layers)
+    ]
+    meta = build_attention_metadata(
+        [SeqSpec(0, NUM_TOKENS, 0, [0, 1])], block_size=16, device=CPU, dtype=torch.float32
+    )
+    hidden = model(ids, torch.arange(NUM_TOKENS), caches, meta)
+    return model.compute_logits(hidden)
+
+
+def assert_close_to_twin(quant: torch.Tensor, dense: torch.Tensor) -> None:
+    """int8 activations: each projection is off by ~1/254 of its inputs' block maxima; over
+    two layers and the lm_head that stays within 3 % of the logits' range (measured 0.6-0.75 %
+    on these tiny models, greedy agreement 95-100 %)."""
+    assert torch.isfinite(quant).all()
+    err = (quant - dense).abs().max()
+    assert err <= 0.03 * dense.abs().max(), float(err)
+    # and most greedy choices agree
+    assert (quant.argmax(-1) == dense.argmax(-1)).float().mean() >= 0.8
+
+
+@pytest.mark.skipif(not quant_ops.load(), reason="quantized kernels unavailable")
+@pytest.mark.parametrize("tensor_type", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_runs_as_stored_and_matches_dequantized_twin(tmp_path: Path, tensor_type: str) -> None:
+    path = make_tiny_gguf(tmp_path, "smollm", tensor_type=tensor_type)  # tied embedding
+    quant, dense = build(path, "auto"), build(path, "none")
+    qtype = tensor_type.lower()
+    names = {lin.method_for(1).name for lin in quant.linears()}
+    assert names == {f"{qtype}_{quant_ops.best_isa()}"}
+    assert quant.quantized["lm_head"] is quant.quantized["embed_tokens"]
+    # only norms stay as parameters; the blocks are counted once (tied table)
+    params = sum(p.numel() for p in quant.parameters())
+    assert params == (2 * quant.arch.num_hidden_layers + 1) * quant.arch.hidden_size
+    blocks = sum(
+        v.nbytes
+        for v in load_model(path, "float32", "auto").state_dict.values()
+        if isinstance(v, QuantizedWeight)
+    )
+    assert quantized_nbytes(quant) == blocks
+    assert_close_to_twin(logits(quant), logits(dense))
+    summary = quantization_summary(quant, "auto")
+    assert summary["weight_bytes_by_format"][qtype] == blocks
+    assert qtype in summary_line(summary)
+
+
+@pytest.mark.skipif(not quant_ops.load(), reason="quantized kernels unavailable")
+def test_mixed_formats_in_one_projection_run_split(tmp_path: Path) -> None:
+    """q/k Q4_1 and v Q8_0: the fused qkv runs each part into its columns."""
+    types = {f"blk.{i}.attn_v.weight": "Q8_0" for i in range(2)}
+    path = make_tiny_gguf(tmp_path, "llama", tensor_type="Q4_1", tensor_types=types)
+    quant, dense = build(path, "auto"), build(path, "none")
+    layer = quant.layers[0]
+    assert isinstance(layer.quantized["qkv"], QuantizedParts)
+    assert isinstance(layer.quantized["gate_up"], QuantizedWeight)
+    quant.ensure_linears()
+    assert isinstance(layer.qkv_proj.method_for(1), QuantSplitMethod)
+    assert_close_to_twin(logits(quant), logits(dense))
+
+
+def test_without_native_kernels_weights_run_dequantized(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No compiler: the candidates are only the dense copy, the embedding dequantizes rows in
+    torch; the output equals the dense model's up to summation order."""
+    monkeypatch.setattr(quant_ops, "_state", {"ok": False, "reason": "test"})
+    path = make_tiny_gguf(tmp_path, "llama", tensor_type="Q4_1")
+    quant, dense = build(path, "auto"), build(path, "none")
+    assert {type(lin.method_for(1)) for lin in quant.linears()} == {DequantDenseMethod}
+    torch.testing.assert_close(logits(quant), logits(dense), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not quant_ops.load(), reason="quantized kernels unavailable")
+def test_candidates_kernel_first_then_dense_copy_with_its_cost() -> None:
+    weight = QuantizedWeight.concat_rows(
+        [quantize(torch.randn(8, 64)), quantize(torch.randn(4, 64))]
+    )
+    methods = quantized_candidates(weight, act_dtype=torch.bfloat16, device=CPU)
+    assert [type(m) for m in methods] == [QuantKernelMethod, DequantDenseMethod]
+    kernel, dense = methods
+    assert kernel.shares_source and kernel.nbytes == weight.nbytes
+    assert not dense.shares_source and dense.nbytes == 12 * 64 * 2  # bf16 copy
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    torch.testing.assert_close(kernel.apply(x).float(), dense.apply(x).float(), rtol=0.05, atol=0.1)
+    assert quantized_candidates(torch.randn(4, 64), act_dtype=torch.float32, device=CPU) == []
+
+
+def quantize(w: torch.Tensor) -> QuantizedWeight:
+    from kvserve.models.quant import quantize_dense
+
+    return quantize_dense(w, "q4_1")
+
+
+@pytest.mark.skipif(not quant_ops.load(), reason="quantized kernels unavailable")
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_1"])
+def test_hf_model_quantized_at_load_runs(tmp_path: Path, qtype: str) -> None:
+    model_dir = make_tiny_model(tmp_path, "qwen2", tokenizer=False)  # with q/k/v biases
+    quant, dense = build(model_dir, qtype), build_twin(model_dir, qtype)
+    assert quant.layers[0].qkv_bias is not None
+    assert_close_to_twin(logits(quant), logits(dense))
+
+
+def test_quantization_flag() -> None:
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    config = EngineConfig.from_cli_args(parser.parse_args(["--quantization", "q4_0"]))
+    assert config.quantization == "q4_0"
+    assert EngineConfig().quantization == "none"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "q5_k"])
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(quantization="int4")
+    with pytest.raises(ValueError, match="CPU only"):
+        EngineConfig(quantization="auto", device="cuda")
+
+
+def test_accuracy_bench_weights_setting() -> None:
+    from kvserve.bench.accuracy import parse_setting
+
+    setting = parse_setting("weights-auto")
+    assert setting.engine_kwargs()["quantization"] == "auto"
+    assert setting.kv_cache_dtype == "auto"
+    assert parse_setting("int8").engine_kwargs()["quantization"] == "none"
+    with pytest.raises(ValueError, match="unknown weights setting"):
+        parse_setting("weights-q5_k")
+
+
+@pytest.mark.skipif(not quant_ops.load(), reason="quantized kernels unavailable")
+def test_selection_per_bucket_between_kernel_and_dense_copy(tmp_path: Path) -> None:
+    from kvserve.runtime.kernel_select import m_buckets
+    from kvserve.runtime.quant_select import quantized_shapes, select_quantized_kernels
+
+    path = make_tiny_gguf(tmp_path, "smollm", tensor_type="Q4_1")
+    model = build(path, "auto")
+    shapes = quantized_shapes(model)
+    assert shapes[(model.arch.vocab_size, model.arch.hidden_size)] == "q4_1"
+    plan = select_quantized_kernels(model, act_dtype=torch.float32, budget_s=0.001)
+    assert plan.keys() == shapes.keys()
+    kernel = f"q4_1_{quant_ops.best_isa()}"
+    for choice in plan.values():
+        assert [b for b, _ in choice] == [b for b, _ in m_buckets()]
+        assert {name for _, name in choice} <= {kernel, "dequant_fp32"}
+    model.set_linear_plan(plan)
+    assert_close_to_twin(logits(model), logits(build(path, "none")))
+    assert select_quantized_kernels(model, act_dtype=torch.float32, mode="off") == {}

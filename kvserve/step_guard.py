@@ -15,10 +15,11 @@ on a request and raises ``StepFault`` (the engine stops).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 
-from kvserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("kvserve.step_guard")
 
@@ -43,7 +44,16 @@ def execute_isolated(execute: Execute, sched: SchedulerOutput) -> ModelRunnerOut
             finished_req_ids=sched.finished_req_ids,
             preempted_req_ids=sched.preempted_req_ids,
         )
-        compute = SchedulerOutput(scheduled=sched.scheduled)
+        # NOTE: replace, not a new SchedulerOutput: the forward keeps every per-step field
+        # (the structured-output bitmask among them) except the block moves done above.
+        compute = dataclasses.replace(
+            sched,
+            blocks_to_swap_out=[],
+            blocks_to_swap_in=[],
+            blocks_to_copy=[],
+            finished_req_ids=set(),
+            preempted_req_ids=set(),
+        )
     try:
         moved = execute(moves) if moves is not None else None
     except Exception as e:
@@ -56,17 +66,19 @@ def execute_isolated(execute: Execute, sched: SchedulerOutput) -> ModelRunnerOut
         if not compute.scheduled:
             raise StepFault(f"the step failed: {e!r}") from e
         logger.warning("a step of %d requests raised %r; isolating", len(compute.scheduled), e)
-        out = _bisect(execute, compute.scheduled, e)
+        out = _bisect(execute, compute, e)
     if moved is not None:
         out.swap_out_time, out.swap_in_time = moved.swap_out_time, moved.swap_in_time
         out.execute_time += moved.execute_time
     return out
 
 
-def _bisect(
-    execute: Execute, scheduled: list[ScheduledRequest], error: Exception
-) -> ModelRunnerOutput:
-    """Run ``scheduled`` in ever smaller sub-batches; requests that raise alone fail."""
+def _bisect(execute: Execute, compute: SchedulerOutput, error: Exception) -> ModelRunnerOutput:
+    """Run ``compute``'s requests in ever smaller sub-batches; requests that raise alone fail.
+
+    Each sub-batch is ``compute`` with fewer requests (its other fields, such as the grammar
+    bitmask matched by request id, unchanged)."""
+    scheduled = compute.scheduled
     out = ModelRunnerOutput()
     if len(scheduled) == 1:
         out.failed[scheduled[0].request_id] = f"the step failed: {error!r}"
@@ -76,7 +88,7 @@ def _bisect(
     while stack:
         part = stack.pop()
         try:
-            res = execute(SchedulerOutput(scheduled=part))
+            res = execute(dataclasses.replace(compute, scheduled=part))
         except StepFault:
             raise
         except Exception as e:  # noqa: BLE001 - narrowed down below
@@ -89,6 +101,7 @@ def _bisect(
         out.sampled_token_ids.update(res.sampled_token_ids)
         out.logprobs.update(res.logprobs)
         out.failed.update(res.failed)
+        out.prompt_logprobs.update(res.prompt_logprobs)
         out.execute_time += res.execute_time
     if len(out.failed) == len(scheduled):
         raise StepFault(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -196,6 +197,9 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def _jsonable(value: Any) -> Any:
+    """``value`` as strict JSON: non-finite floats (a figure not measured yet) become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
     if isinstance(value, dict):
         return {str(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -2,9 +2,10 @@
 
 ``resolve_dtype(config, arch)`` turns ``config.dtype`` into a torch dtype: on CUDA ``auto`` is
 bfloat16 (float16 without bf16 support); on CPU it is bfloat16 only where the CPU has native
-bf16 arithmetic (AMX or AVX512_BF16) *and* the kernel measurement says a decode step's
-matmuls run faster in bf16 than in fp32; else float32. An explicit ``bfloat16`` on a CPU
-without native bf16 runs, with a warning giving the measured slowdown.
+bf16 arithmetic (AMX or AVX512_BF16) *and* a decode step's matmuls (each dtype with its
+chosen kernels, timed in alternation: ``dtype_speedup``) run faster in bf16; else float32.
+An explicit ``bfloat16`` on a CPU without native bf16 runs, with a warning giving the
+measured slowdown.
 
 ``select_model_kernels(config, arch, dtype)`` measures (or reads from the cache) the fastest
 ``LinearMethod`` per projection shape and M bucket (``kvserve.runtime.kernel_select``).
@@ -12,14 +13,26 @@ without native bf16 runs, with a warning giving the measured slowdown.
 
 from __future__ import annotations
 
+import json
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kvserve.config import ModelArchConfig
 from kvserve.engine_config import EngineConfig
-from kvserve.runtime.kernel_select import DECODE_BOUNDS, Selection, cpu_flags, select_kernels
+from kvserve.runtime.kernel_select import (
+    DECODE_BOUNDS,
+    Selection,
+    cache_path,
+    cpu_flags,
+    cpu_identity,
+    machine_load,
+    select_kernels,
+)
+from kvserve.runtime.linear import Linear, build_linear
 
 log = logging.getLogger("kvserve")
 
@@ -103,7 +116,7 @@ def choose_dtype_and_kernels(config: EngineConfig, arch: ModelArchConfig) -> Ker
         if device.type == "cpu" and dtype == torch.bfloat16 and not native_bf16():
             fp32 = select_shapes(config, arch, torch.float32, "auto" if mode == "off" else mode)
             bf16 = select_shapes(config, arch, dtype, "auto" if mode == "off" else mode)
-            slow = decode_matmul_seconds(bf16, arch) / max(decode_matmul_seconds(fp32, arch), 1e-12)
+            slow = 1.0 / dtype_speedup(arch, fp32, bf16, device=device, mode=mode)
             log.warning(
                 "dtype bfloat16 on a CPU without native bf16 (no AMX / AVX512_BF16): decode "
                 "matmuls measured %.2fx the time of float32",
@@ -122,10 +135,104 @@ def choose_dtype_and_kernels(config: EngineConfig, arch: ModelArchConfig) -> Ker
     probe = "auto" if mode == "off" else mode
     fp32 = select_shapes(config, arch, torch.float32, probe)
     bf16 = select_shapes(config, arch, torch.bfloat16, probe)
-    t32, t16 = decode_matmul_seconds(fp32, arch), decode_matmul_seconds(bf16, arch)
-    dtype, sel = (torch.bfloat16, bf16) if t16 < t32 else (torch.float32, fp32)
+    ratio = dtype_speedup(arch, fp32, bf16, device=device, mode=probe)
+    dtype, sel = (torch.bfloat16, bf16) if ratio > 1.0 else (torch.float32, fp32)
     if mode == "off":
         sel = select_shapes(config, arch, dtype, "off")
-    ratio = t32 / t16 if t16 > 0 else float("inf")
     reason = f"auto: native bf16, decode matmuls bf16 {ratio:.2f}x fp32 speed"
     return KernelChoice(dtype, sel, reason)
+
+
+def dtype_speedup(
+    arch: ModelArchConfig,
+    fp32: Selection,
+    bf16: Selection,
+    *,
+    device: torch.device,
+    mode: str = "auto",
+    timer: Callable[[Linear, torch.Tensor, torch.Tensor], float] | None = None,
+    budget_s: float = 0.010,
+    passes: int = 2,
+) -> float:
+    """fp32 time / bf16 time of a decode step's matmuls (M = 1, 8, 32; each dtype with its
+    chosen kernels), cached like the selections (``mode`` "measure": measured again).
+
+    NOTE: the two dtypes are timed in alternation in one run, never taken from two selections
+    measured at different times: on a shared machine those can be minutes and loads apart.
+    """
+    counts = projection_shapes(arch)
+    model, flags = cpu_identity()
+    key = {
+        "what": "dtype_speedup",
+        "version": 1,
+        "cpu": model,
+        "cpu_flags": flags,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "device": device.type,
+        "shapes": sorted([*s, n] for s, n in counts.items()),
+        "plans": [repr(sorted(fp32.plan.items())), repr(sorted(bf16.plan.items()))],
+    }
+    path = cache_path(key).with_name("dtype_" + cache_path(key).name)
+    load = machine_load()
+    if mode != "measure" and path.exists():
+        try:
+            record = json.loads(path.read_text())
+            if record["key"] == key and not (record["load"] > 1.0 and load < record["load"] / 2):
+                return float(record["speedup"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("dtype cache %s is corrupt (%s): measuring again", path, e)
+    time_call = timer or _time_linear
+    gen = torch.Generator().manual_seed(2)
+    cells = []  # (count, [(linear, x, out) for fp32, bf16])
+    for shape, n in counts.items():
+        w = torch.randn(shape[1], shape[0], generator=gen).t() * 0.02  # the model's layout
+        pair = []
+        for dt, sel in ((torch.float32, fp32), (torch.bfloat16, bf16)):
+            choice = sel.plan.get(shape) if sel.source != "off" else None
+            pair.append(build_linear(w.to(dt), act_dtype=dt, device=device, choice=choice))
+        for m in _DECIDING_BOUNDS:
+            x = torch.randn(m, shape[1], generator=gen)
+            cells.append(
+                (
+                    n,
+                    [
+                        (
+                            lin,
+                            x.to(lin.source.dtype),
+                            x.new_empty(m, shape[0], dtype=lin.source.dtype),
+                        )
+                        for lin in pair
+                    ],
+                )
+            )
+    best = [[float("inf"), float("inf")] for _ in cells]
+    for _ in range(passes):
+        for i, (_n, items) in enumerate(cells):
+            spent = [0.0, 0.0]
+            for round_ in range(200):
+                for j, (lin, x, out) in enumerate(items):
+                    dt = time_call(lin, x, out)
+                    best[i][j] = min(best[i][j], dt)
+                    spent[j] += dt
+                if round_ >= 4 and min(spent) >= budget_s:
+                    break
+    t32 = sum(n * b[0] for (n, _), b in zip(cells, best, strict=True))
+    t16 = sum(n * b[1] for (n, _), b in zip(cells, best, strict=True))
+    speedup = t32 / t16 if t16 > 0 else float("inf")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"key": key, "speedup": speedup, "load": load}))
+    except OSError as e:
+        log.warning("dtype cache %s not written: %s", path, e)
+    return speedup
+
+
+def _time_linear(lin: Linear, x: torch.Tensor, out: torch.Tensor) -> float:
+    if x.device.type == "cuda":
+        torch.cuda.synchronize(x.device)
+    t = time.perf_counter()
+    lin(x, out)
+    if x.device.type == "cuda":
+        torch.cuda.synchronize(x.device)
+    return time.perf_counter() - t

@@ -128,6 +128,8 @@ class StepViews:
     gate_up: torch.Tensor  # [T, 2 I]
     gate: torch.Tensor  # [T, I]
     up: torch.Tensor  # [T, I]
+    # NOTE: contiguous, unlike gate: a kernel that needs contiguous rows (oneDNN) would copy.
+    act: torch.Tensor  # [T, I] SiLU(gate) * up, the down projection's input
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -228,6 +230,7 @@ class LlamaDecoderLayer(nn.Module):
             gate_up=gate_up,
             gate=gate_up[:, :inter],
             up=gate_up[:, inter:],
+            act=ws.like("act", (num_tokens, inter), hidden),
         )
 
     def forward(
@@ -260,7 +263,7 @@ class LlamaDecoderLayer(nn.Module):
         # hidden += o-projection, then x = norm(hidden)
         ops.add_rms_norm(hidden, o, self.post_attention_layernorm, self.eps, x, ws)
         self.gate_up_proj(x, sv.gate_up)
-        act = ops.silu_mul(sv.gate, sv.up, sv.gate_up)  # [T, I]
+        act = ops.silu_mul(sv.gate, sv.up, sv.gate_up, sv.act)  # [T, I]
         hidden.add_(self.down_proj(act, x, out_is_hint=True))
         return hidden
 

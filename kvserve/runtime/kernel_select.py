@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 SELECTION_MODES = ("auto", "measure", "off")
 CACHE_ENV = "KVSERVE_CACHE_DIR"
-CACHE_VERSION = 2  # bumped when the measurement changes: older choices are redone
+CACHE_VERSION = 3  # bumped when the measurement changes: older choices are redone
 DECODE_BOUNDS = (1, 8, 32, 128)
 PREFILL_PROBE = 512
 
@@ -270,7 +270,8 @@ def choose(
 ) -> dict[tuple[int, int], list[tuple[int, str]]]:
     """The fastest candidate per shape and bucket (deterministic: ties go to the first one
     measured). A candidate that holds its own weight copy (not ``shares_source``) must beat
-    the fastest source-sharing one by ``margin`` (its memory has a price).
+    the fastest source-sharing one by ``margin`` (its memory has a price), unless that copy
+    is held anyway because another bucket of the same weight chose it.
 
     A bucket with no timing (above a shape's ``max_rows``) takes the previous bucket's choice.
     """
@@ -284,20 +285,25 @@ def choose(
             by_cell.setdefault((*shape, t.max_m), []).append(t)
     plan: dict[tuple[int, int], list[tuple[int, str]]] = {}
     for shape in shapes:
-        choice: list[tuple[int, str]] = []
-        for max_m, _ in buckets:
-            cell = by_cell.get((*shape, max_m))
-            if not cell:
-                if choice:
-                    choice.append((max_m, choice[-1][1]))
-                continue
-            fastest = min(cell, key=lambda t: t.seconds)  # first of equals wins
-            sharing = [t for t in cell if t.shares_source]
-            if sharing and not fastest.shares_source:
-                base = min(sharing, key=lambda t: t.seconds)
-                if fastest.seconds > base.seconds * (1.0 - margin):  # type: ignore[operator]
-                    fastest = base
-            choice.append((max_m, fastest.candidate))
+        # NOTE: a copy held for one bucket is free for the others: a second pass lets every
+        # bucket take the copies the first pass kept without the margin.
+        held: set[str] = set()
+        for _ in range(2):
+            choice: list[tuple[int, str]] = []
+            for max_m, _ in buckets:
+                cell = by_cell.get((*shape, max_m))
+                if not cell:
+                    if choice:
+                        choice.append((max_m, choice[-1][1]))
+                    continue
+                free = [t for t in cell if t.shares_source or t.candidate in held]
+                fastest = min(cell, key=lambda t: t.seconds)  # first of equals wins
+                if free and fastest not in free:
+                    base = min(free, key=lambda t: t.seconds)
+                    if fastest.seconds > base.seconds * (1.0 - margin):  # type: ignore[operator]
+                        fastest = base
+                choice.append((max_m, fastest.candidate))
+            held = {name for _, name in choice}
         if choice:
             plan[shape] = choice
     return plan

@@ -298,3 +298,16 @@ def test_a_selection_measured_on_a_busy_machine_is_redone_when_it_is_quiet(
     sel = _select(tmp_path, mode="auto", timer=fake_timer(calls))
     assert sel.source == "measured" and calls
     assert _select(tmp_path, mode="auto").source == "cache"  # a quiet measurement sticks
+
+
+def test_a_copy_held_for_one_bucket_needs_no_margin_in_the_others() -> None:
+    buckets = [(1, 1), (8, 8)]
+    t = [
+        kernel_select.Timing(4, 4, 1, 1, "mm", 1.00, 64, shares_source=True),
+        kernel_select.Timing(4, 4, 1, 1, "packed", 0.50, 64, shares_source=False),
+        kernel_select.Timing(4, 4, 8, 8, "mm", 1.00, 64, shares_source=True),
+        kernel_select.Timing(4, 4, 8, 8, "packed", 0.98, 64, shares_source=False),
+    ]
+    assert choose(t, buckets, margin=0.05) == {(4, 4): [(1, "packed"), (8, "packed")]}
+    # without the decisive bucket, the 2% win is inside the margin
+    assert choose(t[2:], buckets[1:], margin=0.05) == {(4, 4): [(8, "mm")]}

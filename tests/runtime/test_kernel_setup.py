@@ -52,6 +52,11 @@ def fake_select(monkeypatch):  # type: ignore[no-untyped-def]
         return _selection(dtype, costs[dtype], mode)
 
     monkeypatch.setattr(kernel_setup, "select_shapes", select)
+    monkeypatch.setattr(
+        kernel_setup,
+        "dtype_speedup",
+        lambda arch, fp32, bf16, **kw: costs[torch.float32] / costs[torch.bfloat16],
+    )
     return costs, calls
 
 
@@ -118,3 +123,30 @@ def test_native_ops_are_not_used_off_cpu(monkeypatch) -> None:
     monkeypatch.setattr(layer_ops_mod.native, "available", lambda: True)
     assert layer_ops(native_kernels=True, device=torch.device("meta")) is TORCH_OPS
     assert layer_ops(native_kernels=True, device=torch.device("cpu")) is NATIVE_OPS
+
+
+def test_dtype_speedup_times_both_dtypes_together_and_is_cached(
+    tmp_path, monkeypatch, caplog
+) -> None:
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    calls: list[torch.dtype] = []
+
+    def timer(lin, x, out):  # type: ignore[no-untyped-def]
+        calls.append(x.dtype)
+        return 1e-6 if x.dtype == torch.bfloat16 else 3e-6
+
+    fp32 = Selection(torch.float32, {}, source="off")
+    bf16 = Selection(torch.bfloat16, {}, source="off")
+    cpu = torch.device("cpu")
+    speedup = kernel_setup.dtype_speedup(ARCH, fp32, bf16, device=cpu, timer=timer)
+    assert speedup == pytest.approx(3.0)
+    assert calls[:2] == [torch.float32, torch.bfloat16]  # alternating
+    n = len(calls)
+    assert kernel_setup.dtype_speedup(ARCH, fp32, bf16, device=cpu, timer=timer) == speedup
+    assert len(calls) == n  # from the cache
+    (path,) = tmp_path.rglob("dtype_*.json")
+    path.write_text("garbage")
+    with caplog.at_level(logging.WARNING, logger="kvserve"):
+        again = kernel_setup.dtype_speedup(ARCH, fp32, bf16, device=cpu, timer=timer)
+    assert again == pytest.approx(3.0) and len(calls) > n
+    assert any("corrupt" in r.getMessage() for r in caplog.records)

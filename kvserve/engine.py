@@ -81,9 +81,18 @@ class LLMEngine:
         self.model_path = loaded.path
         self.arch = arch = loaded.arch
         self.tokenizer = Tokenizer.from_loaded(loaded.tokenizer_dir, loaded.gguf_file)
-        model = LlamaForCausalLM(arch)
-        model.load_weights(loaded.state_dict)
-        model = model.to(device=config.device, dtype=dtype).eval()
+        self.tp = None  # the tensor-parallel executor (kvserve/distributed) when size > 1
+        model_arch = arch  # this process's shapes: rank 0's heads under tensor parallelism
+        if config.tensor_parallel_size > 1:
+            from kvserve.distributed.executor import TensorParallelExecutor
+
+            self.tp = TensorParallelExecutor.start(config, arch)
+            model = self.tp.build_model(loaded.state_dict)
+            model_arch = self.tp.runner_arch()
+        else:
+            model = LlamaForCausalLM(arch)
+            model.load_weights(loaded.state_dict)
+            model = model.to(device=config.device, dtype=dtype).eval()
         del loaded
         weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
             b.numel() * b.element_size() for b in model.buffers()
@@ -99,7 +108,7 @@ class LLMEngine:
         # NOTE: exact, the per-token-per-head scales of int8/fp8 caches included.
         self.kv_bytes_per_token = kv_bytes_per_token(
             num_layers=arch.num_hidden_layers,
-            num_kv_heads=arch.num_key_value_heads,
+            num_kv_heads=model_arch.num_key_value_heads,
             head_dim=arch.head_dim,
             kv_cache_dtype=config.kv_cache_dtype,
             dtype=dtype,
@@ -120,9 +129,7 @@ class LLMEngine:
             kernel_scratch_bytes=kernel_scratch,
         )
         rep = self.memory_report
-        self.runner = ModelRunner(
-            model,
-            arch,
+        runner_kwargs = dict(
             num_blocks=rep.num_kv_blocks,
             block_size=config.block_size,
             num_host_blocks=rep.num_host_blocks,
@@ -133,6 +140,13 @@ class LLMEngine:
             kv_window=config.kv_window,
             kv_sink_tokens=config.kv_sink_tokens,
         )
+        self.runner = ModelRunner(model, model_arch, **runner_kwargs)
+        if self.tp is not None:
+            from kvserve.distributed.executor import TPRunner
+
+            self.tp.start_runners(self.runner, runner_kwargs)
+            self.runner = TPRunner(self.tp)  # type: ignore[assignment]
+            self.memory_report = rep = self.tp.memory_report(rep)
         self.kv_cache_manager: KVCacheManager
         if config.kv_window is not None:
             if config.enable_prefix_caching or config.enable_host_prefix_cache:

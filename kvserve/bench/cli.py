@@ -20,6 +20,7 @@ _EXTERNAL = (
     ("hotpath", "kvserve.bench.hotpath", "allocations per steady-state decode step"),
     ("accuracy", "kvserve.bench.accuracy", "KV quantization and windowed eviction accuracy"),
     ("router", "kvserve.bench.router", "prefix-aware vs round-robin routing over local replicas"),
+    ("tp", "kvserve.bench.tp", "tensor parallel vs one process: logits, agreement, step time"),
 )
 
 

@@ -61,6 +61,22 @@ class TPGroup:
         )
         return cls(rank, world_size, dev, cpu_group, device_group)
 
+    def set_timeout(self, timeout_s: float) -> None:
+        """Bound every later collective by ``timeout_s`` (after the long start-up phase).
+
+        NOTE: the group is created with the start-up timeout (ranks load their shards at
+        different speeds); the steps then run under the short one. ``_set_pg_timeout`` is
+        torch's own (private) setter for a live group's gloo/NCCL backends.
+        """
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        td = datetime.timedelta(seconds=timeout_s)
+        for g in {
+            id(self.device_group): self.device_group,
+            id(self.cpu_group): self.cpu_group,
+        }.values():
+            _set_pg_timeout(td, g)
+
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the ranks in place; returns it."""
         t0 = time.perf_counter()

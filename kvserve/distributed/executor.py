@@ -162,6 +162,7 @@ class TensorParallelExecutor:
             }
         )
         self.reports = list(reports or [])
+        self.group.set_timeout(tp_timeout_s())
 
     def memory_report(self, rep: MemoryReport) -> TPMemoryReport:
         """``rep`` (rank 0's budget) with one line per rank."""

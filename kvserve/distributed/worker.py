@@ -72,7 +72,7 @@ def run_worker(
 
     torch.set_num_threads(rank_threads(config))
     torch.manual_seed(config.seed)
-    group = TPGroup.init(rank, world_size, init_method, config.device, timeout_s)
+    group = TPGroup.init(rank, world_size, init_method, config.device, STARTUP_TIMEOUT_S)
     try:
         loaded = load_model(config.model, dtype=_DTYPES[config.dtype])
         spec = ShardSpec(loaded.arch, world_size, rank)
@@ -96,6 +96,7 @@ def run_worker(
                 "num_heads": spec.num_heads,
             }
         )
+        group.set_timeout(timeout_s)
         while True:
             sched = group.broadcast_object()
             if sched is None:

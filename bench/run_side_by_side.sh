@@ -6,6 +6,9 @@
 # Env: BATCH_SIZES ("1 8 32"), INPUT_LEN (128), OUTPUT_LEN (128), THREADS (2),
 #      SYSTEMS ("kvserve transformers vllm llama.cpp"), MODES ("offline server"),
 #      SERVE_MIN_PROMPTS (4: a B=1 server run sends this many requests one at a time),
+#      VLLM_DTYPES ("float32 bfloat16": vLLM runs once per dtype, records vllm-fp32 / vllm-bf16),
+#      KVSERVE_DTYPE ("auto", kvserve's default: bf16 where the CPU has it natively and it
+#      measures faster),
 #      WORKLOAD ("random": every prompt INPUT_LEN and every output OUTPUT_LEN tokens; or
 #      "sharegpt": long-tailed lengths, outputs clipped to MAX_OUTPUT_LEN (512), NUM_PROMPTS
 #      requests (default 2 x the largest B); each engine runs them all at once with at most B
@@ -24,6 +27,8 @@ SYSTEMS="${SYSTEMS:-kvserve transformers vllm llama.cpp}"
 MODES="${MODES:-offline server}"
 SERVE_MIN_PROMPTS="${SERVE_MIN_PROMPTS:-4}"
 WORKLOAD="${WORKLOAD:-random}"
+VLLM_DTYPES="${VLLM_DTYPES:-float32 bfloat16}"
+KVSERVE_DTYPE="${KVSERVE_DTYPE:-auto}"
 if [ "$WORKLOAD" = sharegpt ] && [ "$(echo $BATCH_SIZES | wc -w)" != 1 ]; then
   echo "WORKLOAD=sharegpt takes one batch size (BATCH_SIZES=32, say)" >&2; exit 2
 fi
@@ -58,7 +63,8 @@ n_for() { if [ "$WORKLOAD" = sharegpt ]; then echo "$NUM_PROMPTS"; \
   else echo $(( $1 > SERVE_MIN_PROMPTS ? $1 : SERVE_MIN_PROMPTS )); fi; }
 { echo "date $(date -Is)"; echo "host $(uname -srm), $(nproc) cores"; \
   echo "kvserve $("$REPO_ROOT/.venv/bin/python" -c 'import importlib.metadata as m; print(m.version("kvserve"))')"; \
-  cat "$PEERS_HOME/versions.txt" 2>/dev/null; echo "load at start: $(cut -d' ' -f1-3 /proc/loadavg)"; } \
+  cat "$PEERS_HOME/versions.txt" 2>/dev/null; echo "load at start: $(cut -d' ' -f1-3 /proc/loadavg)"; \
+  lscpu | grep -E '^(Model name|Flags)'; } \
   > "$OUT/versions.txt"
 
 # ---- server helpers -------------------------------------------------------------------
@@ -97,13 +103,13 @@ if has kvserve offline; then
     log "kvserve offline B=$b"
     n=$b; [ "$WORKLOAD" = sharegpt ] && n=$NUM_PROMPTS
     "$KVSERVE" bench throughput --workload-file "$W" --num-prompts "$n" --max-num-seqs "$b" \
-      --num-threads "$THREADS" --quiet --output-json "$OUT/offline_kvserve_b${b}.json" \
+      --num-threads "$THREADS" --dtype "$KVSERVE_DTYPE" --quiet --output-json "$OUT/offline_kvserve_b${b}.json" \
       || log "kvserve offline B=$b failed"
   done
 fi
 if has kvserve server; then
   if start_server kvserve 8000 "$OUT/kvserve_server.log" "$KVSERVE" serve --port 8000 \
-      --max-num-seqs "$MAX_B" --num-threads "$THREADS" --quiet; then
+      --max-num-seqs "$MAX_B" --num-threads "$THREADS" --dtype "$KVSERVE_DTYPE" --quiet; then
     serve_sweep kvserve "$("$REPO_ROOT/.venv/bin/python" -c 'import importlib.metadata as m; print(m.version("kvserve"))')" 8000 kvserve
     stop_server
   fi
@@ -124,21 +130,24 @@ if [[ " $SYSTEMS " == *" vllm "* ]]; then
   if "$REPO_ROOT/bench/peers/install_vllm.sh"; then
     VLLM_VER="$("$VLLM_VENV/bin/python" -c 'import vllm; print(vllm.__version__)')"
     export VLLM_CPU_KVCACHE_SPACE=2 VLLM_CACHE_ROOT="$PEERS_HOME/vllm-cache" HF_HUB_OFFLINE=1
-    if has vllm offline; then
-      log "vllm offline (start-up with warm-up takes minutes)"
-      VLLM_ENABLE_V1_MULTIPROCESSING=0 "$VLLM_VENV/bin/python" "$REPO_ROOT/bench/peers/vllm_offline.py" \
-        --model "$HF_MODEL_DIR" --workload "$W" --batch-sizes $BATCH_SIZES "${PEER_N[@]}" --out-dir "$OUT" \
-        > "$OUT/vllm_offline.log" 2>&1 || log "vllm offline failed; see $OUT/vllm_offline.log"
-      grep "generated tok/s" "$OUT/vllm_offline.log" >&2 || true
-    fi
-    if has vllm server; then
-      if start_server vllm 8001 "$OUT/vllm_server.log" "$VLLM_VENV/bin/python" \
-          -m vllm.entrypoints.openai.api_server --model "$HF_MODEL_DIR" --port 8001 --host 127.0.0.1 --dtype float32 --max-model-len 2048 \
-          --max-num-seqs "$MAX_B" --served-model-name smollm2; then
-        serve_sweep vllm "$VLLM_VER" 8001 vllm
-        stop_server
+    for VDT in $VLLM_DTYPES; do
+      VTAG=$(case "$VDT" in float32) echo fp32;; bfloat16) echo bf16;; float16) echo fp16;; *) echo "$VDT";; esac)
+      if has vllm offline; then
+        log "vllm offline $VDT (start-up with warm-up takes minutes)"
+        VLLM_ENABLE_V1_MULTIPROCESSING=0 "$VLLM_VENV/bin/python" "$REPO_ROOT/bench/peers/vllm_offline.py" \
+          --model "$HF_MODEL_DIR" --workload "$W" --batch-sizes $BATCH_SIZES "${PEER_N[@]}" --dtype "$VDT" \
+          --out-dir "$OUT" > "$OUT/vllm_offline_$VTAG.log" 2>&1 || log "vllm offline $VDT failed; see $OUT/vllm_offline_$VTAG.log"
+        grep "generated tok/s" "$OUT/vllm_offline_$VTAG.log" >&2 || true
       fi
-    fi
+      if has vllm server; then
+        if start_server "vllm $VDT" 8001 "$OUT/vllm_server_$VTAG.log" "$VLLM_VENV/bin/python" \
+            -m vllm.entrypoints.openai.api_server --model "$HF_MODEL_DIR" --port 8001 --host 127.0.0.1 --dtype "$VDT" --max-model-len 2048 \
+            --max-num-seqs "$MAX_B" --served-model-name smollm2; then
+          serve_sweep "vllm-$VTAG" "$VLLM_VER" 8001 vllm
+          stop_server
+        fi
+      fi
+    done
   else
     log "vLLM is not installable here; skipped"
   fi

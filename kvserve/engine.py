@@ -21,6 +21,7 @@ from kvserve.core.scheduler import Scheduler
 from kvserve.core.window import KVWindow, WindowedKVCacheManager
 from kvserve.engine_config import EngineConfig
 from kvserve.engine_metrics import LatencyStats
+from kvserve.kernel_setup import choose_dtype_and_kernels
 from kvserve.memory_budget import (
     MemoryReport,
     measure_kernel_scratch,
@@ -28,17 +29,16 @@ from kvserve.memory_budget import (
     plan_step_activations,
 )
 from kvserve.models.llama import LlamaForCausalLM
-from kvserve.models.loader import load_model
+from kvserve.models.loader import load_arch, load_model
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.request import Request, RequestStatus
+from kvserve.runtime.kernel_select import plan_of
 from kvserve.runtime.kv_cache import kv_bytes_per_token
 from kvserve.runtime.model_runner import ModelRunner
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger("kvserve")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -75,8 +75,12 @@ class LLMEngine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
-        dtype = _DTYPES[config.dtype]
         t0 = time.perf_counter()
+        # The dtype (for "auto") and the projection kernels, measured on the model's shapes
+        # (or read from the cache) before any weight is read.
+        self.kernels = choose_dtype_and_kernels(config, load_arch(config.model))
+        dtype = self.kernels.dtype
+        self.config = config = config.replace(dtype=self.kernels.dtype_name)
         loaded = load_model(config.model, dtype=dtype)
         self.model_path = loaded.path
         self.arch = arch = loaded.arch
@@ -94,8 +98,18 @@ class LLMEngine:
             model.load_weights(loaded.state_dict)
             model = model.to(device=config.device, dtype=dtype).eval()
         del loaded
-        weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
-            b.numel() * b.element_size() for b in model.buffers()
+        model.set_linear_plan(plan_of(self.kernels.selection))
+        # NOTE: prepacked weight copies are held beside the parameters: counted as weights.
+        self.packed_weights_bytes = sum(lin.extra_nbytes for lin in model.linears())
+        logger.info(
+            "%s; prepacked weight copies %.1f MiB (counted as weights)",
+            self.kernels.summary(),
+            self.packed_weights_bytes / (1 << 20),
+        )
+        weights_bytes = (
+            sum(p.numel() * p.element_size() for p in model.parameters())
+            + sum(b.numel() * b.element_size() for b in model.buffers())
+            + self.packed_weights_bytes
         )
         self.max_model_len = min(
             config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings
@@ -127,6 +141,7 @@ class LLMEngine:
             activation_plan=activation_plan,
             device_free_bytes=_device_free_bytes(config.device),
             kernel_scratch_bytes=kernel_scratch,
+            packed_weights_bytes=self.packed_weights_bytes,
         )
         rep = self.memory_report
         runner_kwargs = dict(

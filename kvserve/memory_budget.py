@@ -70,6 +70,8 @@ class MemoryReport:
     activation_plan: ActivationPlan | None = None
     # GEMM library buffers, measured at start-up (None: not measured, as without a budget).
     kernel_scratch_bytes: int | None = None
+    # Of ``weights_bytes``: the projection kernels' own weight copies (prepacked layouts).
+    packed_weights_bytes: int = 0
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -95,7 +97,9 @@ class MemoryReport:
         out = []
         if self.budget_bytes is not None:
             out.append(f"memory budget: {_fmt(self.budget_bytes)}")
-        out.append(f"weights: {_fmt(self.weights_bytes)}")
+        packed = self.packed_weights_bytes
+        held = f" (of which prepacked kernel copies: {_fmt(packed)})" if packed else ""
+        out.append(f"weights: {_fmt(self.weights_bytes)}{held}")
         out.append(f"activations (largest step): {_fmt(self.activation_bytes)}")
         plan = self.activation_plan
         if plan is not None:
@@ -132,7 +136,14 @@ def _fmt(num_bytes: int) -> str:
     return f"{num_bytes / MiB:.1f} MiB ({num_bytes} bytes)"
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# NOTE: "auto" is resolved by the engine before it plans (kernel_setup); a config planned
+# without an engine counts float32, the larger of the dtypes "auto" can choose on CPU.
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "auto": torch.float32,
+}
 
 
 def model_weights_bytes(arch: ModelArchConfig, dtype: torch.dtype = torch.float32) -> int:
@@ -167,6 +178,8 @@ def plan_step_activations(
     max_model_len (or the pool's size, see ``max_sequence_tokens``), with ``max_layers``
     layers of the model (None = all).
     """
+    from kvserve.models.llama import LlamaForCausalLM
+
     return plan_activations(
         arch,
         max_num_batched_tokens=config.max_num_batched_tokens,
@@ -177,6 +190,7 @@ def plan_step_activations(
         device=config.device,
         max_layers=max_layers,
         num_threads=config.num_threads,
+        model_factory=LlamaForCausalLM,
     )
 
 
@@ -245,13 +259,15 @@ def plan_kv_blocks(
     activation_plan: ActivationPlan | None = None,
     device_free_bytes: int | None = None,
     kernel_scratch_bytes: int | None = None,
+    packed_weights_bytes: int = 0,
 ) -> MemoryReport:
     """Decide the number of KV blocks from the options, in this order of precedence:
 
     ``num_kv_blocks`` > ``kv_cache_memory`` > ``memory_budget`` > a fraction of available
     memory. ``activation_bytes`` defaults to ``activation_plan.reserve_bytes``;
     ``kernel_scratch_bytes`` is the measured GEMM scratch (``measure_kernel_scratch``; None:
-    not measured, counted as 0).
+    not measured, counted as 0). ``packed_weights_bytes``: the part of ``weights_bytes`` held
+    as prepacked kernel copies (reported, already counted in ``weights_bytes``).
     With a budget, raises MemoryBudgetError (saying how many bytes are missing) when the
     weights, activations, kernel scratch, headroom and one max-length request's KV (or the
     load-time double copy of the weights) do not fit, or when explicit KV sizes overflow it.
@@ -290,7 +306,9 @@ def plan_kv_blocks(
         elif host_in_budget and config.preemption_mode == "swap":
             num_shares = 2  # the pool and an equal host tier split what is left
         need = -(-max_model_len // config.block_size) * block_bytes * num_shares
-        _check_fits(budget, weights_bytes, step_bytes, max_model_len, need, free)
+        _check_fits(
+            budget, weights_bytes, step_bytes, max_model_len, need, free, packed_weights_bytes
+        )
         num_blocks = free // num_shares // block_bytes
     else:
         avail = device_free_bytes if device_free_bytes is not None else available_memory_bytes()
@@ -321,6 +339,7 @@ def plan_kv_blocks(
         budget_bytes=budget,
         activation_plan=activation_plan,
         kernel_scratch_bytes=kernel_scratch_bytes,
+        packed_weights_bytes=packed_weights_bytes,
     )
     if budget is not None:
         total = fixed + report.kv_cache_bytes + (report.host_cache_bytes if host_in_budget else 0)
@@ -344,12 +363,16 @@ def _check_fits(
     max_model_len: int,
     need: int,
     free: int,
+    packed_weights_bytes: int = 0,
 ) -> None:
     """Raise MemoryBudgetError unless ``need`` bytes of KV (one max-length request, and its
     host-tier twin in swap mode) fit in ``free``, and loading fits in the budget.
-    ``step_bytes``: activations + kernel scratch."""
+    ``step_bytes``: activations + kernel scratch.
+    NOTE: the prepacked copies are made after the loader's state dict is freed, so the load
+    peak holds the unpacked weights twice."""
     steady = weights_bytes + step_bytes + HEADROOM_BYTES + need
-    missing = max(need - free, load_peak_bytes(weights_bytes) - budget)
+    load_peak = load_peak_bytes(weights_bytes - packed_weights_bytes)
+    missing = max(need - free, load_peak - budget)
     if missing <= 0:
         return
     raise MemoryBudgetError(
@@ -357,7 +380,7 @@ def _check_fits(
         f"and kernel scratch {step_bytes} + headroom {HEADROOM_BYTES} + one "
         f"max_model_len={max_model_len} "
         f"request's KV ({need}) need {steady} bytes, and loading needs "
-        f"{load_peak_bytes(weights_bytes)} (load headroom + the weights twice); "
+        f"{load_peak} (load headroom + the weights twice); "
         f"{missing} bytes ({missing / MiB:.1f} MiB) are missing. Raise --memory-budget or "
         "lower --max-model-len, --max-num-seqs or --max-num-batched-tokens"
     )

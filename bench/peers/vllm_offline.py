@@ -4,7 +4,10 @@ Run with the vLLM venv's python (see install_vllm.sh / run_side_by_side.sh):
 
     OMP_NUM_THREADS=2 VLLM_ENABLE_V1_MULTIPROCESSING=0 $VLLM_VENV/bin/python \
         bench/peers/vllm_offline.py --model HF_DIR --workload W.jsonl --batch-sizes 1 8 32 \
-        --out-dir bench/results/run
+        --dtype bfloat16 --out-dir bench/results/run
+
+``--dtype`` (float32, bfloat16, float16; default float32) is vLLM's model dtype; the records
+name the system ``vllm-fp32`` / ``vllm-bf16`` / ``vllm-fp16``, so both dtypes plot side by side.
 
 The engine is built once; each batch size B runs the first B prompts together. With
 ``--num-prompts N`` (one batch size only: vLLM fixes ``max_num_seqs`` at start-up) it runs the
@@ -22,6 +25,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import peer_record  # noqa: E402
 
+DTYPE_TAGS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
@@ -32,8 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--num-prompts", type=int, default=None, help="run the first N prompts (default: B)"
     )
+    ap.add_argument("--dtype", default="float32", choices=sorted(DTYPE_TAGS))
     ap.add_argument("--out-dir", required=True)
     args = ap.parse_args(argv)
+    tag = DTYPE_TAGS[args.dtype]
     if args.num_prompts is not None and len(args.batch_sizes) != 1:
         ap.error("--num-prompts needs exactly one --batch-sizes value (max_num_seqs is fixed)")
     import vllm
@@ -45,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     # multi-process executor reserves a core and runs about half as fast on 2 cores.
     llm = LLM(
         model=args.model,
-        dtype="float32",
+        dtype=args.dtype,
         max_model_len=args.max_model_len,
         max_num_seqs=max(args.batch_sizes),
         distributed_executor_backend="uni",
@@ -72,16 +79,16 @@ def main(argv: list[str] | None = None) -> int:
         dt = time.perf_counter() - t
         num_out = sum(len(o.outputs[0].token_ids) for o in outs)
         rec = peer_record.throughput_record(
-            "vllm",
+            f"vllm-{tag}",
             vllm.__version__,
             b,
             sum(len(p) for p, _ in batch),
             num_out,
             dt,
             n_req,
-            dtype="float32",
+            dtype=args.dtype,
         )
-        peer_record.write(rec, args.out_dir, f"offline_vllm_b{b}")
+        peer_record.write(rec, args.out_dir, f"offline_vllm_{tag}_b{b}")
     return 0
 
 

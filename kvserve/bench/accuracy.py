@@ -61,22 +61,34 @@ class Setting:
     kv_cache_dtype: str = "auto"
     kv_window: int | None = None
     kv_sink_tokens: int = 0
+    # NOTE: the model dtype is pinned (float32 unless the setting names bf16), so the
+    # reference stays fp32 whatever the engine's ``dtype="auto"`` picks on this CPU.
+    dtype: str = "float32"
 
     def engine_kwargs(self) -> dict[str, Any]:
         return {
+            "dtype": self.dtype,
             "kv_cache_dtype": self.kv_cache_dtype,
             "kv_window": self.kv_window,
             "kv_sink_tokens": self.kv_sink_tokens,
         }
 
 
+_MODEL_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
 def parse_setting(text: str) -> Setting:
-    """``auto`` | ``int8`` | ``fp8`` | ``w<W>s<S>`` (window W, S sinks) | ``int8-w<W>s<S>``."""
+    """``auto`` | ``int8`` | ``fp8`` | ``w<W>s<S>`` (window W, S sinks) | ``int8-w<W>s<S>``,
+    or a model dtype ``fp32`` | ``bf16`` | ``fp16`` (weights, activations and cache)."""
+    if text in _MODEL_DTYPES:
+        return Setting(text, dtype=_MODEL_DTYPES[text])
     dtype, _, window = text.partition("-") if "-" in text else (text, "", "")
     if dtype.startswith("w"):
         dtype, window = "auto", dtype
     if dtype not in ("auto", "int8", "fp8"):
-        raise ValueError(f"unknown setting {text!r}: use auto, int8, fp8, w64s4, int8-w64s4")
+        raise ValueError(
+            f"unknown setting {text!r}: use auto, int8, fp8, w64s4, int8-w64s4, fp32, bf16, fp16"
+        )
     if not window:
         return Setting(text, dtype)
     body = window[1:]
@@ -295,8 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--settings",
         default=DEFAULT_SETTINGS,
-        help="comma list: auto, int8, fp8, w<W>s<S> (window), int8-w<W>s<S>; "
-        "the first is the reference",
+        help="comma list: auto, int8, fp8, w<W>s<S> (window), int8-w<W>s<S>, or a model "
+        "dtype fp32, bf16, fp16; the first is the reference",
     )
     p.add_argument("--ppl-tokens", type=int, default=2048, help="tokens of text for perplexity")
     p.add_argument("--chunk-size", type=int, default=128, help="perplexity chunk (tokens)")

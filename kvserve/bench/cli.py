@@ -18,6 +18,7 @@ _EXTERNAL = (
     ("runtime-speed", "kvserve.bench.runtime_speed", "decode speed of the bare model runner"),
     ("memory", "kvserve.bench.memory", "activation plan and memory budget"),
     ("hotpath", "kvserve.bench.hotpath", "allocations per steady-state decode step"),
+    ("kernels", "kvserve.bench.kernels", "projection kernel candidates x M bucket, chosen"),
     ("accuracy", "kvserve.bench.accuracy", "KV quantization and windowed eviction accuracy"),
     ("router", "kvserve.bench.router", "prefix-aware vs round-robin routing over local replicas"),
     ("tp", "kvserve.bench.tp", "tensor parallel vs one process: logits, agreement, step time"),

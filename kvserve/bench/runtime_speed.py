@@ -2,7 +2,8 @@
 
     .venv/bin/python -m kvserve.bench.runtime_speed [--batch-sizes 1 32] [--steps 64]
         [--prompt-len 128] [--threads 2] [--repeats 1] [--model PATH] [--profile]
-        [--floor] [--json PATH]
+        [--floor] [--dtype {auto,float32,bfloat16,float16}]
+        [--kernel-selection {auto,measure,off}] [--json PATH]
 
 Each batch size: B distinct random prompts of ``prompt_len`` tokens are prefilled (in chunks of
 at most ``--max-batched-tokens``), then ``steps`` greedy decode steps run for all B sequences
@@ -33,8 +34,11 @@ import time
 import torch
 
 from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
+from kvserve.engine_config import DTYPE_CHOICES, KERNEL_SELECTION_MODES, EngineConfig
+from kvserve.kernel_setup import choose_dtype_and_kernels
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_model
+from kvserve.runtime.kernel_select import plan_of
 from kvserve.runtime.model_runner import ModelRunner
 from kvserve.sampling_params import SamplingParams
 
@@ -241,6 +245,13 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="after each decode run, time the same weight matmuls alone (see module doc)",
     )
+    ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="as the engine's")
+    ap.add_argument(
+        "--kernel-selection",
+        default="auto",
+        choices=KERNEL_SELECTION_MODES,
+        help="as the engine's (off: torch.mm everywhere, the original fp32 MKL path)",
+    )
     ap.add_argument("--json", default=None, help="write the figures to this JSON file")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -250,6 +261,16 @@ def main(argv: list[str] | None = None) -> None:
     model = LlamaForCausalLM(loaded.arch, device=args.device, attn_backend=args.attn_backend)
     model.load_weights(loaded.state_dict)
     del loaded
+    kernels = choose_dtype_and_kernels(
+        EngineConfig(
+            dtype=args.dtype,
+            kernel_selection=args.kernel_selection,
+            device=args.device,
+            max_num_batched_tokens=args.max_batched_tokens,
+        ),
+        model.arch,
+    )
+    print(kernels.summary())
     blocks_per_seq = -(-(args.prompt_len + args.steps) // args.block_size)
     runner = ModelRunner(
         model,
@@ -257,7 +278,10 @@ def main(argv: list[str] | None = None) -> None:
         num_blocks=max(args.batch_sizes) * blocks_per_seq,
         block_size=args.block_size,
         device=args.device,
+        dtype=kernels.dtype,
     )
+    model.set_linear_plan(plan_of(kernels.selection))
+    model.ensure_linears()
     weight_bytes = decode_weight_bytes(model)
     bound = bandwidth / weight_bytes
     print(f"loaded in {time.perf_counter() - t0:.1f}s; threads={torch.get_num_threads()}")
@@ -269,6 +293,8 @@ def main(argv: list[str] | None = None) -> None:
     record: dict[str, object] = {
         "benchmark": "runtime_speed",
         "settings": {k: v for k, v in vars(args).items() if k != "json"},
+        "dtype_chosen": kernels.dtype_name,
+        "kernels": kernels.summary(),
         "weight_bytes_per_step": weight_bytes,
         "read_bandwidth_bytes_per_s": bandwidth,
         "bandwidth_bound_steps_per_s": bound,

@@ -77,6 +77,7 @@ def run_engine(
     from kvserve.sampling_params import SamplingParams
 
     engine_kw.setdefault("num_threads", 1)
+    engine_kw.setdefault("dtype", "float32")  # the comparison is stated in fp32
     t0 = time.perf_counter()
     llm = LLM(model=model, tensor_parallel_size=tp, **engine_kw)
     startup = time.perf_counter() - t0

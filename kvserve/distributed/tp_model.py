@@ -31,9 +31,12 @@ class RowParallelLinear:
         self.inner = inner
         self.group = group
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``x`` [M, in / N] -> the full [M, out] (summed over the ranks)."""
-        return self.group.all_reduce_(self.inner(x, out))
+    def __call__(
+        self, x: torch.Tensor, out: torch.Tensor | None = None, **kwargs: Any
+    ) -> torch.Tensor:
+        """``x`` [M, in / N] -> the full [M, out] (summed over the ranks), in the tensor the
+        wrapped ``Linear`` returns (``out`` or, where it only takes ``out`` as a hint, its own)."""
+        return self.group.all_reduce_(self.inner(x, out, **kwargs))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

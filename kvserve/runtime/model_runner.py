@@ -6,10 +6,10 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from kvserve.config import ModelArchConfig
 from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput
-from kvserve.models.llama import LlamaForCausalLM
 from kvserve.runtime.input_batch import InputBatch, build_input_batch
 from kvserve.runtime.kv_cache import KVCache
 from kvserve.runtime.sampler import Sampler
@@ -19,6 +19,9 @@ from kvserve.runtime.workspace import Workspace
 class ModelRunner:
     """Owns the KV cache tensors and runs one scheduler step at a time.
 
+    ``model``: a causal LM with the ``LlamaForCausalLM`` interface (``forward(input_ids,
+    positions, kv_caches, meta, workspace)`` and ``compute_logits(hidden)``).
+
     ``execute`` carries out, in order: swap-out (device -> host), swap-in (host -> device),
     block copies (copy-on-write), then one forward over all scheduled tokens as a single
     flattened batch, logits only for the rows that sample, and the Sampler.
@@ -26,7 +29,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: nn.Module,
         arch: ModelArchConfig,
         *,
         num_blocks: int,

@@ -65,6 +65,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return serve_data_parallel(args)
     config = EngineConfig.from_cli_args(args)
     engine, executor = build_on_engine_thread(lambda: LLMEngine(config))
+    print(f"[kvserve] {engine.kernels.summary()}", file=sys.stderr)
     if not args.quiet:
         for line in engine.memory_report.lines():
             print(f"[kvserve] {line}", file=sys.stderr)

@@ -2,7 +2,13 @@
 
 Prefix caching, token budgets, a KV pool so small that requests are preempted (recompute
 and swap), and parallel sampling all change *where* KV lives and *when* it is computed;
-none may change a single greedy token.
+none may change a single greedy token in float32.
+
+In bfloat16 a row's rounding depends on the step it ran in (the kernel chosen for that M
+bucket, how the prompt was chunked, prefill vs decode attention), and 8-bit rounding turns
+those last-bit differences into visible ones: two greedy runs may part at a near-tie. There
+the check is vLLM's ``check_logprobs_close``: identical up to the first divergence, and at
+it each run's token is among the other's top-5 logprobs (after it the texts differ by design).
 """
 
 from __future__ import annotations
@@ -13,66 +19,105 @@ from kvserve.sampling_params import SamplingParams
 from tests.e2e.prompts import chat_prompts
 
 MAX_TOKENS = 24
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+TOP_K = 5
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP_K)
+# One greedy output: its token ids and, per position, the top-k logprobs (token id -> entry).
+Sample = tuple[list[int], list[dict]]
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def dtype(request) -> str:  # type: ignore[no-untyped-def]
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def reference(make_llm) -> tuple[list[list[int]], list[list[int]]]:
+def make_llm(dtype, make_llm):  # type: ignore[no-untyped-def]
+    """Every engine of a test at one dtype: bf16 runs are compared with bf16 runs."""
+
+    def factory(**kwargs: object) -> object:
+        return make_llm(dtype=dtype, **kwargs)
+
+    return factory
+
+
+def _sample(completion) -> Sample:  # type: ignore[no-untyped-def]
+    return list(completion.token_ids), list(completion.logprobs or [])
+
+
+def _tokens(llm, prompts) -> list[Sample]:
+    return [_sample(o.outputs[0]) for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def assert_same(got: list[Sample], expected: list[Sample], dtype: str) -> None:
+    """``got`` is the same greedy output as ``expected`` in ``dtype``'s sense (module doc)."""
+    assert len(got) == len(expected)
+    for i, ((g_ids, g_lp), (e_ids, e_lp)) in enumerate(zip(got, expected, strict=True)):
+        if dtype == "float32":
+            assert g_ids == e_ids, (i, g_ids, e_ids)
+            continue
+        assert len(g_ids) == len(e_ids), (i, g_ids, e_ids)
+        for pos, (a, b) in enumerate(zip(g_ids, e_ids, strict=True)):
+            if a != b:  # a near-tie: each token in the other's top-k; after it, texts differ
+                assert a in e_lp[pos] and b in g_lp[pos], (i, pos, a, b, g_lp[pos], e_lp[pos])
+                break
+
+
+@pytest.fixture(scope="module")
+def reference(make_llm) -> tuple[list[list[int]], list[Sample]]:  # type: ignore[no-untyped-def]
     """Outputs with a roomy pool, prefix cache on, default budget."""
     llm = make_llm(num_kv_blocks=512)
     prompts = chat_prompts(llm.tokenizer)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert llm.stats()["preemptions"] == 0
-    return prompts, [o.outputs[0].token_ids for o in outs]
+    return prompts, [_sample(o.outputs[0]) for o in outs]
 
 
-def _tokens(llm, prompts) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-
-
-def test_prefix_cache_off_is_identical(make_llm, reference) -> None:
+def test_prefix_cache_off_is_identical(make_llm, reference, dtype) -> None:
     prompts, expected = reference
     llm = make_llm(num_kv_blocks=512, enable_prefix_caching=False)
-    assert _tokens(llm, prompts) == expected
+    assert_same(_tokens(llm, prompts), expected, dtype)
     assert llm.stats()["prefix_hit_rate"] == 0
 
 
-def test_prefix_cache_hits_and_is_identical_on_second_pass(make_llm, reference) -> None:
+def test_prefix_cache_hits_and_is_identical_on_second_pass(make_llm, reference, dtype) -> None:
     prompts, expected = reference
     llm = make_llm(num_kv_blocks=512)
-    assert _tokens(llm, prompts) == expected
-    assert _tokens(llm, prompts) == expected
+    assert_same(_tokens(llm, prompts), expected, dtype)
+    assert_same(_tokens(llm, prompts), expected, dtype)
     assert llm.stats()["prefix_hit_rate"] > 0.4
 
 
 @pytest.mark.parametrize("budget", [16, 64, 2048])
-def test_token_budgets_are_identical(make_llm, reference, budget: int) -> None:
+def test_token_budgets_are_identical(make_llm, reference, dtype, budget: int) -> None:
     prompts, expected = reference
     llm = make_llm(num_kv_blocks=512, max_num_batched_tokens=budget)
-    assert _tokens(llm, prompts) == expected
+    assert_same(_tokens(llm, prompts), expected, dtype)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_is_identical(make_llm, reference, mode: str) -> None:
+def test_preemption_is_identical(make_llm, reference, dtype, mode: str) -> None:
     prompts, expected = reference
     longest = max(len(p) for p in prompts) + MAX_TOKENS
     num_blocks = 2 * (-(-longest // 16)) + 1  # room for about two requests at a time
     llm = make_llm(num_kv_blocks=num_blocks, preemption_mode=mode, max_num_batched_tokens=256)
-    assert _tokens(llm, prompts) == expected
+    assert_same(_tokens(llm, prompts), expected, dtype)
     stats = llm.stats()
     assert stats["preemptions"] > 0
     assert stats["kv_usage"] == 0
     llm.engine.kv_cache_manager.check_integrity()
 
 
-def test_parallel_sampling_greedy_copies(make_llm, reference) -> None:
+def test_parallel_sampling_greedy_copies(make_llm, reference, dtype) -> None:
     prompts, expected = reference
     llm = make_llm(num_kv_blocks=512)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=4)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=4, logprobs=TOP_K
+    )
     outs = llm.generate(prompts[:2], params, use_tqdm=False)
     for out, exp in zip(outs, expected[:2], strict=True):
         assert [c.index for c in out.outputs] == [0, 1, 2, 3]
-        assert all(c.token_ids == exp for c in out.outputs)
+        for c in out.outputs:
+            assert_same([_sample(c)], [exp], dtype)
     stats = llm.stats()
     assert stats["fork_shared_blocks"] > 0
     assert stats["kv_usage"] == 0

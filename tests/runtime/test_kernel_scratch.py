@@ -12,6 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from kvserve.engine_config import EngineConfig
 from kvserve.memory_budget import max_sequence_tokens, plan_step_activations
+from kvserve.models.llama import LlamaForCausalLM
 from kvserve.runtime import native
 from kvserve.runtime.kernel_scratch import (
     GemmShape,
@@ -114,13 +115,13 @@ def test_plan_counts_flash_scratch_and_lists_every_steps_gemms(embedded_arch) ->
     arch = embedded_arch
     plan = plan_activations(
         arch, max_num_batched_tokens=32, max_num_seqs=4, max_model_len=128, max_layers=2,
-        num_threads=2,
+        num_threads=2, model_factory=LlamaForCausalLM,
     )  # fmt: skip
     assert plan.num_threads == 2
     assert 0 < plan.kernel_scratch_bytes <= plan.eager_peak_bytes
     one = plan_activations(
         arch, max_num_batched_tokens=32, max_num_seqs=4, max_model_len=128, max_layers=2,
-        num_threads=1,
+        num_threads=1, model_factory=LlamaForCausalLM,
     )  # fmt: skip
     assert one.kernel_scratch_bytes * 2 == plan.kernel_scratch_bytes
     qkv = (arch.num_attention_heads + 2 * arch.num_key_value_heads) * arch.head_dim

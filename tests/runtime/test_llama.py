@@ -14,6 +14,7 @@ from kvserve.models.llama import LlamaForCausalLM, compute_inv_freq, rope_cos_si
 from kvserve.runtime import native
 from kvserve.runtime.attention import SeqSpec, build_attention_metadata
 from kvserve.runtime.kv_cache import KVCache
+from kvserve.runtime.linear import M_MAX, candidate_methods
 from kvserve.runtime.workspace import Workspace
 from tests.runtime.runtime_testutil import ToyAllocator, hf_logits, ours_from_hf, tiny_hf_model
 
@@ -40,6 +41,7 @@ def _run_schedule(
         block_size=block_size,
         num_kv_heads=arch.num_key_value_heads,
         head_dim=arch.head_dim,
+        dtype=model.norm.dtype,
     )
     done = dict.fromkeys(seqs, 0)
     logits: dict[str, list[torch.Tensor]] = {rid: [] for rid in seqs}
@@ -61,7 +63,7 @@ def _run_schedule(
             specs,
             block_size=block_size,
             device=CPU,
-            dtype=torch.float32,
+            dtype=model.norm.dtype,
             sliding_window=arch.sliding_window,
         )
         with torch.inference_mode():
@@ -229,3 +231,47 @@ def test_layer_with_shared_step_views_equals_fresh_buffers() -> None:
                 layer(h, cos, sin, cache, meta, ws if shared else None, views)
         results.append(h)
     assert torch.equal(results[0], results[1])
+
+
+class _EveryShape(dict):
+    """A linear plan that names one method for every weight shape and every M."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def get(self, key, default=None):  # type: ignore[no-untyped-def]
+        return [(M_MAX, self.name)]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize("native_ops", [False, True])
+@pytest.mark.parametrize(
+    ("dtype", "atol"),
+    # NOTE: bf16 rounds weights and every activation to 8 significant bits: on the tiny
+    # random models the logits (magnitude ~5) move by up to ~0.1 from the fp32 reference.
+    [(torch.float32, ATOL), (torch.bfloat16, 0.25)],
+)
+def test_every_linear_method_as_the_models_kernel_matches_hf(
+    kind: str, native_ops: bool, dtype: torch.dtype, atol: float
+) -> None:
+    if native_ops and not native.available():
+        pytest.skip(f"native kernels unavailable: {native.reason()}")
+    hf = tiny_hf_model(kind)
+    model, _ = ours_from_hf(hf, attn_backend="auto" if native_ops else "torch_sdpa")
+    model.set_native_ops(native_ops)
+    model = model.to(dtype)
+    seqs = _prompts([9, 23], hf.config.vocab_size, seed=7)
+    chunks = {"s0": [4, 1], "s1": [16, 1]}
+    names = [
+        m.name for m in candidate_methods(model.layers[0].qkv_weight, act_dtype=dtype, device=CPU)
+    ]
+    assert names, "no candidate"
+    for name in names:
+        model.set_linear_plan(_EveryShape(name))
+        assert {m.name for lin in model.linears() for m in lin.methods()} == {name}
+        ours = _run_schedule(model, seqs, chunks)
+        for rid, tokens in seqs.items():
+            torch.testing.assert_close(
+                ours[rid].float(), hf_logits(hf, tokens), atol=atol, rtol=0, msg=f"{name} {rid}"
+            )

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvserve.models.llama import LlamaForCausalLM
 from kvserve.runtime.memory_plan import (
     Interval,
     LifetimeRecorder,
@@ -201,6 +202,7 @@ def embedded_arch():  # type: ignore[no-untyped-def]
 def test_plan_of_the_embedded_model(embedded_arch) -> None:  # type: ignore[no-untyped-def]
     arch = embedded_arch
     kw = {"max_num_batched_tokens": 8, "max_num_seqs": 4, "max_model_len": 64, "steps": ["mixed"]}
+    kw["model_factory"] = LlamaForCausalLM
     plan = plan_activations(arch, **kw)
     plan.arena.check()
     assert plan.num_layers_traced == arch.num_hidden_layers
@@ -221,7 +223,7 @@ def test_batched_decode_gather_grows_with_max_model_len(embedded_arch) -> None: 
     arch = embedded_arch
     kw = {
         "max_num_batched_tokens": 8, "max_num_seqs": 8, "steps": ["decode"], "max_layers": 2,
-        "attn_backend": "torch_sdpa",
+        "attn_backend": "torch_sdpa", "model_factory": LlamaForCausalLM,
     }  # fmt: skip
     short = plan_activations(arch, max_model_len=256, **kw)
     long = plan_activations(arch, max_model_len=2048, **kw)

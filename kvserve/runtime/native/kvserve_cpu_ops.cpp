@@ -352,8 +352,10 @@ inline void axpy_rows(const float* p, const scalar_t* v, int64_t stride, int64_t
   }
 }
 
-// float32 fast path: the `G` query heads of one KV head against several key/value rows at
-// once, in GCC vector extensions (8 floats; the compiler maps them to AVX2/AVX-512/NEON).
+// float32 / bfloat16 fast path: the `G` query heads of one KV head against several key/value
+// rows at once, in GCC vector extensions (8 floats; the compiler maps them to
+// AVX2/AVX-512/NEON). bf16 K/V rows are widened to float on load (exact: bf16 is the top half
+// of a float), so both dtypes accumulate in float in the same order.
 // NOTE: one head at a time (dot_rows) loads each K chunk for one FMA; G heads x R rows load
 // R + G chunks for R x G FMAs, and R x G independent accumulators hide the FMA latency.
 typedef float v8f __attribute__((vector_size(32)));
@@ -364,13 +366,25 @@ inline v8f load8(const float* p) {
   return v;
 }
 
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+
+inline v8f load8(const c10::BFloat16* p) {
+  v8u16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const v8u32 w = __builtin_convertvector(h, v8u32) << 16;
+  v8f v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+}
+
 inline float hsum8(v8f v) {
   return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 }
 
 // scores[g * sstride + r] = q_g . k_r for g < G, n rows k_r = k + r * stride; d % 8 == 0.
-template <int G>
-void dot_group_f32(const float* q, const float* k, int64_t stride, int64_t n, int64_t d,
+template <int G, typename kv_t>
+void dot_group(const float* q, const kv_t* k, int64_t stride, int64_t n, int64_t d,
                    float* scores, int64_t sstride) {
   constexpr int R = G <= 4 ? 4 : 2;
   int64_t r = 0;
@@ -399,8 +413,8 @@ void dot_group_f32(const float* q, const float* k, int64_t stride, int64_t n, in
 }
 
 // acc[g] += sum_r p[g * pstride + r] * v_r for g < G, n rows v_r = v + r * stride; d % 8 == 0.
-template <int G>
-void axpy_group_f32(const float* p, int64_t pstride, const float* v, int64_t stride, int64_t n,
+template <int G, typename kv_t>
+void axpy_group(const float* p, int64_t pstride, const kv_t* v, int64_t stride, int64_t n,
                     int64_t d, float* acc) {
   for (int64_t i = 0; i < d; i += 8) {
     // NOTE: two accumulators per head (even and odd rows): twice the independent chains.
@@ -429,21 +443,27 @@ void axpy_group_f32(const float* p, int64_t pstride, const float* v, int64_t str
   }
 }
 
+template <typename kv_t>
 struct GroupKernels {
-  void (*dot)(const float*, const float*, int64_t, int64_t, int64_t, float*, int64_t);
-  void (*axpy)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*);
+  void (*dot)(const float*, const kv_t*, int64_t, int64_t, int64_t, float*, int64_t);
+  void (*axpy)(const float*, int64_t, const kv_t*, int64_t, int64_t, int64_t, float*);
 };
 
-// The float32 group kernels for `group` query heads per KV head (nullptr: none).
-inline const GroupKernels* group_kernels(int64_t group, int64_t d) {
-  static const GroupKernels table[] = {
-      {dot_group_f32<1>, axpy_group_f32<1>}, {dot_group_f32<2>, axpy_group_f32<2>},
-      {dot_group_f32<3>, axpy_group_f32<3>}, {dot_group_f32<4>, axpy_group_f32<4>},
-      {dot_group_f32<5>, axpy_group_f32<5>}, {dot_group_f32<6>, axpy_group_f32<6>},
-      {dot_group_f32<7>, axpy_group_f32<7>}, {dot_group_f32<8>, axpy_group_f32<8>},
+// The group kernels for `group` query heads per KV head (nullptr: none).
+template <typename kv_t>
+inline const GroupKernels<kv_t>* group_kernels(int64_t group, int64_t d) {
+  static const GroupKernels<kv_t> table[] = {
+      {dot_group<1, kv_t>, axpy_group<1, kv_t>}, {dot_group<2, kv_t>, axpy_group<2, kv_t>},
+      {dot_group<3, kv_t>, axpy_group<3, kv_t>}, {dot_group<4, kv_t>, axpy_group<4, kv_t>},
+      {dot_group<5, kv_t>, axpy_group<5, kv_t>}, {dot_group<6, kv_t>, axpy_group<6, kv_t>},
+      {dot_group<7, kv_t>, axpy_group<7, kv_t>}, {dot_group<8, kv_t>, axpy_group<8, kv_t>},
   };
   return group >= 1 && group <= 8 && d % 8 == 0 ? &table[group - 1] : nullptr;
 }
+
+template <typename scalar_t>
+constexpr bool kHasGroupKernels =
+    std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>;
 
 // Decode attention of one sequence for kv heads [h0, h1): each kv head's `group` query heads
 // attend over the visible positions, read in place from the cache blocks.
@@ -466,11 +486,11 @@ void decode_seq(const scalar_t* q,        // [H, d] this sequence's query heads
   for (int64_t i = 0; i < nq * d; ++i) qf[i] = to_float(q0[i]) * scale;
   const int64_t row_elems = kvh * d;
   // NOTE: the K pass prefetches the V rows too: the V pass then reads them from L2.
-  const GroupKernels* fast = nullptr;
-  if constexpr (std::is_same_v<scalar_t, float>) fast = group_kernels(group, d);
+  const GroupKernels<scalar_t>* fast = nullptr;
+  if constexpr (kHasGroupKernels<scalar_t>) fast = group_kernels<scalar_t>(group, d);
   for_each_visible_run(k_plane, table, block_size, row_elems, vis, seq_len, v_plane - k_plane,
                        [&](int64_t j, const scalar_t* row, int64_t n) {
-    if constexpr (std::is_same_v<scalar_t, float>) {
+    if constexpr (kHasGroupKernels<scalar_t>) {
       if (fast != nullptr) {
         for (int64_t h = h0; h < h1; ++h) {
           const int64_t iq = (h - h0) * group;
@@ -503,7 +523,7 @@ void decode_seq(const scalar_t* q,        // [H, d] this sequence's query heads
   std::fill(acc, acc + nq * d, 0.0f);
   for_each_visible_run(v_plane, table, block_size, row_elems, vis, seq_len, 0,
                        [&](int64_t j, const scalar_t* row, int64_t n) {
-    if constexpr (std::is_same_v<scalar_t, float>) {
+    if constexpr (kHasGroupKernels<scalar_t>) {
       if (fast != nullptr) {
         for (int64_t h = h0; h < h1; ++h) {
           const int64_t iq = (h - h0) * group;

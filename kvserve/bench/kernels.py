@@ -1,0 +1,119 @@
+"""``kvserve bench kernels``: every projection kernel candidate timed per M bucket.
+
+    python -m kvserve.cli bench kernels [--model PATH] [--dtype float32 bfloat16]
+        [--threads 2] [--json PATH]
+
+For the model's projection shapes (qkv, o, gate/up, down, lm_head) and each M bucket
+(decode 1, 2-8, 9-32, 33-128; prefill chunks probed at 512 rows), each candidate runs as at
+start-up (``kvserve.runtime.kernel_select``, mode ``measure``: the cache is refreshed). One
+row per shape x bucket x candidate: best ms per call, weight GB/s, GFLOP/s and whether it
+was chosen. The last lines give the decode matmul time per dtype (M = 1, 8 and 32 summed,
+chosen kernels) and what ``--dtype auto`` would pick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from kvserve.engine_config import EngineConfig
+from kvserve.kernel_setup import (
+    DTYPES,
+    decode_matmul_seconds,
+    native_bf16,
+    projection_shapes,
+    select_shapes,
+)
+from kvserve.models.loader import load_arch
+from kvserve.runtime.kernel_select import M_MAX, Selection, cpu_identity
+
+
+def _bucket(max_m: int) -> str:
+    return ">128" if max_m == M_MAX else f"<={max_m}"
+
+
+def table(sel: Selection, names: dict[tuple[int, int], str]) -> list[str]:
+    """The rows of ``sel``'s timings (see the module docstring)."""
+    lines = [
+        f"{'shape':>18} {'M':>5} {'rows':>5} {'candidate':<24} {'ms':>9} {'GB/s':>7} "
+        f"{'GFLOP/s':>8}  chosen"
+    ]
+    for t in sel.timings:
+        shape = (t.out_features, t.in_features)
+        label = f"{names.get(shape, '')} {t.out_features}x{t.in_features}"
+        if t.seconds is None:
+            lines.append(
+                f"{label:>18} {_bucket(t.max_m):>5} {t.probe_m:>5} {t.candidate:<24} "
+                f"failed: {t.error}"
+            )
+            continue
+        mark = "*" if sel.chosen(shape, t.max_m) == t.candidate else ""
+        lines.append(
+            f"{label:>18} {_bucket(t.max_m):>5} {t.probe_m:>5} {t.candidate:<24} "
+            f"{t.seconds * 1e3:9.3f} {t.gbytes_per_s:7.1f} {t.gflops:8.1f}  {mark}"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command-line entry point."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default=None, help="GGUF file or HF dir (default: embedded)")
+    ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=sorted(DTYPES))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--json", default=None, help="write the timings to this JSON file")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    arch = load_arch(args.model)
+    counts = projection_shapes(arch)
+    h = arch.hidden_size
+    names = dict(zip(list(counts), ["qkv", "o", "gate_up", "down"], strict=False))
+    names[(arch.vocab_size, h)] = "lm_head"
+    cpu, flags = cpu_identity()
+    print(
+        f"CPU: {cpu} (native bf16: {native_bf16()}); torch {torch.__version__}; "
+        f"{torch.get_num_threads()} threads"
+    )
+    config = EngineConfig(device=args.device, kernel_selection="measure")
+    record: dict[str, object] = {
+        "benchmark": "kernels",
+        "cpu": cpu,
+        "threads": args.threads,
+        "dtypes": {},
+    }
+    totals: dict[str, float] = {}
+    for name in args.dtype:
+        sel = select_shapes(config, arch, DTYPES[name], "measure")
+        print(f"\n== {name}: {sel.summary()}")
+        print("\n".join(table(sel, names)))
+        totals[name] = decode_matmul_seconds(sel, arch)
+        record["dtypes"][name] = {  # type: ignore[index]
+            "summary": sel.summary(),
+            "timings": [
+                t.__dict__ | {"gbytes_per_s": t.gbytes_per_s, "gflops": t.gflops}
+                for t in sel.timings
+            ],
+            "decode_matmul_seconds_m1_8_32": totals[name],
+        }
+        if sel.skipped:
+            print("skipped: " + "; ".join(f"{k}: {v}" for k, v in sel.skipped.items()))
+    print()
+    for name, total in totals.items():
+        print(f"decode matmuls (M=1+8+32, chosen kernels), {name}: {total * 1e3:.2f} ms")
+    if {"float32", "bfloat16"} <= set(totals):
+        faster = totals["bfloat16"] < totals["float32"]
+        pick = "bfloat16" if native_bf16() and faster else "float32"
+        print(
+            f"--dtype auto would choose {pick} (bf16 {totals['float32'] / totals['bfloat16']:.2f}x "
+            "fp32 speed)"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=2, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,511 @@
+"""Kernel selection by measurement: which ``LinearMethod`` runs each projection, per M bucket.
+
+At start-up, for every distinct weight shape of the model (qkv, o, gate/up, down, lm_head)
+and every M bucket (decode sizes 1, 2-8, 9-32, 33-128, then prefill chunks, probed at 512
+rows), each candidate that the registered factories offer (see
+``kvserve.runtime.linear``) runs on random data of that shape: the candidates take turns
+(interleaved, so a burst of load on a shared machine hits all of them), each is timed for a
+few milliseconds, and its best time counts. The fastest per bucket is chosen; a candidate
+that holds its own copy of the weight (prepacked) must beat the one that reads the model's
+weight by ``margin`` to be taken. A candidate that raises is skipped with the reason logged.
+
+The decision is cached as JSON under ``$KVSERVE_CACHE_DIR/kernel_select/`` (default
+``~/.cache/kvserve``), keyed by the CPU model and flags, the torch version, the thread count,
+the dtype, the shapes, the buckets and the candidate factories, so a second start-up costs
+nothing. A cache file that cannot be read is ignored with a warning and measured again; one
+measured on a busy machine (1-minute load above 1 per CPU) is measured again by a later
+start-up that finds the machine at least twice as quiet.
+
+Modes: ``off`` (no measurement: ``torch.mm`` everywhere, the original path), ``auto`` (the
+cache, else measure) and ``measure`` (always measure, then refresh the cache).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvserve.runtime.linear import (
+    M_MAX,
+    CandidateFactory,
+    LinearMethod,
+    LinearPlan,
+    candidate_methods,
+    dtype_tag,
+    registered_factories,
+)
+
+log = logging.getLogger(__name__)
+
+SELECTION_MODES = ("auto", "measure", "off")
+CACHE_ENV = "KVSERVE_CACHE_DIR"
+CACHE_VERSION = 3  # bumped when the measurement changes: older choices are redone
+DECODE_BOUNDS = (1, 8, 32, 128)
+PREFILL_PROBE = 512
+
+# A function that returns the seconds of one call of ``method`` on ``x`` into ``out``.
+Timer = Callable[[LinearMethod, torch.Tensor, torch.Tensor], float]
+
+
+def check_mode(mode: str) -> str:
+    """``mode`` if it is a selection mode; else ValueError listing the choices."""
+    if mode not in SELECTION_MODES:
+        raise ValueError(
+            f"unknown kernel selection mode {mode!r}; choose one of {', '.join(SELECTION_MODES)}"
+        )
+    return mode
+
+
+def m_buckets() -> list[tuple[int, int]]:
+    """``(max_m, probe_m)`` per bucket: the decode sizes, then one for prefill chunks.
+
+    Each bucket is measured at its largest M (``probe_m``); the last one takes every M above
+    128 and is probed at ``PREFILL_PROBE`` rows (the default ``max_num_batched_tokens``).
+    NOTE: fixed, not derived from the engine's options: engines with other token budgets
+    share one cached selection (and so run the same kernels for the same M).
+    """
+    return [*((b, b) for b in DECODE_BOUNDS), (M_MAX, PREFILL_PROBE)]
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One candidate at one shape and bucket: its best seconds per call (None: it failed)."""
+
+    out_features: int
+    in_features: int
+    max_m: int
+    probe_m: int
+    candidate: str
+    seconds: float | None
+    weight_bytes: int
+    error: str = ""
+    shares_source: bool = False  # the method reads the model's weight (holds no copy)
+
+    @property
+    def gbytes_per_s(self) -> float:
+        """Weight bytes read per second (the decode figure of merit)."""
+        return self.weight_bytes / self.seconds / 1e9 if self.seconds else 0.0
+
+    @property
+    def gflops(self) -> float:
+        """GFLOP/s (the prefill figure of merit)."""
+        if not self.seconds:
+            return 0.0
+        return 2.0 * self.probe_m * self.out_features * self.in_features / self.seconds / 1e9
+
+
+@dataclass
+class Selection:
+    """The outcome: the plan per weight shape plus what was measured (or read from cache)."""
+
+    dtype: torch.dtype
+    plan: dict[tuple[int, int], list[tuple[int, str]]]
+    timings: list[Timing] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    source: str = "measured"  # "measured", "cache" or "off"
+    seconds: float = 0.0
+    load: float = 0.0  # machine_load() when measured
+
+    def chosen(self, shape: tuple[int, int], max_m: int) -> str | None:
+        """The method name chosen for ``shape`` in the bucket ending at ``max_m``."""
+        for bound, name in self.plan.get(shape, []):
+            if bound == max_m:
+                return name
+        return None
+
+    def total_seconds(self, bounds: Iterable[int], counts: Mapping[tuple[int, int], int]) -> float:
+        """Sum over shapes (x ``counts``, e.g. layers) of the chosen method's time per bucket."""
+        best: dict[tuple[int, int, int], float] = {}
+        for t in self.timings:
+            if t.seconds is not None and t.candidate == self.chosen(
+                (t.out_features, t.in_features), t.max_m
+            ):
+                best[(t.out_features, t.in_features, t.max_m)] = t.seconds
+        total = 0.0
+        for b in bounds:
+            for shape, n in counts.items():
+                total += n * best.get((*shape, b), 0.0)
+        return total
+
+    def summary(self) -> str:
+        """One line: the dtype, where the choice came from and the method per shape/bucket."""
+        if self.source == "off":
+            return f"kernels: {dtype_tag(self.dtype)}, selection off (torch.mm everywhere)"
+        parts = []
+        for (o, i), choice in sorted(self.plan.items()):
+            runs = _compress(choice)
+            parts.append(f"{o}x{i}: " + ", ".join(runs))
+        how = "from cache" if self.source == "cache" else f"measured in {self.seconds:.1f} s"
+        return f"kernels: {dtype_tag(self.dtype)}, {how}; " + "; ".join(parts)
+
+
+def _compress(choice: Sequence[tuple[int, str]]) -> list[str]:
+    """``[(1, a), (8, a), (32, b), (M_MAX, b)]`` -> ``["M<=8 a", "M>8 b"]``."""
+    runs: list[tuple[int, int, str]] = []  # (lo, hi, name)
+    lo = 1
+    for bound, name in choice:
+        if runs and runs[-1][2] == name:
+            runs[-1] = (runs[-1][0], bound, name)
+        else:
+            runs.append((lo, bound, name))
+        lo = bound + 1
+    if len(runs) == 1:
+        return [runs[0][2]]
+    out = []
+    for lo, hi, name in runs:
+        if hi == M_MAX:
+            out.append(f"M>={lo} {name}")
+        else:
+            out.append(f"M<={hi} {name}" if lo == 1 else f"M {lo}-{hi} {name}")
+    return out
+
+
+def _wall_timer(method: LinearMethod, x: torch.Tensor, out: torch.Tensor) -> float:
+    if x.device.type == "cuda":
+        torch.cuda.synchronize(x.device)
+    t = time.perf_counter()
+    method.apply(x, out)
+    if x.device.type == "cuda":
+        torch.cuda.synchronize(x.device)
+    return time.perf_counter() - t
+
+
+def measure(
+    weights: Mapping[tuple[int, int], torch.Tensor],
+    *,
+    act_dtype: torch.dtype,
+    device: torch.device,
+    buckets: Sequence[tuple[int, int]],
+    max_rows: Mapping[tuple[int, int], int] | None = None,
+    budget_s: float = 0.010,
+    min_calls: int = 5,
+    max_rounds: int = 200,
+    passes: int = 2,
+    timer: Timer = _wall_timer,
+    factories: Sequence[CandidateFactory] | None = None,
+    skipped: dict[str, str] | None = None,
+) -> list[Timing]:
+    """Time every candidate for every weight shape and bucket (see the module docstring).
+
+    ``max_rows``: per shape, the largest M it ever runs with (the lm_head: the sampled rows);
+    buckets probed above it are not measured. Each candidate runs about ``budget_s`` per
+    bucket and pass (at least ``min_calls`` timed calls, after one warm-up call).
+    """
+    timings: list[Timing] = []
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    # (shape, max_m, rows, x, out, candidates that ran their warm-up call)
+    cells: list[tuple[tuple[int, int], int, int, torch.Tensor, torch.Tensor, list[LinearMethod]]]
+    cells = []
+    for shape, weight in weights.items():
+        out_f, in_f = shape
+        methods = candidate_methods(
+            weight, act_dtype=act_dtype, device=device, skipped=skipped, factories=factories
+        )
+        limit = (max_rows or {}).get(shape, M_MAX)
+        for max_m, probe_m in buckets:
+            if probe_m > limit and max_m != buckets[0][0]:
+                continue
+            rows = min(probe_m, limit)
+            x = torch.randn(rows, in_f, generator=gen).to(device=device, dtype=act_dtype)
+            out = torch.empty(rows, out_f, device=device, dtype=act_dtype)
+            alive: list[LinearMethod] = []
+            for m in methods:
+                try:
+                    m.apply(x, out)  # warm-up (first-call setup, caches)
+                    alive.append(m)
+                except Exception as e:  # noqa: BLE001 - a failing candidate is skipped
+                    reason = f"{type(e).__name__}: {e}"
+                    log.warning("kernel candidate %s skipped for %s: %s", m.name, shape, reason)
+                    if skipped is not None:
+                        skipped[m.name] = reason
+                    timings.append(_timing(shape, max_m, rows, m, None, reason))
+            cells.append((shape, max_m, rows, x, out, alive))
+    best: dict[tuple[int, int, str], float] = {}
+    # NOTE: every cell is measured in each of ``passes`` passes, some time apart, and the best
+    # call of all passes counts: a burst of load on a shared machine that spoils one pass of a
+    # slow kernel (a few calls only) rarely spoils the next.
+    for _ in range(passes):
+        for shape, max_m, _rows, x, out, alive in cells:
+            spent = {m.name: 0.0 for m in alive}
+            for round_ in range(max_rounds):
+                for m in alive:  # NOTE: interleaved: load bursts hit every candidate
+                    dt = timer(m, x, out)
+                    key = (*shape, max_m, m.name)
+                    best[key] = min(best.get(key, float("inf")), dt)  # type: ignore[index]
+                    spent[m.name] += dt
+                if round_ + 1 >= min_calls and all(v >= budget_s for v in spent.values()):
+                    break
+    for shape, max_m, rows, _x, _out, alive in cells:
+        for m in alive:
+            timings.append(_timing(shape, max_m, rows, m, best[(*shape, max_m, m.name)]))  # type: ignore[index]
+    return timings
+
+
+def _timing(
+    shape: tuple[int, int],
+    max_m: int,
+    rows: int,
+    m: LinearMethod,
+    seconds: float | None,
+    error: str = "",
+) -> Timing:
+    return Timing(
+        shape[0], shape[1], max_m, rows, m.name, seconds, m.nbytes, error, m.shares_source
+    )
+
+
+def choose(
+    timings: Sequence[Timing],
+    buckets: Sequence[tuple[int, int]],
+    *,
+    margin: float = 0.05,
+) -> dict[tuple[int, int], list[tuple[int, str]]]:
+    """The fastest candidate per shape and bucket (deterministic: ties go to the first one
+    measured). A candidate that holds its own weight copy (not ``shares_source``) must beat
+    the fastest source-sharing one by ``margin`` (its memory has a price), unless that copy
+    is held anyway because another bucket of the same weight chose it.
+
+    A bucket with no timing (above a shape's ``max_rows``) takes the previous bucket's choice.
+    """
+    by_cell: dict[tuple[int, int, int], list[Timing]] = {}
+    shapes: list[tuple[int, int]] = []
+    for t in timings:
+        shape = (t.out_features, t.in_features)
+        if shape not in shapes:
+            shapes.append(shape)
+        if t.seconds is not None:
+            by_cell.setdefault((*shape, t.max_m), []).append(t)
+    plan: dict[tuple[int, int], list[tuple[int, str]]] = {}
+    for shape in shapes:
+        # NOTE: a copy held for one bucket is free for the others: a second pass lets every
+        # bucket take the copies the first pass kept without the margin.
+        held: set[str] = set()
+        for _ in range(2):
+            choice: list[tuple[int, str]] = []
+            for max_m, _ in buckets:
+                cell = by_cell.get((*shape, max_m))
+                if not cell:
+                    if choice:
+                        choice.append((max_m, choice[-1][1]))
+                    continue
+                free = [t for t in cell if t.shares_source or t.candidate in held]
+                fastest = min(cell, key=lambda t: t.seconds)  # first of equals wins
+                if free and fastest not in free:
+                    base = min(free, key=lambda t: t.seconds)
+                    if fastest.seconds > base.seconds * (1.0 - margin):  # type: ignore[operator]
+                        fastest = base
+                choice.append((max_m, fastest.candidate))
+            held = {name for _, name in choice}
+        if choice:
+            plan[shape] = choice
+    return plan
+
+
+# ---- cache -------------------------------------------------------------------------------
+
+
+def _cpuinfo_field(name: str) -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith(name):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def cpu_flags() -> str:
+    """The CPU's feature flags, space-separated (from /proc/cpuinfo; "" where unknown)."""
+    return _cpuinfo_field("flags")
+
+
+def cpu_identity() -> tuple[str, str]:
+    """The CPU's model name and a hash of its feature flags (from /proc/cpuinfo)."""
+    import platform
+
+    model = _cpuinfo_field("model name") or platform.processor() or platform.machine()
+    return model, hashlib.sha256(cpu_flags().encode()).hexdigest()[:16]
+
+
+def cache_key(
+    *,
+    act_dtype: torch.dtype,
+    device: torch.device,
+    shapes: Iterable[tuple[int, int]],
+    buckets: Sequence[tuple[int, int]],
+    max_rows: Mapping[tuple[int, int], int] | None,
+    factories: Sequence[CandidateFactory],
+) -> dict[str, object]:
+    """Everything a selection depends on (the cache is valid only while all of it holds)."""
+    model, flags = cpu_identity()
+    if device.type == "cuda":
+        model = torch.cuda.get_device_name(device)
+    rows = max_rows or {}
+    return {
+        "version": CACHE_VERSION,
+        "cpu": model,
+        "cpu_flags": flags,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "device": device.type,
+        "dtype": dtype_tag(act_dtype),
+        "shapes": sorted([list(s) + [rows.get(s, M_MAX)] for s in shapes]),
+        "buckets": [list(b) for b in buckets],
+        "candidates": [f"{f.__module__}.{f.__qualname__}" for f in factories],
+        "onednn": bool(torch.backends.mkldnn.is_available()),
+    }
+
+
+def cache_dir() -> Path:
+    """Where selections are cached (``$KVSERVE_CACHE_DIR/kernel_select``)."""
+    base = os.environ.get(CACHE_ENV) or os.path.join(Path.home(), ".cache", "kvserve")
+    return Path(base) / "kernel_select"
+
+
+def cache_path(key: Mapping[str, object], directory: Path | None = None) -> Path:
+    """The cache file of ``key``."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return (directory or cache_dir()) / f"{digest}.json"
+
+
+def load_cached(path: Path, key: Mapping[str, object]) -> dict | None:
+    """The cached record for ``key`` at ``path``, or None (absent; unreadable: warned)."""
+    if not path.exists():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        if record["key"] != json.loads(json.dumps(key)):
+            raise ValueError("key mismatch")
+        plan = {
+            (int(o), int(i)): [(int(b), str(n)) for b, n in choice]
+            for o, i, choice in record["plan"]
+        }
+        timings = [Timing(**t) for t in record["timings"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("kernel selection cache %s is corrupt (%s): ignored, measuring again", path, e)
+        return None
+    return {
+        "plan": plan,
+        "timings": timings,
+        "skipped": dict(record.get("skipped", {})),
+        "load": float(record.get("load", 0.0)),
+    }
+
+
+def machine_load() -> float:
+    """1-minute load average per CPU (0.0 where unknown): above 1, timings are disturbed."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except (OSError, AttributeError):
+        return 0.0
+
+
+def save_cached(path: Path, key: Mapping[str, object], sel: Selection) -> None:
+    """Write ``sel`` for ``key`` (atomically: a torn write never leaves a half file)."""
+    record = {
+        "key": key,
+        "plan": [[o, i, [list(c) for c in choice]] for (o, i), choice in sel.plan.items()],
+        "timings": [asdict(t) for t in sel.timings],
+        "skipped": sel.skipped,
+        "load": sel.load,
+    }
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(record, indent=1))
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("kernel selection cache %s not written: %s", path, e)
+
+
+# ---- entry point ---------------------------------------------------------------------------
+
+
+def select_kernels(
+    shapes: Iterable[tuple[int, int]],
+    *,
+    act_dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    mode: str = "auto",
+    max_rows: Mapping[tuple[int, int], int] | None = None,
+    timer: Timer = _wall_timer,
+    factories: Sequence[CandidateFactory] | None = None,
+    directory: Path | None = None,
+    margin: float = 0.05,
+    budget_s: float = 0.010,
+) -> Selection:
+    """Choose a method per weight shape and M bucket (see the module docstring).
+
+    ``shapes``: the (out, in) of every distinct projection weight; the candidates run on
+    random weights of those shapes (timings do not depend on the values), so this can run
+    before the model's weights are loaded. Raises ValueError for an unknown ``mode``.
+    """
+    check_mode(mode)
+    device = torch.device(device)
+    shapes = list(dict.fromkeys(tuple(s) for s in shapes))
+    if mode == "off":
+        return Selection(act_dtype, {}, source="off")
+    facs = list(factories) if factories is not None else list(registered_factories())
+    buckets = m_buckets()
+    key = cache_key(
+        act_dtype=act_dtype,
+        device=device,
+        shapes=shapes,
+        buckets=buckets,
+        max_rows=max_rows,
+        factories=facs,
+    )
+    path = cache_path(key, directory)
+    load = machine_load()
+    if mode == "auto":
+        cached = load_cached(path, key)
+        # NOTE: timings taken on a busy machine (load above 1 per CPU) are provisional: a
+        # later start-up on a quieter machine measures again, so a noisy choice does not stick.
+        if cached is not None and cached["load"] > 1.0 and load < cached["load"] / 2:
+            log.info(
+                "kernel selection cache %s was measured at load %.1f per CPU (now %.1f): "
+                "measuring again",
+                path,
+                cached["load"],
+                load,
+            )
+        elif cached is not None:
+            return Selection(
+                act_dtype, cached["plan"], cached["timings"], cached["skipped"], "cache"
+            )
+    t0 = time.perf_counter()
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    weights = {
+        s: (torch.randn(s[1], s[0], generator=gen).t() * 0.02).to(device=device, dtype=act_dtype)
+        for s in shapes
+    }  # [out, in] views of [in, out] storage: the model's layout (see models/llama.py)
+    skipped: dict[str, str] = {}
+    timings = measure(
+        weights,
+        act_dtype=act_dtype,
+        device=device,
+        buckets=buckets,
+        max_rows=max_rows,
+        timer=timer,
+        factories=facs,
+        skipped=skipped,
+        budget_s=budget_s,
+    )
+    plan = choose(timings, buckets, margin=margin)
+    sel = Selection(act_dtype, plan, timings, skipped, "measured", time.perf_counter() - t0, load)
+    save_cached(path, key, sel)
+    return sel
+
+
+def plan_of(selection: Selection) -> LinearPlan | None:
+    """The ``LinearPlan`` to hand the model (None: the original path)."""
+    return None if selection.source == "off" else selection.plan

@@ -1,0 +1,152 @@
+"""``--dtype auto``: bf16 only with native bf16 *and* a faster measurement; the warning for an
+explicit bf16 without native support; the ops object and its fallback."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kvserve import kernel_setup
+from kvserve.config import ModelArchConfig
+from kvserve.engine_config import EngineConfig
+from kvserve.kernel_setup import choose_dtype_and_kernels, projection_shapes
+from kvserve.runtime import layer_ops as layer_ops_mod
+from kvserve.runtime.kernel_select import M_MAX, Selection, Timing
+from kvserve.runtime.layer_ops import NATIVE_OPS, TORCH_OPS, layer_ops
+
+ARCH = ModelArchConfig(
+    architecture="llama",
+    max_position_embeddings=128,
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=24,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=4,
+)
+
+
+def _selection(dtype: torch.dtype, seconds: float, mode: str) -> Selection:
+    """Every shape x bucket at ``seconds`` with one method "k"."""
+    if mode == "off":
+        return Selection(dtype, {}, source="off")
+    bounds = (1, 8, 32, 128, M_MAX)
+    plan, timings = {}, []
+    for o, i in projection_shapes(ARCH):
+        plan[(o, i)] = [(b, "k") for b in bounds]
+        timings += [Timing(o, i, b, min(b, 512), "k", seconds, o * i * 4) for b in bounds]
+    return Selection(dtype, plan, timings)
+
+
+@pytest.fixture
+def fake_select(monkeypatch):  # type: ignore[no-untyped-def]
+    """Measured matmul seconds per dtype, settable by the test; records the calls."""
+    costs = {torch.float32: 2.0, torch.bfloat16: 1.0}
+    calls: list[tuple[torch.dtype, str]] = []
+
+    def select(config, arch, dtype, mode):  # type: ignore[no-untyped-def]
+        calls.append((dtype, mode))
+        return _selection(dtype, costs[dtype], mode)
+
+    monkeypatch.setattr(kernel_setup, "select_shapes", select)
+    monkeypatch.setattr(
+        kernel_setup,
+        "dtype_speedup",
+        lambda arch, fp32, bf16, **kw: costs[torch.float32] / costs[torch.bfloat16],
+    )
+    return costs, calls
+
+
+def test_projection_shapes_count_the_layers_and_the_lm_head() -> None:
+    shapes = projection_shapes(ARCH)
+    assert shapes == {(32, 16): 2, (16, 16): 2, (48, 16): 2, (16, 24): 2, (64, 16): 1}
+
+
+@pytest.mark.parametrize(
+    ("native", "bf16_cost", "expected"),
+    [
+        (True, 1.0, torch.bfloat16),  # native and faster
+        (True, 3.0, torch.float32),  # native but measured slower
+        (False, 1.0, torch.float32),  # no native bf16: never auto-chosen
+    ],
+)
+def test_auto_dtype(monkeypatch, fake_select, native, bf16_cost, expected) -> None:
+    costs, _ = fake_select
+    costs[torch.bfloat16] = bf16_cost
+    monkeypatch.setattr(kernel_setup, "native_bf16", lambda: native)
+    choice = choose_dtype_and_kernels(EngineConfig(dtype="auto"), ARCH)
+    assert choice.dtype == expected
+    assert choice.selection.dtype == expected
+    assert choice.dtype_name in choice.short() and "auto" in choice.short()
+
+
+def test_auto_with_selection_off_still_decides_by_measurement(monkeypatch, fake_select) -> None:
+    _, calls = fake_select
+    monkeypatch.setattr(kernel_setup, "native_bf16", lambda: True)
+    choice = choose_dtype_and_kernels(EngineConfig(dtype="auto", kernel_selection="off"), ARCH)
+    assert choice.dtype == torch.bfloat16
+    assert choice.selection.source == "off"  # the kernels stay on the original path
+    assert (torch.bfloat16, "off") in calls
+
+
+def test_explicit_bf16_without_native_support_warns_with_the_slowdown(
+    monkeypatch, fake_select, caplog
+) -> None:
+    costs, _ = fake_select
+    costs[torch.bfloat16] = 6.0  # 3x the fp32 time
+    monkeypatch.setattr(kernel_setup, "native_bf16", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="kvserve"):
+        choice = choose_dtype_and_kernels(EngineConfig(dtype="bfloat16"), ARCH)
+    assert choice.dtype == torch.bfloat16  # it still runs
+    assert any("3.00x" in r.getMessage() for r in caplog.records), caplog.records
+
+
+def test_explicit_float32_measures_only_float32(monkeypatch, fake_select) -> None:
+    _, calls = fake_select
+    monkeypatch.setattr(kernel_setup, "native_bf16", lambda: True)
+    choice = choose_dtype_and_kernels(EngineConfig(dtype="float32"), ARCH)
+    assert choice.dtype == torch.float32 and calls == [(torch.float32, "auto")]
+
+
+def test_layer_ops_fall_back_to_torch_where_native_is_absent(monkeypatch) -> None:
+    assert layer_ops(native_kernels=False, device=torch.device("cpu")) is TORCH_OPS
+    monkeypatch.setattr(layer_ops_mod.native, "available", lambda: False)
+    monkeypatch.setattr(layer_ops_mod.native, "reason", lambda: "no compiler")
+    with pytest.raises(ValueError, match="no compiler"):
+        layer_ops(native_kernels=True, device=torch.device("cpu"))
+
+
+def test_native_ops_are_not_used_off_cpu(monkeypatch) -> None:
+    monkeypatch.setattr(layer_ops_mod.native, "available", lambda: True)
+    assert layer_ops(native_kernels=True, device=torch.device("meta")) is TORCH_OPS
+    assert layer_ops(native_kernels=True, device=torch.device("cpu")) is NATIVE_OPS
+
+
+def test_dtype_speedup_times_both_dtypes_together_and_is_cached(
+    tmp_path, monkeypatch, caplog
+) -> None:
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    calls: list[torch.dtype] = []
+
+    def timer(lin, x, out):  # type: ignore[no-untyped-def]
+        calls.append(x.dtype)
+        return 1e-6 if x.dtype == torch.bfloat16 else 3e-6
+
+    fp32 = Selection(torch.float32, {}, source="off")
+    bf16 = Selection(torch.bfloat16, {}, source="off")
+    cpu = torch.device("cpu")
+    speedup = kernel_setup.dtype_speedup(ARCH, fp32, bf16, device=cpu, timer=timer)
+    assert speedup == pytest.approx(3.0)
+    assert calls[:2] == [torch.float32, torch.bfloat16]  # alternating
+    n = len(calls)
+    assert kernel_setup.dtype_speedup(ARCH, fp32, bf16, device=cpu, timer=timer) == speedup
+    assert len(calls) == n  # from the cache
+    (path,) = tmp_path.rglob("dtype_*.json")
+    path.write_text("garbage")
+    with caplog.at_level(logging.WARNING, logger="kvserve"):
+        again = kernel_setup.dtype_speedup(ARCH, fp32, bf16, device=cpu, timer=timer)
+    assert again == pytest.approx(3.0) and len(calls) > n
+    assert any("corrupt" in r.getMessage() for r in caplog.records)

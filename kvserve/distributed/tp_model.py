@@ -63,11 +63,18 @@ class TPLlamaForCausalLM(LlamaForCausalLM):
         self.spec = spec
         self.tp_group = group
         self.full_arch = spec.arch
+        self.rank_linear_plan: Any = None  # kernels chosen for this rank's shapes
         for layer in self.layers:
             # NOTE: the layers were built by the base class; switching their class adds the
             # all-reduce to o/down without a second copy of the layer code (no new state).
             layer.__class__ = TPDecoderLayer
             layer.tp_group = group
+
+    def set_linear_plan(self, plan: Any) -> None:
+        """The rank's own kernel plan when it has one (the engine passes the full model's)."""
+        super().set_linear_plan(
+            own if (own := getattr(self, "rank_linear_plan", None)) is not None else plan
+        )
 
     @torch.no_grad()
     def load_sharded(self, state_dict: Mapping[str, Any]) -> None:

@@ -44,10 +44,18 @@ def build_rank_model(
 ) -> torch.nn.Module:
     """This rank's ``TPLlamaForCausalLM``, loaded with its slices, in the config's dtype."""
     from kvserve.distributed.tp_model import TPLlamaForCausalLM
+    from kvserve.kernel_setup import choose_dtype_and_kernels
+    from kvserve.runtime.kernel_select import plan_of
 
     model = TPLlamaForCausalLM(spec, group)
     model.load_sharded(state_dict)
-    return model.to(device=config.device, dtype=_DTYPES[config.dtype]).eval()
+    model = model.to(device=config.device, dtype=_DTYPES[config.dtype]).eval()
+    # NOTE: the projection kernels are chosen for this rank's own weight shapes (measured at
+    # start-up or read from the cache), not the full model's that the engine selected for.
+    kernels = choose_dtype_and_kernels(config, spec.local_arch())
+    model.rank_linear_plan = plan_of(kernels.selection)
+    model.set_linear_plan(None)
+    return model
 
 
 def runner_arch(spec: ShardSpec):  # noqa: ANN201 - ModelArchConfig

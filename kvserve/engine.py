@@ -86,12 +86,13 @@ class LLMEngine:
         self.model_path, self.arch, self.tokenizer = loaded.path, loaded.arch, loaded.tokenizer
         self.packed_weights_bytes = loaded.packed_weights_bytes
         self.quantization = loaded.quantization
+        self.tp = loaded.tp  # the tensor-parallel executor (kvserve/distributed) or None
         arch = loaded.arch
         self.max_model_len = resolve_max_model_len(config, arch)
         # NOTE: exact, the per-token-per-head scales of int8/fp8 caches included.
         self.kv_bytes_per_token = kv_bytes_per_token(
             num_layers=arch.num_hidden_layers,
-            num_kv_heads=arch.num_key_value_heads,
+            num_kv_heads=loaded.runner_arch.num_key_value_heads,
             head_dim=arch.head_dim,
             kv_cache_dtype=config.kv_cache_dtype,
             dtype=loaded.dtype,
@@ -106,8 +107,9 @@ class LLMEngine:
             activation_plan=activation_plan,
             kernel_scratch_bytes=kernel_scratch,
         )
+        # NOTE: under tensor parallelism the report becomes the per-rank one.
+        self.runner, self.memory_report = build_runner(config, loaded, self.memory_report)
         rep = self.memory_report
-        self.runner = build_runner(config, loaded, rep)
         del loaded  # NOTE: the runner holds the model; nothing else of the load stays alive
         self.kv_cache_manager = build_kv_cache_manager(config, rep, self.max_model_len)
         self.scheduler = build_scheduler(config, self.max_model_len, self.kv_cache_manager)

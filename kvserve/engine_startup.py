@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -43,6 +43,9 @@ from kvserve.runtime.model_runner import ModelRunner
 from kvserve.runtime.quant_select import with_quantized_plan
 from kvserve.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from kvserve.distributed.executor import TensorParallelExecutor, TPRunner
+
 logger = logging.getLogger("kvserve")
 
 
@@ -58,6 +61,9 @@ class EngineModel:
     weights_bytes: int  # parameters + buffers + prepacked copies + quantized blocks, as held
     packed_weights_bytes: int  # prepacked weight copies held beside the parameters
     quantization: dict[str, Any]  # quantization_summary: mode and weight bytes by format
+    # This process's shapes: the model's, or rank 0's heads under tensor parallelism.
+    runner_arch: ModelArchConfig
+    tp: TensorParallelExecutor | None  # the tensor-parallel executor when size > 1
 
 
 def choose_kernels(config: EngineConfig) -> KernelChoice:
@@ -73,13 +79,25 @@ def load_engine_model(config: EngineConfig, kernels: KernelChoice) -> EngineMode
     dtype = kernels.dtype
     # NOTE: "auto" keeps a GGUF's quantized tensors quantized on the CPU (the int8-dot
     # kernels); elsewhere it means dense weights (config rejects explicit formats there).
+    # Tensor parallelism shards dense weights (quantized ones would need block-aligned
+    # column slices), so it loads them dense.
     on_cpu = torch.device(config.device).type == "cpu"
-    quantization = config.quantization if on_cpu else "none"
+    tp_size = config.tensor_parallel_size
+    quantization = config.quantization if on_cpu and tp_size == 1 else "none"
     loaded = load_model(config.model, dtype=dtype, quantization=quantization)
     tokenizer = Tokenizer.from_loaded(loaded.tokenizer_dir, loaded.gguf_file)
-    model = LlamaForCausalLM(loaded.arch)
-    model.load_weights(loaded.state_dict)
-    model = model.to(device=config.device, dtype=dtype).eval()
+    tp = None
+    runner_arch = loaded.arch
+    if tp_size > 1:
+        from kvserve.distributed.executor import TensorParallelExecutor
+
+        tp = TensorParallelExecutor.start(config, loaded.arch)
+        model = tp.build_model(loaded.state_dict)
+        runner_arch = tp.runner_arch()
+    else:
+        model = LlamaForCausalLM(loaded.arch)
+        model.load_weights(loaded.state_dict)
+        model = model.to(device=config.device, dtype=dtype).eval()
     # NOTE: quantized projections choose between the int8-dot kernel and a dense copy.
     plan = with_quantized_plan(
         model,
@@ -106,7 +124,16 @@ def load_engine_model(config: EngineConfig, kernels: KernelChoice) -> EngineMode
     summary = quantization_summary(model, quantization)
     logger.info(summary_line(summary))
     return EngineModel(
-        model, loaded.arch, tokenizer, loaded.path, dtype, weights_bytes, packed, summary
+        model,
+        loaded.arch,
+        tokenizer,
+        loaded.path,
+        dtype,
+        weights_bytes,
+        packed,
+        summary,
+        runner_arch,
+        tp,
     )
 
 
@@ -154,11 +181,15 @@ def size_kv_pool(
     )
 
 
-def build_runner(config: EngineConfig, loaded: EngineModel, report: MemoryReport) -> ModelRunner:
-    """Phase 6: the model runner; it allocates the KV cache of ``report``'s size once."""
-    return ModelRunner(
-        loaded.model,
-        loaded.arch,
+def build_runner(
+    config: EngineConfig, loaded: EngineModel, report: MemoryReport
+) -> tuple[ModelRunner | TPRunner, MemoryReport]:
+    """Phase 6: the model runner; it allocates the KV cache of ``report``'s size once.
+
+    Under tensor parallelism every rank builds its runner over its own heads and the driver
+    steps them through a ``TPRunner``; the report becomes the per-rank one.
+    """
+    runner_kwargs: dict[str, Any] = dict(
         num_blocks=report.num_kv_blocks,
         block_size=config.block_size,
         num_host_blocks=report.num_host_blocks,
@@ -169,6 +200,13 @@ def build_runner(config: EngineConfig, loaded: EngineModel, report: MemoryReport
         kv_window=config.kv_window,
         kv_sink_tokens=config.kv_sink_tokens,
     )
+    runner = ModelRunner(loaded.model, loaded.runner_arch, **runner_kwargs)
+    if loaded.tp is None:
+        return runner, report
+    from kvserve.distributed.executor import TPRunner
+
+    loaded.tp.start_runners(runner, runner_kwargs)
+    return TPRunner(loaded.tp), loaded.tp.memory_report(report)
 
 
 def kv_cache_config(

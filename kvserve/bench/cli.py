@@ -24,6 +24,7 @@ _EXTERNAL = (
     ("itl-report", "kvserve.bench.itl_report", "tables of the step-time budget runs"),
     ("soak", "kvserve.bench.soak", "mixed requests with injected faults against one server"),
     ("structured", "kvserve.bench.structured", "structured output overhead and validity"),
+    ("tp", "kvserve.bench.tp", "tensor parallel vs one process: logits, agreement, step time"),
 )
 
 

@@ -30,6 +30,7 @@ class Replica:
     num_routed: int = 0
     num_failures: int = 0
     last_error: str = ""
+    probe_failures: int = 0  # consecutive probes that timed out
 
     @property
     def load(self) -> int:
@@ -93,7 +94,14 @@ async def validate_replica(client: httpx.AsyncClient, url: str, timeout_s: float
 class ReplicaPool:
     """The replicas, their health and loads; ``probe_forever`` keeps them fresh."""
 
-    def __init__(self, urls: list[str], *, probe_interval_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        probe_interval_s: float = 1.0,
+        probe_timeout_s: float = 5.0,
+        max_probe_timeouts: int = 3,
+    ) -> None:
         if not urls:
             raise ValueError("the router needs at least one --replica URL")
         normalized = [normalize_url(u) for u in urls]
@@ -102,6 +110,8 @@ class ReplicaPool:
             raise ValueError(f"replica URL given twice: {', '.join(dupes)}")
         self.replicas = {u: Replica(u) for u in normalized}
         self.probe_interval_s = probe_interval_s
+        self.probe_timeout_s = probe_timeout_s
+        self.max_probe_timeouts = max_probe_timeouts
         self.on_leave: list = []  # callbacks(url) when a replica leaves the pool
         self.model_id = ""
 
@@ -125,25 +135,39 @@ class ReplicaPool:
         self.model_id = ids[0]
 
     async def probe(self, client: httpx.AsyncClient, url: str) -> None:
-        """One probe: /health then /metrics; a failure takes the replica out, a pass back in."""
+        """One probe: /health, then /metrics for the load.
+
+        A refused connection or a non-200 /health takes the replica out at once; timeouts
+        only after ``max_probe_timeouts`` in a row (NOTE: a replica busy with a long step on a
+        loaded machine can be slow to answer without being dead). A /metrics failure only
+        keeps the last load. A passing /health brings the replica back.
+        """
         r = self.replicas[url]
-        timeout = max(self.probe_interval_s, 2.0)
         try:
-            health = await client.get(url + "/health", timeout=timeout)
-            if health.status_code != 200:
-                self.mark_dead(url, f"/health answered {health.status_code}")
-                return
-            metrics = await client.get(url + "/metrics", timeout=timeout)
+            health = await client.get(url + "/health", timeout=self.probe_timeout_s)
+        except httpx.TimeoutException as e:
+            r.probe_failures += 1
+            if r.probe_failures >= self.max_probe_timeouts:
+                self.mark_dead(url, f"{r.probe_failures} probes timed out: {e!r}")
+            return
         except httpx.HTTPError as e:
             self.mark_dead(url, f"probe failed: {e!r}")
+            return
+        r.probe_failures = 0
+        if health.status_code != 200:
+            self.mark_dead(url, f"/health answered {health.status_code}")
+            return
+        if not r.healthy:
+            logger.warning("replica %s rejoined the pool", url)
+            r.healthy = True
+        try:
+            metrics = await client.get(url + "/metrics", timeout=self.probe_timeout_s)
+        except httpx.HTTPError:
             return
         if metrics.status_code == 200:
             load = parse_load(metrics.text)
             if load is not None:
                 r.reported_load = load
-        if not r.healthy:
-            logger.warning("replica %s rejoined the pool", url)
-            r.healthy = True
 
     async def probe_forever(self, client: httpx.AsyncClient) -> None:
         """Probe every replica each ``probe_interval_s`` until cancelled."""

@@ -71,12 +71,12 @@ def _run(setup: SimSetup, trace: list[WorkloadRequest], policy: RoutingPolicy) -
 
 def router_replicas(setup: SimSetup, out_dir: str) -> ExperimentResult:
     """Hit rate, TTFT and goodput of prefix-aware vs round-robin routing over 8 replicas."""
-    n = setup.num_requests or 4000
+    n = setup.num_requests or 2000
     trace = multi_tenant_trace(
         n,
         setup.seed,
         num_tenants=NUM_TENANTS,
-        request_rate=setup.rate(40.0),
+        request_rate=setup.rate(960.0),
         system_prompt_len=min(2048, setup.model_len // 4),
         max_turn_len=max(8, setup.model_len // 16),
         vocab_size=setup.model.vocab_size,
@@ -137,7 +137,8 @@ def router_replicas(setup: SimSetup, out_dir: str) -> ExperimentResult:
         [
             f"{len(trace)} requests ({prompt_tokens:,} prompt tokens): {NUM_TENANTS} tenants, "
             "each its own system prompt and 4-turn conversations re-sending their history, "
-            f"{setup.rate(40.0):g} req/s in all",
+            f"conversations start at {setup.rate(960.0):g}/s in all, later turns follow after "
+            "a 5 s mean think time",
             f"goodput: finished requests per second with TTFT <= {SLO_TTFT_S:g} s and TPOT <= "
             f"{SLO_TPOT_S * 1e3:g} ms; prefix routing: longest match unless 4 requests busier "
             "than the least-loaded replica, matches under half the prompt ignored",

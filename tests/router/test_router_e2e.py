@@ -124,12 +124,12 @@ def test_replica_killed_mid_run(replicas: list[tuple[str, subprocess.Popen]]) ->
         assert metric_value(metrics, "kvserve_router:retries_total") >= 1
 
 
-def test_ray_cluster_runs_two_replicas_and_the_router() -> None:
+def test_ray_cluster_runs_two_replicas_and_the_router(monkeypatch: pytest.MonkeyPatch) -> None:
     ray = pytest.importorskip("ray")
     from kvserve.engine_config import EngineConfig
     from kvserve.router.data_parallel import ray_replicas
 
-    os.environ.setdefault("PYTHONPATH", str(REPO_ROOT))
+    monkeypatch.setenv("PYTHONPATH", checkout_env()["PYTHONPATH"])  # actors import this checkout
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         config = EngineConfig(num_kv_blocks=128, num_threads=1)

@@ -32,13 +32,16 @@ class RecordingSampler:
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
+        self.vocab_size: int = inner.vocab_size
         self.logits: dict[tuple[str, int], torch.Tensor] = {}
 
-    def sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> Any:
+    def sample(
+        self, logits: torch.Tensor, reqs: list[ScheduledRequest], token_bitmask: Any = None
+    ) -> Any:
         """Record each row, then sample as the wrapped sampler does."""
         for row, req in zip(logits, reqs, strict=True):
             self.logits[(req.request_id, len(req.output_token_ids))] = row.detach().clone()
-        return self.inner.sample(logits, reqs)
+        return self.inner.sample(logits, reqs, token_bitmask)
 
     def drop(self, request_id: str) -> None:
         """Forward to the wrapped sampler."""

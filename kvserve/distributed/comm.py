@@ -17,12 +17,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kvserve.step_guard import StepFault
+
 TIMEOUT_ENV = "KVSERVE_TP_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 60.0
 
 
-class TPCollectiveError(RuntimeError):
-    """A collective failed or timed out: a rank died or hung; the engine cannot continue."""
+class TPCollectiveError(StepFault):
+    """A collective failed or timed out: a rank died or hung; the engine cannot continue.
+
+    NOTE: a ``StepFault``: no request is to blame, so the step guard does not re-run the step
+    in halves over a broken group; the engine stops (the server exits non-zero)."""
 
 
 def tp_timeout_s() -> float:

@@ -29,8 +29,11 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class NoSampler:
     """Stands in for the Sampler on ranks >= 1: rank 0 alone samples."""
 
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size  # read by the sampling guard (runtime/guard.py)
+
     def sample(
-        self, logits: torch.Tensor, reqs: list[ScheduledRequest]
+        self, logits: torch.Tensor, reqs: list[ScheduledRequest], token_bitmask: object = None
     ) -> tuple[list[int], list[LogprobsEntry | None]]:
         """Placeholders, never read (the driver uses rank 0's tokens)."""
         return [0] * len(reqs), [None] * len(reqs)
@@ -91,7 +94,7 @@ def run_worker(
         )
         kwargs = group.broadcast_object()  # the driver's ModelRunner arguments
         runner = ModelRunner(model, runner_arch(spec), **kwargs)
-        runner.sampler = NoSampler()  # type: ignore[assignment]
+        runner.sampler = NoSampler(runner.sampler.vocab_size)  # type: ignore[assignment]
         group.gather_objects(
             {
                 "rank": rank,

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+# Weight quantization modes (vLLM's --quantization): kept torch-free here so the engine's
+# config and the models' loader share one list.
+QUANTIZATION_CHOICES = ("auto", "none", "q8_0", "q4_0", "q4_1")
+
 PreemptionMode = Literal["recompute", "swap"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 KVCacheDType = Literal["auto", "int8", "fp8"]

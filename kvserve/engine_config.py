@@ -12,11 +12,8 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, get_args
 
-from kvserve.config import CacheConfig, SchedulerConfig
+from kvserve.config import QUANTIZATION_CHOICES, CacheConfig, SchedulerConfig
 from kvserve.core.step_budget import PREFILL_POLICIES, StepBudgetConfig
-
-# NOTE: mirrors kvserve.models.quant.QUANTIZATION_CHOICES (that module imports torch).
-QUANTIZATION_CHOICES = ("auto", "none", "q8_0", "q4_0", "q4_1")
 
 GiB = 1 << 30
 # NOTE: kept here (torch-free) and checked against kernel_setup / kernel_select by a test.

@@ -37,10 +37,10 @@ from kvserve.memory_budget import MemoryReport, measure_kernel_scratch, plan_kv_
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_arch, load_model
 from kvserve.models.quant_model import quantization_summary, quantized_nbytes, summary_line
+from kvserve.models.quant_select import with_quantized_plan
 from kvserve.runtime.kernel_select import plan_of
 from kvserve.runtime.memory_plan import ActivationPlan
 from kvserve.runtime.model_runner import ModelRunner
-from kvserve.runtime.quant_select import with_quantized_plan
 from kvserve.tokenizer import Tokenizer
 
 if TYPE_CHECKING:

@@ -40,9 +40,9 @@ from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_model
 from kvserve.models.quant import QUANTIZATION_CHOICES
 from kvserve.models.quant_model import quantized_decode_bytes
+from kvserve.models.quant_select import with_quantized_plan
 from kvserve.runtime.kernel_select import plan_of
 from kvserve.runtime.model_runner import ModelRunner
-from kvserve.runtime.quant_select import with_quantized_plan
 from kvserve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=None)

@@ -312,7 +312,7 @@ class KVCacheManager(BlockTableManager):
         they were allocated, but their KV was never (or wrongly) written, so no later request
         may match them. Call before ``free``. Returns the number of blocks forgotten.
         """
-        table = self._tables.get(request.request_id)
+        table = self._table(request.request_id)
         if table is None:
             return 0
         first = num_written_tokens // self.block_size
@@ -328,7 +328,7 @@ class KVCacheManager(BlockTableManager):
         self._host.release(hosts)
         if removed:
             # Tables that shared a forgotten block now end their cached run before it.
-            for t in self._tables.values():
+            for t in self._all_tables():
                 n = 0
                 while n < t.num_cached_blocks and t.blocks[n].cache_node is not None:
                     n += 1

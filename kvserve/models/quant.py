@@ -31,7 +31,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-from kvserve.engine_config import QUANTIZATION_CHOICES as ENGINE_QUANTIZATION_CHOICES
+from kvserve.config import QUANTIZATION_CHOICES as ENGINE_QUANTIZATION_CHOICES
 from kvserve.models.errors import ModelLoadError
 
 Q = GGMLQuantizationType

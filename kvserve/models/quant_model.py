@@ -5,7 +5,7 @@
 its weight source in ``layer.quantized[name]`` (one ``QuantizedWeight`` when the parts share
 a format, else ``QuantizedParts``), the embedding and the lm_head in ``model.quantized``; the
 dense parameters they replace are dropped (0 elements), so only the blocks stay resident.
-The projections' ``Linear``s are then built from these sources (``kvserve.runtime.quant_linear``
+The projections' ``Linear``s are then built from these sources (``kvserve.models.quant_linear``
 registers their methods); the embedding looks rows up with ``embedding_lookup``.
 """
 
@@ -39,7 +39,7 @@ def attach_quantized(
     state_dict: Mapping[str, Any],
 ) -> None:
     """Give ``model`` the quantized weight sources of ``quantized`` (HF names)."""
-    from kvserve.runtime.quant_linear import fuse_weights
+    from kvserve.models.quant_linear import fuse_weights
 
     emb = quantized.get("model.embed_tokens.weight")
     if emb is not None:

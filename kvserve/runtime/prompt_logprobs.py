@@ -11,9 +11,9 @@ ask for prompt logprobs no prefix-cache hits (see Scheduler._admit).
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from kvserve.core.outputs import Logprob, LogprobsEntry
-from kvserve.models.llama import LlamaForCausalLM
 from kvserve.runtime.input_batch import InputBatch
 
 # NOTE: rows per lm_head call: bounds the float32 logits to [64, vocab] (12.6 MB at 49k)
@@ -22,7 +22,7 @@ _ROWS_PER_SLICE = 64
 
 
 def compute_prompt_logprobs(
-    model: LlamaForCausalLM, hidden: torch.Tensor, batch: InputBatch
+    model: nn.Module, hidden: torch.Tensor, batch: InputBatch
 ) -> dict[str, tuple[int, list[LogprobsEntry]]]:
     """Per request with ``prompt_logprobs``: (first scored position, entries). hidden: [T, H]."""
     out: dict[str, tuple[int, list[LogprobsEntry]]] = {}
@@ -40,7 +40,7 @@ def compute_prompt_logprobs(
 
 
 def _score(
-    model: LlamaForCausalLM, hidden: torch.Tensor, targets: list[int], num_top: int
+    model: nn.Module, hidden: torch.Tensor, targets: list[int], num_top: int
 ) -> list[LogprobsEntry]:
     """Entries for ``targets[i]`` under the logits of ``hidden[i]`` ([K, H])."""
     entries: list[LogprobsEntry] = []

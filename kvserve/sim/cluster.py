@@ -23,8 +23,8 @@ from kvserve.sim.simulator import (
     FakeRunner,
     StepTimeFn,
     VirtualClock,
-    _to_request,
     build_scheduler,
+    to_request,
 )
 from kvserve.sim.workloads import DEFAULT_VOCAB_SIZE, WorkloadRequest, resolve_prompt_token_ids
 
@@ -123,7 +123,7 @@ def simulate_cluster(
         policy.on_routed(name, key)
         target = by_name[name]
         target.clock.now = max(target.clock.now, w.arrival_time)
-        req = _to_request(w, vocab_size, params)
+        req = to_request(w, vocab_size, params)
         req.arrival_time = w.arrival_time
         try:
             target.scheduler.add_request(req)

@@ -108,7 +108,8 @@ class SimResult:
         return s
 
 
-def _to_request(w: WorkloadRequest, vocab_size: int, params: dict[int, SamplingParams]) -> Request:
+def to_request(w: WorkloadRequest, vocab_size: int, params: dict[int, SamplingParams]) -> Request:
+    """The engine request for trace entry ``w`` (its SamplingParams shared per output length)."""
     sp = params.get(w.output_len)
     if sp is None:
         sp = params[w.output_len] = SamplingParams(
@@ -185,7 +186,7 @@ class Simulator:
             while i < len(pending) and pending[i].arrival_time <= clock.now - start:
                 w = pending[i]
                 i += 1
-                req = _to_request(w, self.vocab_size, params)
+                req = to_request(w, self.vocab_size, params)
                 req.arrival_time = start + w.arrival_time
                 try:
                     sched_.add_request(req)

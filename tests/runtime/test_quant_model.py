@@ -13,16 +13,16 @@ from kvserve.engine_config import EngineConfig
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_model
 from kvserve.models.quant import QuantizedWeight
-from kvserve.models.quant_model import quantization_summary, quantized_nbytes, summary_line
-from kvserve.runtime.attention import SeqSpec, build_attention_metadata
-from kvserve.runtime.native import quant_ops
-from kvserve.runtime.quant_linear import (
+from kvserve.models.quant_linear import (
     DequantDenseMethod,
     QuantizedParts,
     QuantKernelMethod,
     QuantSplitMethod,
     quantized_candidates,
 )
+from kvserve.models.quant_model import quantization_summary, quantized_nbytes, summary_line
+from kvserve.runtime.attention import SeqSpec, build_attention_metadata
+from kvserve.runtime.native import quant_ops
 from tests.tiny_models import make_tiny_gguf, make_tiny_model
 
 CPU = torch.device("cpu")
@@ -183,8 +183,8 @@ def test_accuracy_bench_weights_setting() -> None:
 
 @pytest.mark.skipif(not quant_ops.load(), reason="quantized kernels unavailable")
 def test_selection_per_bucket_between_kernel_and_dense_copy(tmp_path: Path) -> None:
+    from kvserve.models.quant_select import quantized_shapes, select_quantized_kernels
     from kvserve.runtime.kernel_select import m_buckets
-    from kvserve.runtime.quant_select import quantized_shapes, select_quantized_kernels
 
     path = make_tiny_gguf(tmp_path, "smollm", tensor_type="Q4_1")
     model = build(path, "auto")

@@ -39,7 +39,7 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     """The CPU's feature flags (from /proc/cpuinfo), which ``-march=native`` compiles for."""
     try:
         with open("/proc/cpuinfo") as fh:
@@ -56,7 +56,7 @@ def _cpu_flags() -> str:
 def build_name() -> str:
     """Extension name: source, flags, torch version and CPU features hashed together."""
     h = hashlib.sha256(SOURCE.read_bytes())
-    for part in (*CFLAGS, *LDFLAGS, torch.__version__, _cpu_flags()):
+    for part in (*CFLAGS, *LDFLAGS, torch.__version__, cpu_flags()):
         h.update(part.encode())
     return f"kvserve_cpu_ops_{h.hexdigest()[:16]}"
 
@@ -67,7 +67,7 @@ def build_dir() -> Path:
     return Path(base) / "native" / build_name()
 
 
-def _ensure_ninja_on_path() -> None:
+def ensure_ninja_on_path() -> None:
     """Put the venv's ninja on PATH: ``.venv/bin/python`` runs without the venv activated."""
     if shutil.which("ninja"):
         return
@@ -90,7 +90,7 @@ def _register_fakes() -> None:
 def _build(verbose: bool) -> None:
     from torch.utils import cpp_extension
 
-    _ensure_ninja_on_path()
+    ensure_ninja_on_path()
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
     if not (directory / f"{build_name()}.so").exists():

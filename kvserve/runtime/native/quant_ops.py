@@ -38,7 +38,7 @@ _state: dict[str, object] = {}
 def build_name() -> str:
     """Extension name: source, flags, torch version and CPU features hashed together."""
     h = hashlib.sha256(SOURCE.read_bytes())
-    for part in (*native.CFLAGS, *native.LDFLAGS, torch.__version__, native._cpu_flags()):
+    for part in (*native.CFLAGS, *native.LDFLAGS, torch.__version__, native.cpu_flags()):
         h.update(part.encode())
     return f"kvserve_quant_ops_{h.hexdigest()[:16]}"
 
@@ -56,7 +56,7 @@ def _register_fakes() -> None:
 def _build(verbose: bool) -> None:
     from torch.utils import cpp_extension
 
-    native._ensure_ninja_on_path()
+    native.ensure_ninja_on_path()
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
     if not (directory / f"{build_name()}.so").exists():

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from kvserve.models.quant import QuantizedWeight, quantize_dense
+from kvserve.models.quant_linear import quantized_candidates
 from kvserve.runtime.kernel_select import DECODE_BOUNDS, choose, m_buckets, measure
 from kvserve.runtime.linear import LinearPlan
-from kvserve.runtime.quant_linear import quantized_candidates
 
 
 def quantized_shapes(model: Any) -> dict[tuple[int, int], str]:

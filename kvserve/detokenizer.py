@@ -107,14 +107,23 @@ class IncrementalDetokenizer:
         prefix_text = decode(window[:num_prefix], self.skip_special_tokens)
         new_text = decode(window, self.skip_special_tokens)
         num_unread = len(window) - num_prefix
+        num_keep = 0  # trailing ids of an unfinished character, left unread
         if not force:
             if len(new_text) <= len(prefix_text):
                 # Nothing visible yet (e.g. a skipped special token): keep the window.
                 return ""
-            if new_text.endswith(REPLACEMENT_CHAR) and num_unread < MAX_UNREAD_TOKENS:
-                return ""  # an unfinished multi-byte character: wait for its other bytes
+            if new_text.endswith(REPLACEMENT_CHAR):
+                if num_unread < MAX_UNREAD_TOKENS:
+                    return ""  # an unfinished multi-byte character: wait for its other bytes
+                # NOTE: many unread ids can still end in half a character (ids arriving in
+                # chunks that each end mid-character): emit up to the last whole character.
+                for k in range(1, min(4, num_unread)):
+                    head = decode(window[:-k], self.skip_special_tokens)
+                    if not head.endswith(REPLACEMENT_CHAR) and len(head) > len(prefix_text):
+                        num_keep, new_text = k, head
+                        break
         self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
+        self._read_offset = len(self._ids) - num_keep
         # NOTE: drop ids left of the window so memory does not grow with the output.
         if self._prefix_offset > 4 * INITIAL_CONTEXT_TOKENS:
             del self._ids[: self._prefix_offset]

@@ -146,11 +146,11 @@ def test_bad_batch_queues_nothing(make_llm) -> None:
         llm.generate([[1, 2, 10**9]], SamplingParams(max_tokens=4), use_tqdm=False)
 
 
-def _staggered_tokens(llm, prompts, every: int = 2) -> list[list[int]]:
-    """Greedy tokens with one new request every ``every`` steps (prefills beside decodes)."""
+def _staggered_tokens(llm, prompts, every: int = 2) -> list[Sample]:
+    """Greedy outputs with one new request every ``every`` steps (prefills beside decodes)."""
     engine = llm.engine
     pending = list(enumerate(prompts))
-    finals: dict[str, list[int]] = {}
+    finals: dict[str, Sample] = {}
     num_steps = 0
     while pending or engine.has_unfinished_requests():
         if pending and (num_steps % every == 0 or not engine.has_unfinished_requests()):
@@ -158,13 +158,13 @@ def _staggered_tokens(llm, prompts, every: int = 2) -> list[list[int]]:
             engine.add_request(p, GREEDY, request_id=f"r{i}")
         for out in engine.step():
             if out.finished:
-                finals[out.request_id] = out.outputs[0].token_ids
+                finals[out.request_id] = _sample(out.outputs[0])
         num_steps += 1
     return [finals[f"r{i}"] for i in range(len(prompts))]
 
 
 @pytest.mark.parametrize("policy", ["shortest", "round-robin", "fcfs"])
-def test_step_time_budget_is_identical(make_llm, reference, policy: str) -> None:
+def test_step_time_budget_is_identical(make_llm, reference, dtype, policy: str) -> None:
     from kvserve.core.step_budget import StepBudgetConfig, StepTimeBudget
 
     prompts, expected = reference
@@ -173,17 +173,17 @@ def test_step_time_budget_is_identical(make_llm, reference, policy: str) -> None
     # and a fit from the first records on, so the caps act from the second request on.
     cfg = StepBudgetConfig(max_step_ms=1e-3, prefill_policy=policy, min_records=1, skip_first=0)
     llm.engine.scheduler.step_budget = StepTimeBudget(cfg)
-    assert _staggered_tokens(llm, prompts) == expected
+    assert_same(_staggered_tokens(llm, prompts), expected, dtype)
     stats = llm.stats()
     assert stats["step_budget_min_chunk_steps"] > 0
     assert stats["kv_usage"] == 0
 
 
-def test_default_step_budget_learns_from_every_step(make_llm, reference) -> None:
+def test_default_step_budget_learns_from_every_step(make_llm, reference, dtype) -> None:
     prompts, expected = reference
     llm = make_llm(num_kv_blocks=512)
     engine = llm.engine
-    assert _staggered_tokens(llm, prompts, every=3) == expected
+    assert_same(_staggered_tokens(llm, prompts, every=3), expected, dtype)
     budget = engine.scheduler.step_budget
     assert budget is not None
     busy = [r for r in engine.step_records if r["num_seqs"]]

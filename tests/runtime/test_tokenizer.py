@@ -256,3 +256,15 @@ def test_streamed_stop_cut_property(
         running += delta
         assert expected.startswith(running)
         assert "\ufffd" not in delta
+
+
+def test_chunks_that_each_end_mid_character_stream_whole_characters(tok: Tokenizer) -> None:
+    """Four-byte emoji split across 4-id chunks: the unread window reaches MAX_UNREAD_TOKENS
+    while still ending in half a character; only whole characters are emitted (found by
+    test_streamed_stop_cut_property)."""
+    text = "😀😀aa😀b😀a😀😀bb"
+    ids = tok.encode(text)
+    det, deltas = stream(tok, ids, SamplingParams(stop=["END"]), chunk=4)
+    det.flush()
+    assert det.text == tok.decode(ids) == text
+    assert all("\ufffd" not in d for d in deltas)

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvserve.fault_injection import FATAL_FAULT_MARKER, REQUEST_FAULT_MARKER
+from kvserve.fault_injection import FATAL_FAULT_MARKER, REQUEST_FAULT_MARKER, SLOW_STEP_MARKER
 from tests.server.server_proc import server_process
 from tests.tiny_models import make_tiny_model
 
@@ -22,12 +22,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _long_stream_body(max_tokens: int = 900) -> dict:
-    return {"prompt": "once upon a time", "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0, "stream": True}  # fmt: skip
+    # NOTE: the slow marker (with --debug-inject-faults) makes each of its steps take 20 ms,
+    # so the stream outlasts the drain deadline however fast the machine decodes.
+    return {"prompt": f"once upon a time {SLOW_STEP_MARKER}", "max_tokens": max_tokens,
+            "ignore_eos": True, "temperature": 0, "stream": True}  # fmt: skip
 
 
 def test_sigterm_drains_with_a_deadline_and_exits_zero(model_dir: Path) -> None:
-    args = ("--model", str(model_dir), "--shutdown-timeout", "1.5")
+    args = ("--model", str(model_dir), "--shutdown-timeout", "1.5", "--debug-inject-faults")
     with server_process(*args) as (url, proc), httpx.Client(base_url=url, timeout=60) as c:
         with c.stream("POST", "/v1/completions", json=_long_stream_body()) as stream:
             lines = stream.iter_lines()

@@ -8,7 +8,7 @@
 #   baseline  --no-step-budget                     main's behaviour: token budget 512
 #   off       --no-step-budget --max-num-batched-tokens 8192   (no effective chunking)
 #   fixed128  --no-step-budget --max-num-batched-tokens 128
-#   budget    default flags: step-time budget, --prefill-policy shortest
+#   budget    --step-budget (off by default): step-time budget, --prefill-policy shortest
 #   budget-fcfs, budget-rr     the step budget with --prefill-policy fcfs / round-robin
 #   budget-m1.5, budget-m2.5   the step budget with --step-decode-multiple 1.5 / 2.5
 #                              (these four at 1.5 req/s only: VARIANTS)
@@ -50,10 +50,10 @@ flags_of() {
     baseline | static) echo "--no-step-budget" ;;
     off) echo "--no-step-budget --max-num-batched-tokens 8192" ;;
     fixed128) echo "--no-step-budget --max-num-batched-tokens 128" ;;
-    budget) echo "" ;;
-    budget-fcfs) echo "--prefill-policy fcfs" ;;
-    budget-rr) echo "--prefill-policy round-robin" ;;
-    budget-m*) echo "--step-decode-multiple ${1#budget-m}" ;;
+    budget) echo "--step-budget" ;;
+    budget-fcfs) echo "--step-budget --prefill-policy fcfs" ;;
+    budget-rr) echo "--step-budget --prefill-policy round-robin" ;;
+    budget-m*) echo "--step-budget --step-decode-multiple ${1#budget-m}" ;;
     *) echo "unknown policy $1" >&2; exit 2 ;;
   esac
 }

@@ -225,8 +225,9 @@ def test_non_positive_values_name_the_flag(field: str, flag: str, value: float) 
 def test_bad_combinations_are_value_errors() -> None:
     with pytest.raises(ValueError, match="not both"):
         EngineConfig(max_step_ms=50.0, target_itl_ms=60.0)
-    with pytest.raises(ValueError, match="--no-step-budget"):
-        EngineConfig(step_budget=False, max_step_ms=50.0)
+    # A step-time target turns the (default-off) budget on.
+    assert EngineConfig(max_step_ms=50.0).step_budget
+    assert not EngineConfig().step_budget
     with pytest.raises(ValueError, match="--prefill-policy"):
         EngineConfig(prefill_policy="lifo")
     # A target below any plausible decode step is accepted (the warning comes at run time).

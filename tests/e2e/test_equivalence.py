@@ -179,9 +179,9 @@ def test_step_time_budget_is_identical(make_llm, reference, dtype, policy: str) 
     assert stats["kv_usage"] == 0
 
 
-def test_default_step_budget_learns_from_every_step(make_llm, reference, dtype) -> None:
+def test_step_budget_learns_from_every_step(make_llm, reference, dtype) -> None:
     prompts, expected = reference
-    llm = make_llm(num_kv_blocks=512)
+    llm = make_llm(num_kv_blocks=512, step_budget=True)
     engine = llm.engine
     assert_same(_staggered_tokens(llm, prompts, every=3), expected, dtype)
     budget = engine.scheduler.step_budget

@@ -87,27 +87,31 @@ def _register_fakes() -> None:
         torch.library.register_fake(f"kvserve::{op}")(lambda *args, **kwargs: None)
 
 
-def _build(verbose: bool) -> None:
+def build_extension(
+    name: str, source: Path, directory: Path, what: str, verbose: bool = False
+) -> None:
+    """Build (first time, saying so on stderr) and load ``source`` as the op library ``name``
+    in ``directory``, with this package's compiler flags. ``what``: e.g. "the native CPU
+    kernels (~15 s)"."""
     from torch.utils import cpp_extension
 
     ensure_ninja_on_path()
-    directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    if not (directory / f"{build_name()}.so").exists():
-        print(
-            f"[kvserve] building the native CPU kernels into {directory} (once, ~15 s)",
-            file=sys.stderr,
-            flush=True,
-        )
+    if not (directory / f"{name}.so").exists():
+        print(f"[kvserve] building {what} into {directory} (once)", file=sys.stderr, flush=True)
     cpp_extension.load(
-        name=build_name(),
-        sources=[str(SOURCE)],
+        name=name,
+        sources=[str(source)],
         extra_cflags=list(CFLAGS),
         extra_ldflags=list(LDFLAGS),
         build_directory=str(directory),
         is_python_module=False,
         verbose=verbose,
     )
+
+
+def _build(verbose: bool) -> None:
+    build_extension(build_name(), SOURCE, build_dir(), "the native CPU kernels (~15 s)", verbose)
     _register_fakes()
 
 

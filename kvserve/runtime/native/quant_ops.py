@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import sys
 import threading
 from pathlib import Path
 
@@ -54,26 +53,8 @@ def _register_fakes() -> None:
 
 
 def _build(verbose: bool) -> None:
-    from torch.utils import cpp_extension
-
-    native.ensure_ninja_on_path()
-    directory = build_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    if not (directory / f"{build_name()}.so").exists():
-        print(
-            f"[kvserve] building the quantized-weight kernels into {directory} (once, ~30 s)",
-            file=sys.stderr,
-            flush=True,
-        )
-    cpp_extension.load(
-        name=build_name(),
-        sources=[str(SOURCE)],
-        extra_cflags=list(native.CFLAGS),
-        extra_ldflags=list(native.LDFLAGS),
-        build_directory=str(directory),
-        is_python_module=False,
-        verbose=verbose,
-    )
+    what = "the quantized-weight kernels (~30 s)"
+    native.build_extension(build_name(), SOURCE, build_dir(), what, verbose)
     _register_fakes()
 
 

@@ -24,6 +24,7 @@ from kvserve.sim.simulator import (
     StepTimeFn,
     VirtualClock,
     build_scheduler,
+    record_step,
     to_request,
 )
 from kvserve.sim.workloads import DEFAULT_VOCAB_SIZE, WorkloadRequest, resolve_prompt_token_ids
@@ -159,12 +160,4 @@ def _step(
     replica.num_steps += 1
     done = sched.update_from_output(out_sched, out)
     now = replica.clock.now
-    for r in out_sched.scheduled:
-        if r.sample:
-            rec.token(r.request_id, now)
-    for r in done:
-        if r.is_finished:
-            rec.finish(r.request_id, now)
-            t = rec.timings[r.request_id]
-            t.num_cached_tokens = max(r.num_cached_tokens, 0)
-            t.num_preemptions = r.num_preemptions
+    record_step(rec, out_sched, done, now)

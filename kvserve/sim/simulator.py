@@ -108,6 +108,22 @@ class SimResult:
         return s
 
 
+def record_step(
+    rec: LatencyRecorder, sched: SchedulerOutput, done: list[Request], now: float
+) -> None:
+    """Record one simulated step at virtual time ``now``: a token for every scheduled
+    request that sampled, and the finish (cached tokens, preemptions) of those done."""
+    for r in sched.scheduled:
+        if r.sample:
+            rec.token(r.request_id, now)
+    for r in done:
+        if r.is_finished:
+            rec.finish(r.request_id, now)
+            t = rec.timings[r.request_id]
+            t.num_cached_tokens = max(r.num_cached_tokens, 0)
+            t.num_preemptions = r.num_preemptions
+
+
 def to_request(w: WorkloadRequest, vocab_size: int, params: dict[int, SamplingParams]) -> Request:
     """The engine request for trace entry ``w`` (its SamplingParams shared per output length)."""
     sp = params.get(w.output_len)
@@ -217,15 +233,7 @@ class Simulator:
             clock.now += dt
             done = sched_.update_from_output(out_sched, out)
             now = clock.now
-            for r in out_sched.scheduled:
-                if r.sample:
-                    rec.token(r.request_id, now)
-            for r in done:
-                if r.is_finished:
-                    rec.finish(r.request_id, now)
-                    t = rec.timings[r.request_id]
-                    t.num_cached_tokens = max(r.num_cached_tokens, 0)
-                    t.num_preemptions = r.num_preemptions
+            record_step(rec, out_sched, done, now)
             if trace is not None:
                 trace.append([(r.request_id, len(r.token_ids)) for r in out_sched.scheduled])
             ends.append(now - start)

@@ -43,10 +43,6 @@ class RecordingSampler:
             self.logits[(req.request_id, len(req.output_token_ids))] = row.detach().clone()
         return self.inner.sample(logits, reqs, token_bitmask)
 
-    def drop(self, request_id: str) -> None:
-        """Forward to the wrapped sampler."""
-        self.inner.drop(request_id)
-
 
 @dataclass
 class RunResult:

@@ -38,9 +38,6 @@ class NoSampler:
         """Placeholders, never read (the driver uses rank 0's tokens)."""
         return [0] * len(reqs), [None] * len(reqs)
 
-    def drop(self, request_id: str) -> None:
-        """Nothing to forget."""
-
 
 def build_rank_model(
     config: EngineConfig, spec: ShardSpec, group: TPGroup, state_dict: dict[str, Any]

@@ -108,8 +108,6 @@ class ModelRunner:
         out.swap_out_time = self._timed_copy(self.kv_cache.swap_out, sched.blocks_to_swap_out)
         out.swap_in_time = self._timed_copy(self.kv_cache.swap_in, sched.blocks_to_swap_in)
         self.kv_cache.copy_blocks(sched.blocks_to_copy)
-        for request_id in sched.finished_req_ids:
-            self.sampler.drop(request_id)
         if sched.scheduled:
             batch = self.prepare_inputs(sched)
             hidden = self.model(

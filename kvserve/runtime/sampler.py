@@ -11,9 +11,12 @@ Logprobs are vLLM's default ("raw logprobs"): the log-softmax of the model's log
 penalties, temperature and truncation, so they describe the model, not the sampler.
 
 Drawing is inverse-CDF sampling: one uniform number per row, looked up in the row's
-cumulative probabilities. Each row's number comes from the request's own ``torch.Generator``
-when it has a seed, so a seeded request gets the same tokens whatever batch it runs in;
-unseeded rows share the sampler's generator.
+cumulative probabilities. A seeded row's number is a function of (seed, output position) alone
+(``seeded_uniform``), so a seeded request gets the same tokens whatever batch it runs in, and
+however often a step is attempted: a step that fails and is run again (the engine's fault
+isolation bisects a faulted step; ``sample_guarded`` retries a batch row by row) draws the
+same number again, where a generator that advanced on the failed attempt would not. Unseeded
+rows share the sampler's generator.
 NOTE: vLLM's exponential race (``argmax(probs / Exp(1))``) is equivalent but needs V random
 numbers per row; on CPU drawing them cost ~50 ms for 64 x 49152 logits against ~2 ms here.
 """
@@ -29,7 +32,7 @@ from kvserve.core.outputs import Logprob, LogprobsEntry, ScheduledRequest
 from kvserve.runtime.logits_constraints import RowBitmask, apply_logit_bias, apply_token_bitmask
 from kvserve.sampling_params import SamplingParams
 
-__all__ = ["Sampler", "apply_penalties"]
+__all__ = ["Sampler", "apply_penalties", "seeded_uniform"]
 
 # Top-p first looks for the nucleus among this many most likely tokens (a top-k, cheap); only
 # the rows whose mass falls short of top_p search again among _TOP_P_WIDEN times as many,
@@ -65,17 +68,9 @@ class Sampler:
         self.vocab_size = vocab_size
         self.seed = seed
         self.eos_token_id = eos_token_id
+        # NOTE: the only generator state held; seeded rows keep none (``seeded_uniform``),
+        # so nothing per request outlives its request.
         self._shared_gen: dict[torch.device, torch.Generator] = {}
-        self._request_gens: dict[str, torch.Generator] = {}
-
-    @property
-    def num_request_generators(self) -> int:
-        """Seeded requests whose generator is held (until ``drop``)."""
-        return len(self._request_gens)
-
-    def drop(self, request_id: str) -> None:
-        """Forget a finished request's generator. Unknown ids are ignored."""
-        self._request_gens.pop(request_id, None)
 
     # ------------------------------------------------------------------------------ sample
     def sample(
@@ -173,11 +168,10 @@ class Sampler:
         uniforms = torch.empty(num_rows, dtype=torch.float64, device=device)  # [M]
         shared_rows: list[int] = []
         for j, req in enumerate(reqs):
-            gen = self._request_generator(req, device)
-            if gen is None:
+            if req.seed is None:
                 shared_rows.append(j)
             else:
-                uniforms[j] = torch.rand(1, generator=gen, dtype=torch.float64, device=device)
+                uniforms[j] = seeded_uniform(req.seed, len(req.output_token_ids))
         if shared_rows:
             shared = torch.rand(
                 len(shared_rows),
@@ -199,18 +193,6 @@ class Sampler:
             picked = cand_ids.gather(1, picked)
         return picked.squeeze(1).tolist()
 
-    def _request_generator(
-        self, req: ScheduledRequest, device: torch.device
-    ) -> torch.Generator | None:
-        if req.seed is None:
-            return None
-        gen = self._request_gens.get(req.request_id)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(req.seed)
-            self._request_gens[req.request_id] = gen
-        return gen
-
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         gen = self._shared_gen.get(device)
         if gen is None:
@@ -218,6 +200,32 @@ class Sampler:
             gen.manual_seed(self.seed)
             self._shared_gen[device] = gen
         return gen
+
+
+# ------------------------------------------------------------------------------ seeds
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """One step of SplitMix64 (Steele et al.): a well-mixed 64-bit hash of ``x``."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """The uniform number in [0, 1) a request seeded with ``seed`` draws for its output token
+    number ``position`` (0 for the first).
+
+    A pure function: no generator state advances, so drawing again for the same position (a
+    step re-run after a fault, a row retried alone) gives the same number, and a recompute
+    preemption (which keeps the tokens drawn so far) continues the same sequence.
+    NOTE: 53 random bits, the precision of a float64 in [0, 1). Any int seed is accepted
+    (negative ones are taken modulo 2**64).
+    """
+    bits = _splitmix64((_splitmix64(seed & _MASK64) + position) & _MASK64)
+    return (bits >> 11) * (1.0 / (1 << 53))
 
 
 # ------------------------------------------------------------------------------ penalties

@@ -158,6 +158,65 @@ def test_nonfinite_logits_fail_that_request_only(model_dir: Path) -> None:
     _assert_no_leak(engine)
 
 
+class FaultAfterSampling:
+    """Wraps ``runner.execute``: runs the real step (every row sampled), then raises when a
+    chosen request is in the batch at a chosen engine step: the failed attempt has drawn."""
+
+    def __init__(
+        self, execute: Callable[[SchedulerOutput], ModelRunnerOutput], step: Callable[[], int]
+    ) -> None:
+        self.execute_real = execute
+        self.step = step
+        self.faults: set[tuple[int, str]] = set()
+        self.num_raised = 0
+
+    def __call__(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        out = self.execute_real(sched)
+        now = self.step()
+        for sr in sched.scheduled:
+            if (now, sr.request_id) in self.faults:
+                self.num_raised += 1
+                raise RuntimeError(f"injected fault after sampling: {sr.request_id}")
+        return out
+
+
+def test_seeded_request_in_a_faulted_step_draws_as_in_a_fault_free_run(model_dir: Path) -> None:
+    def run(faults: set[tuple[int, str]]) -> tuple[dict[str, RequestOutput], int]:
+        engine = _engine(model_dir)
+        faulty = FaultAfterSampling(engine.runner.execute, lambda: engine.num_steps)
+        faulty.faults = faults
+        engine.runner.execute = faulty  # type: ignore[method-assign]
+        for i in range(4):
+            # r0 and r2 seeded (r2 with n=2: its second sample draws with seed + 1).
+            seeded = i in (0, 2)
+            params = SamplingParams(
+                temperature=1.0, max_tokens=8, ignore_eos=True, n=2 if i == 2 else 1,
+                seed=100 + i if seeded else None,
+            )  # fmt: skip
+            engine.add_request(PROMPTS[i], params, request_id=f"r{i}")
+        finals: dict[str, RequestOutput] = {}
+        for _ in range(200):
+            if not engine.has_unfinished_requests():
+                break
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+        _assert_no_leak(engine)
+        return finals, faulty.num_raised
+
+    expected, _ = run(set())
+    # r1 fails in its prefill step and r3 in a decode step, each after the whole batch
+    # (the seeded r0 and r2 among it) has drawn; bisection runs the others again.
+    got, num_raised = run({(0, "r1"), (3, "r3")})
+    assert num_raised >= 2
+    assert got["r1"].error and got["r3"].error
+    for rid in ("r0", "r2"):
+        assert got[rid].error is None
+        assert [c.token_ids for c in got[rid].outputs] == [
+            c.token_ids for c in expected[rid].outputs
+        ], rid
+
+
 @pytest.fixture(scope="module")
 def fuzz_engine(model_dir: Path) -> LLMEngine:
     return _engine(model_dir, seed=3)

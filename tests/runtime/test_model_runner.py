@@ -148,7 +148,7 @@ def test_logprobs_match_hf_log_softmax(tiny) -> None:
         assert abs(lp.logprob - float(ref[token_id])) < 1e-4
 
 
-def test_non_sampling_chunk_returns_nothing_and_finished_ids_drop_state(tiny) -> None:
+def test_non_sampling_chunk_returns_nothing_and_seeded_draws_repeat(tiny) -> None:
     runner = _runner(tiny)
     seeded = SamplingParams(temperature=1.0, seed=3)
     prompt = [1, 2, 3, 4, 5, 6]
@@ -160,9 +160,10 @@ def test_non_sampling_chunk_returns_nothing_and_finished_ids_drop_state(tiny) ->
     req.seed = 3
     out = runner.execute(SchedulerOutput(scheduled=[req]))
     assert set(out.sampled_token_ids) == {"s"}
-    assert runner.sampler.num_request_generators == 1
-    runner.execute(SchedulerOutput(finished_req_ids={"s"}))
-    assert runner.sampler.num_request_generators == 0
+    # NOTE: the same step run again (as fault isolation re-runs a faulted step) draws the
+    # same token: a seeded draw depends on (seed, position) only.
+    again = runner.execute(SchedulerOutput(scheduled=[req]))
+    assert again.sampled_token_ids == out.sampled_token_ids
 
 
 def test_bad_block_tables_raise(tiny) -> None:

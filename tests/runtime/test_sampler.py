@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.core.outputs import ScheduledRequest
-from kvserve.runtime.sampler import Sampler, _top_k_top_p, apply_penalties
+from kvserve.runtime.sampler import Sampler, _top_k_top_p, apply_penalties, seeded_uniform
 from kvserve.sampling_params import SamplingParams
 
 VOCAB = 64
@@ -179,23 +179,38 @@ def test_seeded_request_is_reproducible_across_batch_compositions() -> None:
     assert _run_seeded(mixed) == first
 
 
-def test_different_seeds_and_drop() -> None:
+def test_different_seeds_and_stateless_draws() -> None:
     logits = torch.zeros((1, 1000))  # uniform: every draw depends only on the noise
     params = SamplingParams(temperature=1.0)
     sampler = Sampler(1000)
 
-    def draw(request_id: str, seed: int) -> list[int]:
-        return [sampler.sample(logits, [make_req(request_id, params, seed=seed)])[0][0]]
+    def draws(request_id: str, seed: int, num: int = 6) -> list[int]:
+        out: list[int] = []
+        for _ in range(num):
+            req = make_req(request_id, params, output=list(out), seed=seed)
+            out.append(sampler.sample(logits, [req])[0][0])
+        return out
 
-    a = draw("a", 1) + draw("a", 1) + draw("a", 1)
-    b = draw("b", 2) + draw("b", 2) + draw("b", 2)
+    a, b = draws("a", 1), draws("b", 2)
     assert a != b
-    assert len(set(a)) > 1  # the generator advances between steps
-    assert sampler.num_request_generators == 2
-    sampler.drop("a")
-    sampler.drop("never-seen")
-    assert sampler.num_request_generators == 1
-    assert draw("a", 1) == a[:1]  # a fresh generator restarts the sequence
+    assert len(set(a)) > 1  # each output position draws a new number
+    # Drawing again (a step re-run after a fault, another request id, a fresh sampler) for
+    # the same (seed, position) gives the same token: no state advances between draws.
+    assert draws("a", 1) == a and draws("other-id", 1) == a
+    assert [Sampler(1000).sample(logits, [make_req("a", params, seed=1)])[0][0]] == a[:1]
+    failed_attempt = make_req("a", params, output=a[:3], seed=1)
+    sampler.sample(logits, [failed_attempt])
+    assert sampler.sample(logits, [failed_attempt])[0] == [a[3]]
+
+
+def test_seeded_uniform_is_uniform_and_position_dependent() -> None:
+    values = [seeded_uniform(seed, pos) for seed in range(-3, 40) for pos in range(50)]
+    assert all(0.0 <= v < 1.0 for v in values)
+    assert len(set(values)) == len(values)
+    mean = sum(values) / len(values)
+    assert abs(mean - 0.5) < 0.02  # 2,150 draws: the standard error is 0.006
+    deciles = [sum(int(v * 10) == d for v in values) for d in range(10)]
+    assert min(deciles) > 150 and max(deciles) < 280  # 215 expected per decile
 
 
 def test_unseeded_requests_follow_the_sampler_seed() -> None:

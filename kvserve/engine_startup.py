@@ -20,6 +20,7 @@ Order (``LLMEngine.__init__`` runs them in this order; the order matters):
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,7 @@ from kvserve.models.loader import load_arch, load_model
 from kvserve.models.quant_model import quantization_summary, quantized_nbytes, summary_line
 from kvserve.models.quant_select import with_quantized_plan
 from kvserve.runtime.kernel_select import plan_of
+from kvserve.runtime.linear import warm_row_buckets
 from kvserve.runtime.memory_plan import ActivationPlan
 from kvserve.runtime.model_runner import ModelRunner
 from kvserve.tokenizer import Tokenizer
@@ -202,11 +204,35 @@ def build_runner(
     )
     runner = ModelRunner(loaded.model, loaded.runner_arch, **runner_kwargs)
     if loaded.tp is None:
+        warm_kernel_primitives(config, runner)
         return runner, report
     from kvserve.distributed.executor import TPRunner
 
     loaded.tp.start_runners(runner, runner_kwargs)
     return TPRunner(loaded.tp), loaded.tp.memory_report(report)
+
+
+def warm_kernel_primitives(config: EngineConfig, runner: ModelRunner) -> None:
+    """Phase 6b: build the GEMM library's per-shape primitives for every row bucket a step
+    can use (``kvserve.runtime.linear.warm_row_buckets``), so RSS stays flat while serving.
+
+    Layer projections see up to ``max_num_batched_tokens`` rows, the lm_head up to
+    ``max_num_seqs`` (one per sampling request; prompt logprobs may build more lazily).
+    """
+    model = runner.model
+    linears = getattr(model, "linears", None)
+    if linears is None:
+        return
+    t0 = time.perf_counter()
+    built = linears()
+    rows = [config.max_num_batched_tokens] * (len(built) - 1) + [config.max_num_seqs]
+    calls = warm_row_buckets(list(zip(built, rows, strict=True)), runner.dtype, runner.device)
+    if calls:
+        logger.info(
+            "kernel primitives: %d row-bucket shapes built in %.2f s",
+            calls,
+            time.perf_counter() - t0,
+        )
 
 
 def kv_cache_config(

@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 # NOTE: the M bound of the last bucket: "every larger M".
 M_MAX = sys.maxsize
 
+# Row counts up to this run as they are on a shape-cached kernel; larger ones are padded to
+# the next multiple of 1/8 of their power of two (``row_bucket``).
+EXACT_ROWS = 16
+
 # The chosen method names per weight shape (out, in): ``(max_m, method name)`` per bucket.
 LinearPlan = Mapping[tuple[int, int], Sequence[tuple[int, str]]]
 
@@ -48,6 +52,8 @@ class LinearMethod(abc.ABC):
     adds ``self.bias`` itself (set by ``Linear``); otherwise ``Linear`` adds it afterwards.
     ``allocates``: the kernel always makes its own output tensor (with ``out`` given, ``apply``
     copies it there), so a caller that only reads the result can skip that copy.
+    ``shape_cached``: the kernel library builds and keeps a primitive for every distinct M it
+    sees (oneDNN), so ``Linear`` calls it with M padded to a few sizes (``row_bucket``).
     """
 
     name: str
@@ -56,6 +62,7 @@ class LinearMethod(abc.ABC):
     shares_source: bool = False
     supports_bias: bool = False
     allocates: bool = False
+    shape_cached: bool = False
     bias: torch.Tensor | None = None
 
     @property
@@ -88,6 +95,9 @@ class DenseMmMethod(LinearMethod):
         self.weight_t = weight.t()  # [in, out]
         tag = dtype_tag(weight.dtype)
         self.name = "mkl_fp32" if weight.dtype == torch.float32 else f"mm_{tag}"
+        # NOTE: on CPU torch.mm runs fp32 in MKL (nothing kept per shape) but 16-bit dtypes
+        # in oneDNN (mkldnn_matmul), which caches a primitive per shape.
+        self.shape_cached = weight.device.type == "cpu" and weight.dtype != torch.float32
 
     @property
     def nbytes(self) -> int:
@@ -109,6 +119,7 @@ class OneDnnPrepackedMethod(LinearMethod):
 
     supports_bias = True
     allocates = True
+    shape_cached = True
 
     def __init__(self, weight: torch.Tensor, *, batch_size_hint: int | None = None) -> None:
         self.out_features, self.in_features = weight.shape
@@ -126,6 +137,52 @@ class OneDnnPrepackedMethod(LinearMethod):
         if out is None:
             return y
         return out.copy_(y)
+
+
+def row_bucket(num_rows: int) -> int:
+    """The row count a shape-cached kernel is called with for ``num_rows`` rows (>= it).
+
+    Up to EXACT_ROWS (decode batches) exact; above, rounded up to a multiple of 1/8 of the
+    largest power of two <= ``num_rows``: at most 12.5 % padding, 8 sizes per doubling (56
+    sizes up to 512 rows).
+    NOTE: why: oneDNN (torch's bf16 matmul on CPU, the prepacked linear) builds a primitive
+    per distinct M and keeps it in two caches (oneDNN's ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``
+    and ideep's ``LRU_CACHE_CAPACITY``, 1,024 entries each, a few hundred KiB per entry
+    here). A serving engine sees a new M almost every step, so unpadded the caches filled
+    towards 1,024 entries per cache and RSS kept growing by hundreds of MiB (issue #20's
+    soak: +141.8 MiB); padded they hold a few dozen entries per weight and stay warm.
+    """
+    if num_rows <= EXACT_ROWS:
+        return num_rows
+    step = 1 << (num_rows.bit_length() - 4)
+    return -(-num_rows // step) * step
+
+
+def warm_row_buckets(
+    linears: Sequence[tuple[Linear, int]], dtype: torch.dtype, device: torch.device
+) -> int:
+    """Run each distinct shape-cached method of ``linears`` ((Linear, most rows it will see)
+    pairs) once at every ``row_bucket`` size up to its most rows; returns the calls made.
+
+    NOTE: at start-up, so the library's per-shape primitives (~0.6 MiB each here, a fixed
+    number with row buckets) are part of the start-up footprint instead of RSS growth while
+    serving. Methods are told apart by (name, out, in): the library's caches key on shapes,
+    not on the weight, so one layer's projection warms every layer's.
+    """
+    seen: set[tuple[str, int, int, int]] = set()
+    calls = 0
+    with torch.inference_mode():
+        for linear, max_rows in linears:
+            sizes = sorted({row_bucket(m) for m in range(1, max_rows + 1)})
+            for size in sizes:
+                method = linear.method_for(size)
+                key = (method.name, method.out_features, method.in_features, size)
+                if not method.shape_cached or key in seen:
+                    continue
+                seen.add(key)
+                method.apply(torch.zeros((size, method.in_features), dtype=dtype, device=device))
+                calls += 1
+    return calls
 
 
 CandidateFactory = Callable[..., list[LinearMethod]]
@@ -273,10 +330,28 @@ class Linear:
         its own output returns that instead of copying it into ``out``.
         """
         method = self._single if self._single is not None else self.method_for(x.shape[0])
+        if method.shape_cached and row_bucket(x.shape[0]) != x.shape[0]:
+            return self._padded(method, x, out, out_is_hint)
         y = method.apply(x, None if out_is_hint and method.allocates else out)
         if self.bias is not None and not method.supports_bias:
             y.add_(self.bias)
         return y
+
+    def _padded(
+        self, method: LinearMethod, x: torch.Tensor, out: torch.Tensor | None, out_is_hint: bool
+    ) -> torch.Tensor:
+        """``method`` on ``x`` [M, in] padded to ``row_bucket(M)`` rows (zeros); the first M
+        rows of the result (into ``out`` unless it is only a hint)."""
+        num_rows = x.shape[0]
+        xp = x.new_empty((row_bucket(num_rows), x.shape[1]))  # [Mb, in]
+        xp[:num_rows].copy_(x)
+        xp[num_rows:].zero_()
+        y = method.apply(xp)[:num_rows]  # [M, out], the leading rows of [Mb, out]
+        if self.bias is not None and not method.supports_bias:
+            y.add_(self.bias)
+        if out is None or (out_is_hint and method.allocates):
+            return y
+        return out.copy_(y)
 
     def __repr__(self) -> str:
         parts = ", ".join(f"M<={'inf' if b == M_MAX else b}:{m.name}" for b, m in self.buckets)

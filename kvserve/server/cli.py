@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import os
 import sys
+import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -155,6 +156,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level), lifecycle
     )
     lifecycle.server = server
+    lifecycle.exit_backstop = True
     server.run()
     # NOTE: every request has been answered and the engine stopped; skip the interpreter's
     # teardown of the model and KV pool (seconds on a loaded box), which would only stretch
@@ -184,7 +186,9 @@ def _draining_server(config: Any, lifecycle: Any) -> Any:
                 self.force_exit = True
                 return
             loop = getattr(self, "_loop", None) or asyncio.get_event_loop_policy().get_event_loop()
-            loop.call_soon_threadsafe(self.lifecycle.on_signal)
+            # NOTE: the deadline counts from the signal's arrival, not from when the (busy)
+            # loop gets to the callback.
+            loop.call_soon_threadsafe(self.lifecycle.on_signal, time.monotonic())
 
         async def serve(self, sockets: Any = None) -> None:
             self._loop = asyncio.get_running_loop()

@@ -230,6 +230,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    @property
+    def num_request_states(self) -> int:
+        """Per-request entries the engine holds (groups, samples, grammar matchers): 0 once
+        every request has finished, failed or been aborted (nothing is kept per request)."""
+        return len(self._groups) + len(self._sample_to_group) + self.structured.num_matchers
+
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

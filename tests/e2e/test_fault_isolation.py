@@ -80,6 +80,8 @@ def _assert_no_leak(engine: LLMEngine) -> None:
     kv.check_integrity()
     assert kv.num_free_blocks == kv.num_blocks and kv.usage == 0.0
     assert engine.scheduler.num_running == engine.scheduler.num_waiting == 0
+    # NOTE: nothing per request outlives it (a long-running server's memory stays flat).
+    assert engine.num_request_states == 0
 
 
 def _n_of(i: int) -> int:
@@ -267,4 +269,23 @@ def test_accepted_sampling_params_never_break_the_engine(
     vocab = engine.arch.vocab_size
     for c in final.outputs:
         assert len(c.token_ids) == 4 and all(0 <= t < vocab for t in c.token_ids)
+    _assert_no_leak(engine)
+
+
+def test_no_request_state_outlives_its_request(model_dir: Path) -> None:
+    engine = _engine(model_dir)
+    faulty = FaultyRunner(engine.runner.execute, lambda: engine.num_steps)
+    faulty.faults = {(1, "r1")}
+    engine.runner.execute = faulty  # type: ignore[method-assign]
+    for i in range(4):
+        params = SamplingParams(temperature=0.8, max_tokens=6, n=2 if i == 2 else 1, seed=i)
+        engine.add_request(PROMPTS[i], params, request_id=f"r{i}")
+    engine.step()
+    assert engine.num_request_states == 4 + 5  # 4 groups, 5 samples
+    engine.abort_request("r3")
+    for _ in range(100):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    assert faulty.num_raised >= 1
     _assert_no_leak(engine)

@@ -27,10 +27,10 @@ class ScheduledRequest:
     block_ids: list[int]  # the whole block table (covers start_pos + len(token_ids) tokens)
     sample: bool
     sampling_params: SamplingParams
-    # Read-only views for penalties / seeded generators (the runner must not mutate them).
+    # Read-only views for penalties / seeded draws (the runner must not mutate them).
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    # Seed for this sample's generator: SamplingParams.seed + sample_index, or None.
+    # Seed of this sample's draws (runtime/sampler.py): SamplingParams.seed + sample_index, or None.
     seed: int | None = None
 
     @property

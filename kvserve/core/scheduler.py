@@ -320,18 +320,23 @@ class Scheduler:
         if self.step_budget is None or not self.config.enable_chunked_prefill:
             return None
         decode_contexts = [sr.start_pos + 1 for sr in step.out.scheduled]
+        now = self.clock()
         candidates = []
         for r in (*self.running, *self.swapped):
             remaining = r.num_tokens - r.num_computed_tokens
             if remaining > 1 and r.request_id not in step.scheduled_ids:
-                candidates.append(PrefillCandidate(r.request_id, r.num_computed_tokens, remaining))
+                wait = 0.0 if r.output_token_ids else now - r.arrival_time  # TTFT aging
+                candidates.append(
+                    PrefillCandidate(r.request_id, r.num_computed_tokens, remaining, waited_s=wait)
+                )
         seats = self.config.max_num_seqs - self._num_seats()
         if not self.swapped and (not self.running or not self.admission_closed):
             for r in self.waiting:
                 seats -= 1 + len(r.pending_children)
                 if seats < 0:
                     break
-                candidates.append(PrefillCandidate(r.request_id, 0, r.num_tokens, waiting=True))
+                wait = 0.0 if r.output_token_ids else now - r.arrival_time
+                candidates.append(PrefillCandidate(r.request_id, 0, r.num_tokens, True, wait))
         return self.step_budget.plan(decode_contexts, candidates, step.budget)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, step: _Step) -> bool:

@@ -126,7 +126,7 @@ class EngineConfig:
     target_itl_ms: float | None = None
     step_decode_multiple: float = 1.75
     prefill_policy: str = "shortest"
-    ttft_aging: float = 1.0
+    ttft_aging: float = 0.25
     step_min_decodes: int = 1
     scheduling_policy: str = "fcfs"
     max_seats_per_request: int | None = None

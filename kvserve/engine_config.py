@@ -77,6 +77,8 @@ _HELP: dict[str, str] = {
     "pure-decode step at the current batch",
     "ttft_aging": "step-budget TTFT guard: a prompt that has waited w seconds for its first "
     "token may stretch a step to the target + this x w (0: a fixed target)",
+    "ttft_slack": "step-budget TTFT deadline: a prompt that has waited this multiple of its "
+    "predicted unsplit prefill step is not capped (default: none)",
     "step_min_decodes": "step budget: steps with fewer decodes than this are not capped (the "
     "stall falls on so few streams that splitting the prompt costs more)",
     "prefill_policy": "who gets a step's prefill time: shortest remaining prompt first, "
@@ -128,6 +130,7 @@ class EngineConfig:
     prefill_policy: str = "shortest"
     ttft_aging: float = 0.25
     step_min_decodes: int = 1
+    ttft_slack: float | None = None
     scheduling_policy: str = "fcfs"
     max_seats_per_request: int | None = None
     kernel_selection: str = "auto"
@@ -198,6 +201,7 @@ class EngineConfig:
             prefill_policy=self.prefill_policy,
             ttft_aging=self.ttft_aging,
             min_decodes=self.step_min_decodes,
+            ttft_slack=self.ttft_slack,
         )
 
     def cache_config(self) -> CacheConfig:

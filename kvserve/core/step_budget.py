@@ -28,8 +28,12 @@ target raising TTFT p90 9x at low load, where the token budget alone already kep
   to take grows with the time the prompt has already lost: with ``ttft_aging=1`` each step's
   allowance is at least the time waited so far, so the allowed chunk about doubles step after
   step and a split prompt is done within a few steps, while a step with no old prompt keeps
-  the plain target. ``ttft_aging=0`` is the fixed target. (Aging is what TTFT-SLO schedulers
-  do with deadlines; here the deadline is implicit: the longer the wait, the larger the chunk.)
+  the plain target. ``ttft_aging=0`` is the fixed target.
+- deadline (``ttft_slack``): a prompt that has waited ``ttft_slack`` x the predicted time of
+  the step that would compute it unsplit (beside this step's decodes) is not capped at all.
+  TTFT is then within about that multiple of the unsplit prefill plus one step, and under
+  overload (long queues: every wait past its deadline) the planner stands aside, because
+  there small chunks cost throughput (every step pays the weight reads) and the queue grows.
 
 Who gets the time (``prefill_policy``), greedily in this order, each candidate the largest
 chunk that still fits:
@@ -87,6 +91,7 @@ class StepBudgetConfig:
     skip_first: int = 2  # the first steps pay one-off costs (allocator, kernel selection)
     ttft_aging: float = 0.25  # step-time extension per second a prompt has waited (0: none)
     min_decodes: int = 1  # fewer decodes than this in a step: no cap (1: always cap)
+    ttft_slack: float | None = None  # deadline: waited >= slack x unsplit step -> no cap
 
     def __post_init__(self) -> None:
         _positive_ms("max_step_ms", self.max_step_ms)
@@ -113,6 +118,11 @@ class StepBudgetConfig:
         a = self.ttft_aging
         if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a < math.inf:
             raise ValueError(f"ttft_aging (--ttft-aging) must be a number >= 0, got {a!r}")
+        sl = self.ttft_slack
+        if sl is not None and (
+            isinstance(sl, bool) or not isinstance(sl, (int, float)) or not 0.0 <= sl < math.inf
+        ):
+            raise ValueError(f"ttft_slack (--ttft-slack) must be a number >= 0, got {sl!r}")
         if isinstance(self.min_decodes, bool) or not isinstance(self.min_decodes, int):
             raise ValueError(
                 f"min_decodes (--step-min-decodes) must be an int, got {self.min_decodes!r}"
@@ -230,6 +240,7 @@ class StepTimeBudget:
         target = self.target_s(decode_s)
         self.last_decode_s, self.last_target_s = decode_s, target
         order = self._order(candidates)
+        decodes_only = load
         caps = {c.request_id: 0 for c in candidates}
         left = token_budget
         granted = 0
@@ -239,6 +250,10 @@ class StepTimeBudget:
             if limit <= 0:
                 break
             own = target + cfg.ttft_aging * max(c.waited_s, 0.0)
+            if cfg.ttft_slack is not None and c.waited_s > 0.0:
+                unsplit = self.cost.predict(decodes_only.plus_chunk(c.start_pos, limit))
+                if c.waited_s >= cfg.ttft_slack * unsplit:
+                    own = math.inf  # past its TTFT deadline: the rest of the token budget
             n = self._largest_fit(load, c.start_pos, limit, own)
             if n == 0:
                 continue

@@ -44,6 +44,18 @@ def test_aging_is_per_prompt_and_adds_to_what_the_others_took() -> None:
     assert b.plan([5], [PrefillCandidate("S2", 0, 40)], 64) == {"S2": 19}
 
 
+def test_a_prompt_past_its_ttft_deadline_is_not_capped() -> None:
+    b = budget(ttft_aging=0.0, ttft_slack=1.0)
+    # Unsplit: 10 ms + 1 decode + 64 tokens (the token budget) = 75 ms; deadline 1.0 x 75 ms.
+    assert b.plan([5], [PrefillCandidate("A", 0, 100, True, 0.070)], 64) == {"A": 19}
+    assert b.plan([5], [PrefillCandidate("A", 0, 100, True, 0.075)], 64) == {"A": 64}
+    # Already streaming (waited 0: its TTFT is behind it): the plain target.
+    assert b.plan([5], [PrefillCandidate("A", 30, 70)], 64) == {"A": 19}
+    # Two prompts: only the late one passes the target, on top of what the other took.
+    late, fresh = PrefillCandidate("L", 0, 40, True, 0.2), PrefillCandidate("S", 0, 10, True)
+    assert budget(ttft_aging=0.0, ttft_slack=1.0).plan([5], [late, fresh], 64) == {"L": 40, "S": 0}
+
+
 def test_few_decodes_leave_the_step_uncapped() -> None:
     b = budget(min_decodes=3)
     a = PrefillCandidate("A", 0, 100)
@@ -115,6 +127,7 @@ def test_a_waiting_prompt_gets_a_growing_chunk_and_a_bounded_ttft() -> None:
         ("ttft_aging", -1.0, "--ttft-aging"),
         ("ttft_aging", float("inf"), "--ttft-aging"),
         ("step_min_decodes", 0, "--step-min-decodes"),
+        ("ttft_slack", -0.5, "--ttft-slack"),
     ],
 )
 def test_bad_guard_values_name_the_flag(field: str, value: float, flag: str) -> None:
@@ -123,5 +136,5 @@ def test_bad_guard_values_name_the_flag(field: str, value: float, flag: str) -> 
 
 
 def test_engine_config_passes_the_guard_through() -> None:
-    cfg = EngineConfig(ttft_aging=0.5, step_min_decodes=3).step_budget_config()
-    assert (cfg.ttft_aging, cfg.min_decodes) == (0.5, 3)
+    cfg = EngineConfig(ttft_aging=0.5, step_min_decodes=3, ttft_slack=2.0).step_budget_config()
+    assert (cfg.ttft_aging, cfg.min_decodes, cfg.ttft_slack) == (0.5, 3, 2.0)

@@ -33,14 +33,14 @@ from kvserve.sim.workloads import generate_workload
 POLICIES: dict[str, StepBudgetConfig | None] = {
     "baseline": None,  # the token budget alone (512)
     "budget-fixed": StepBudgetConfig(ttft_aging=0.0),  # the fixed target, no TTFT guard
-    "budget": StepBudgetConfig(),  # the defaults: ttft_aging 0.25
+    "budget": StepBudgetConfig(),  # the defaults: ttft_aging 1
     "budget-a0.5": StepBudgetConfig(ttft_aging=0.5),
-    "budget-a1": StepBudgetConfig(ttft_aging=1.0),
-    "budget-d4": StepBudgetConfig(min_decodes=4),
+    "budget-a0.25": StepBudgetConfig(ttft_aging=0.25),
+    "budget-d4": StepBudgetConfig(ttft_aging=0.25, min_decodes=4),
     "budget-fixed-d4": StepBudgetConfig(ttft_aging=0.0, min_decodes=4),
     "budget-a0.5-m1.5": StepBudgetConfig(ttft_aging=0.5, decode_multiple=1.5),
-    "budget-s1.5": StepBudgetConfig(ttft_slack=1.5),
-    "budget-s2": StepBudgetConfig(ttft_slack=2.0),
+    "budget-s1.5": StepBudgetConfig(ttft_aging=0.25, ttft_slack=1.5),
+    "budget-s2": StepBudgetConfig(ttft_aging=0.25, ttft_slack=2.0),
     "budget-fixed-s1.5": StepBudgetConfig(ttft_aging=0.0, ttft_slack=1.5),
     "budget-fixed-s2": StepBudgetConfig(ttft_aging=0.0, ttft_slack=2.0),
 }

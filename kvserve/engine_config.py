@@ -128,7 +128,7 @@ class EngineConfig:
     target_itl_ms: float | None = None
     step_decode_multiple: float = 1.75
     prefill_policy: str = "shortest"
-    ttft_aging: float = 0.25
+    ttft_aging: float = 1.0
     step_min_decodes: int = 1
     ttft_slack: float | None = None
     scheduling_policy: str = "fcfs"

@@ -89,7 +89,7 @@ class StepBudgetConfig:
     refit_every: int = 16
     min_records: int = 4  # of each kind (pure decode, with prefill) before anything is capped
     skip_first: int = 2  # the first steps pay one-off costs (allocator, kernel selection)
-    ttft_aging: float = 0.25  # step-time extension per second a prompt has waited (0: none)
+    ttft_aging: float = 1.0  # step-time extension per second a prompt has waited (0: none)
     min_decodes: int = 1  # fewer decodes than this in a step: no cap (1: always cap)
     ttft_slack: float | None = None  # deadline: waited >= slack x unsplit step -> no cap
 

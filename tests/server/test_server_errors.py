@@ -23,7 +23,9 @@ GENERATING = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 200}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 150}),
 ]
-ROUTES = [(path, {**body, "stream": stream}) for path, body in GENERATING for stream in (False, True)]
+ROUTES = [
+    (path, {**body, "stream": stream}) for path, body in GENERATING for stream in (False, True)
+]
 ENTRIES = sorted(ENGINE_ERRORS.items(), key=lambda kv: kv[0].__name__)
 
 

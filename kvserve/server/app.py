@@ -57,13 +57,6 @@ def build_app(
     )
     lifecycle = Lifecycle(async_engine, shutdown_timeout=shutdown_timeout)
     async_engine.on_fatal = lifecycle.on_fatal
-
-    @asynccontextmanager
-    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        async_engine.start()
-        yield
-        await async_engine.shutdown()
-
     app = FastAPI(title="kvserve", lifespan=lifespan)
     app.state.engine = engine
     app.state.async_engine = async_engine
@@ -89,6 +82,15 @@ def build_app(
     )
     _install_error_handlers(app)
     return app
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Start the step loop with the app; stop it (failing what is left) at shutdown."""
+    async_engine: AsyncLLMEngine = app.state.async_engine
+    async_engine.start()
+    yield
+    await async_engine.shutdown()
 
 
 def _install_error_handlers(app: FastAPI) -> None:

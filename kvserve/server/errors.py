@@ -81,15 +81,19 @@ def from_value_error(e: BaseException, param: str | None = None) -> APIError:
     """A 400 for a ValueError raised by validation (SamplingParams, the engine); the
     parameter is taken from the message when it names one."""
     message = str(e)
-    if param is None:
-        m = _PARAM_IN_MESSAGE.search(message)
-        if m:
-            param = m.group(1)
-        elif "max_tokens" in message:
-            param = "max_tokens"
-        elif "prompt" in message:
-            param = "prompt"
-    return APIError(message, status_code=400, param=param)
+    return APIError(message, status_code=400, param=param or _param_in(message))
+
+
+def _param_in(message: str) -> str | None:
+    """The request field a validation message names, if any."""
+    m = _PARAM_IN_MESSAGE.search(message)
+    if m:
+        return m.group(1)
+    if "max_tokens" in message:
+        return "max_tokens"
+    if "prompt" in message:
+        return "prompt"
+    return None
 
 
 def from_validation_errors(errors: list[dict[str, Any]]) -> APIError:
@@ -136,9 +140,10 @@ def engine_error(e: BaseException) -> APIError:
         status = ENGINE_ERRORS.get(cls)
         if status is None:
             continue
-        if status.status_code == 400:
-            return from_value_error(e)
-        return APIError(str(e), status_code=status.status_code, code=status.code)
+        message = str(e)
+        # NOTE: a client error names the field its message names (as from_value_error).
+        param = _param_in(message) if status.status_code < 500 else None
+        return APIError(message, status_code=status.status_code, code=status.code, param=param)
     return internal_error(e)
 
 

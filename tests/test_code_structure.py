@@ -58,9 +58,6 @@ MAX_CORE_LINES = 450  # the issue's "no core file over ~450 lines"
 PENDING_LARGE = {
     "scheduler.py": "split once issue 19's concurrent scheduler edits (step budget, "
     "priority preemption) have landed: this round keeps scheduler edits minimal",
-    "kv_cache_manager.py": "787 -> ~490 lines (block tables, host prefix tier, swap space, "
-    "prefix hits and integrity moved out); the paged allocation policy and the swap flow "
-    "with their diagrams remain: moving swap into its own layer is the next split",
 }
 
 

@@ -23,7 +23,9 @@ from kvserve.core.tables import BlockTable
 from kvserve.request import Request
 
 
-@dataclass(frozen=True, slots=True)
+# NOTE: not frozen: built on every allocate_slots call (a hot path), where a frozen
+# dataclass's object.__setattr__ per field costs time; nobody mutates a plan.
+@dataclass(slots=True)
 class SlotPlan:
     """What one ``allocate_slots`` call needs; nothing is held until it is applied."""
 

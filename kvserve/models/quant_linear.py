@@ -17,6 +17,7 @@ Importing this module registers ``quantized_candidates``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -72,6 +73,31 @@ def fuse_weights(parts: Sequence[WeightPart]) -> torch.Tensor | QuantizedWeight 
     return QuantizedParts(tuple(parts))
 
 
+LAYOUT_ENV = "KVSERVE_QUANT_LAYOUT"
+LAYOUT_CHOICES = ("auto", "plain", "x16")
+
+
+def kernel_layout(source: WeightPart, layout: str | None = None) -> WeightPart:
+    """``source`` in the byte layout its kernel reads fastest (a dense tensor is unchanged).
+
+    ``layout``: "auto" (default, or ``$KVSERVE_QUANT_LAYOUT``) takes ``x16`` where the native
+    kernels run on AVX-512 VNNI and the weight has at least 16 rows (its interleaved GEMV;
+    the plain layout's is compute bound there), else ``plain``; "plain" / "x16" force one.
+    NOTE: a repack at load, not a copy: the caller keeps only the result.
+    """
+    layout = layout or os.environ.get(LAYOUT_ENV, "auto")
+    if layout not in LAYOUT_CHOICES:
+        raise ValueError(f"{LAYOUT_ENV}={layout!r}: choose one of {', '.join(LAYOUT_CHOICES)}")
+    if isinstance(source, QuantizedParts):
+        return QuantizedParts(tuple(kernel_layout(p, layout) for p in source.parts))  # type: ignore[misc]
+    if not isinstance(source, QuantizedWeight):
+        return source
+    if layout == "auto":
+        fast = quant_ops.available() and quant_ops.best_isa() == "avx512_vnni"
+        layout = "x16" if fast and source.out_features >= 16 else "plain"
+    return source.interleaved() if layout == "x16" else source.plain()
+
+
 def is_quantized(source: object) -> bool:
     """Whether ``source`` is a quantized weight source (held in blocks, at least partly)."""
     return isinstance(source, QuantizedWeight | QuantizedParts)
@@ -87,8 +113,9 @@ def embedding_lookup(
     NOTE: only the T gathered rows are dequantized; the table stays in blocks.
     """
     if quant_ops.available() and out.device.type == "cpu":
-        return quant_ops.embedding(ids, weight.data, weight.qtype, out)
-    rows = QuantizedWeight(weight.qtype, weight.data[ids.cpu()], (ids.shape[0], weight.shape[1]))
+        return quant_ops.embedding(ids, weight.data, weight.qtype, out, layout=weight.layout)
+    table = weight.plain()
+    rows = QuantizedWeight(table.qtype, table.data[ids.cpu()], (ids.shape[0], table.shape[1]))
     return out.copy_(rows.dequantize(torch.float32))
 
 
@@ -96,7 +123,8 @@ class QuantKernelMethod(LinearMethod):
     """The native int8-dot kernel over a ``QuantizedWeight``'s blocks (see module docstring).
 
     ``isa`` forces an instruction set ("avx512_vnni", "avx_vnni", "avx2", "scalar"); "auto"
-    takes the best the CPU has, and the name says which.
+    takes the best the CPU has, and the name says which. A weight in the ``x16`` layout runs
+    on "avx512_vnni" or "scalar" only (ValueError for the others).
     """
 
     shares_source = True
@@ -106,7 +134,13 @@ class QuantKernelMethod(LinearMethod):
         self.weight = weight
         self.out_features, self.in_features = weight.shape
         self.isa = quant_ops.best_isa() if isa == "auto" else isa
-        self.name = f"{weight.qtype}_{self.isa}"
+        if weight.layout == "x16" and self.isa not in quant_ops.X16_ISAS:
+            raise ValueError(
+                f"a weight in the x16 layout runs on {' or '.join(quant_ops.X16_ISAS)}, not on "
+                f"{self.isa}; keep it plain (kernel_layout(w, 'plain')) for that instruction set"
+            )
+        suffix = "_x16" if weight.layout == "x16" else ""
+        self.name = f"{weight.qtype}{suffix}_{self.isa}"
 
     @property
     def nbytes(self) -> int:
@@ -115,7 +149,8 @@ class QuantKernelMethod(LinearMethod):
     def apply(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if x.stride(-1) != 1:
             x = x.contiguous()
-        return quant_ops.linear(x, self.weight.data, self.weight.qtype, out=out, isa=self.isa)
+        w = self.weight
+        return quant_ops.linear(x, w.data, w.qtype, out=out, isa=self.isa, layout=w.layout)
 
 
 class DequantDenseMethod(LinearMethod):

@@ -5,6 +5,8 @@
 its weight source in ``layer.quantized[name]`` (one ``QuantizedWeight`` when the parts share
 a format, else ``QuantizedParts``), the embedding and the lm_head in ``model.quantized``; the
 dense parameters they replace are dropped (0 elements), so only the blocks stay resident.
+Each source is repacked once to the byte layout its kernel reads fastest (``kernel_layout``:
+``x16`` on AVX-512 VNNI).
 The projections' ``Linear``s are then built from these sources (``kvserve.models.quant_linear``
 registers their methods); the embedding looks rows up with ``embedding_lookup``.
 """
@@ -39,10 +41,11 @@ def attach_quantized(
     state_dict: Mapping[str, Any],
 ) -> None:
     """Give ``model`` the quantized weight sources of ``quantized`` (HF names)."""
-    from kvserve.models.quant_linear import fuse_weights
+    from kvserve.models.quant_linear import fuse_weights, kernel_layout
 
     emb = quantized.get("model.embed_tokens.weight")
     if emb is not None:
+        emb = kernel_layout(emb)
         model.quantized["embed_tokens"] = emb
         model.embed_tokens = _dropped(model.embed_tokens)
         if model.arch.tie_word_embeddings:
@@ -50,7 +53,7 @@ def attach_quantized(
             model.lm_head = model.embed_tokens
     head = quantized.get("lm_head.weight")
     if head is not None and not model.arch.tie_word_embeddings:
-        model.quantized["lm_head"] = head
+        model.quantized["lm_head"] = kernel_layout(head)
         model.lm_head = _dropped(model.lm_head)
     for i, layer in enumerate(model.layers):
         prefix = f"model.layers.{i}."
@@ -58,7 +61,7 @@ def attach_quantized(
             full = [prefix + n for n in names]
             if not any(n in quantized for n in full):
                 continue
-            layer.quantized[proj] = fuse_weights([state_dict[n] for n in full])
+            layer.quantized[proj] = kernel_layout(fuse_weights([state_dict[n] for n in full]))
             setattr(layer, f"{proj}_weight", _dropped(getattr(layer, f"{proj}_weight")))
 
 

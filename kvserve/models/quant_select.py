@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from kvserve.models.quant import QuantizedWeight, quantize_dense
-from kvserve.models.quant_linear import quantized_candidates
+from kvserve.models.quant_linear import kernel_layout, quantized_candidates
 from kvserve.runtime.kernel_select import DECODE_BOUNDS, choose, m_buckets, measure
 from kvserve.runtime.linear import LinearPlan
 
@@ -48,7 +48,7 @@ def select_quantized_kernels(
         return {}
     gen = torch.Generator().manual_seed(2)
     weights = {
-        shape: quantize_dense(torch.randn(shape, generator=gen) * 0.02, qtype)
+        shape: kernel_layout(quantize_dense(torch.randn(shape, generator=gen) * 0.02, qtype))
         for shape, qtype in shapes.items()
     }
     head = model.quantized.get("lm_head")

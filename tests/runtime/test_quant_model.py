@@ -83,7 +83,7 @@ def test_gguf_runs_as_stored_and_matches_dequantized_twin(tmp_path: Path, tensor
     quant, dense = build(path, "auto"), build(path, "none")
     qtype = tensor_type.lower()
     names = {lin.method_for(1).name for lin in quant.linears()}
-    assert names == {f"{qtype}_{quant_ops.best_isa()}"}
+    assert names == {kernel_name(qtype)}
     assert quant.quantized["lm_head"] is quant.quantized["embed_tokens"]
     # only norms stay as parameters; the blocks are counted once (tied table)
     params = sum(p.numel() for p in quant.parameters())
@@ -98,6 +98,37 @@ def test_gguf_runs_as_stored_and_matches_dequantized_twin(tmp_path: Path, tensor
     summary = quantization_summary(quant, "auto")
     assert summary["weight_bytes_by_format"][qtype] == blocks
     assert qtype in summary_line(summary)
+
+
+def kernel_name(qtype: str) -> str:
+    """The kernel method's name for a model weight: x16 layout where AVX-512 VNNI runs."""
+    isa = quant_ops.best_isa()
+    return f"{qtype}_x16_{isa}" if isa == "avx512_vnni" else f"{qtype}_{isa}"
+
+
+@pytest.mark.skipif(not quant_ops.load(), reason="quantized kernels unavailable")
+def test_layout_x16_and_plain_give_the_same_logits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The model's weights are repacked to the kernel's layout at load (x16 on AVX-512 VNNI);
+    forcing either layout (``KVSERVE_QUANT_LAYOUT``) runs the same arithmetic."""
+    from kvserve.models.quant_linear import LAYOUT_ENV, kernel_layout
+
+    path = make_tiny_gguf(tmp_path, "smollm", tensor_type="Q4_1")
+    auto = build(path, "auto")
+    want = "x16" if quant_ops.best_isa() == "avx512_vnni" else "plain"
+    assert auto.quantized["lm_head"].layout == want
+    assert {lay.quantized["gate_up"].layout for lay in auto.layers} == {want}
+    layouts = {}
+    for layout in ("plain", "x16"):
+        monkeypatch.setenv(LAYOUT_ENV, layout)
+        model = build(path, "auto")
+        assert model.quantized["embed_tokens"].layout == layout
+        layouts[layout] = logits(model)
+    torch.testing.assert_close(layouts["plain"], layouts["x16"], rtol=1e-4, atol=1e-4)
+    monkeypatch.setenv(LAYOUT_ENV, "x8")
+    with pytest.raises(ValueError, match=LAYOUT_ENV):
+        kernel_layout(auto.quantized["lm_head"])
 
 
 @pytest.mark.skipif(not quant_ops.load(), reason="quantized kernels unavailable")
@@ -194,7 +225,7 @@ def test_selection_per_bucket_between_kernel_and_dense_copy(tmp_path: Path) -> N
     assert shapes[(model.arch.vocab_size, model.arch.hidden_size)] == "q4_1"
     plan = select_quantized_kernels(model, act_dtype=torch.float32, budget_s=0.001)
     assert plan.keys() == shapes.keys()
-    kernel = f"q4_1_{quant_ops.best_isa()}"
+    kernel = kernel_name("q4_1")
     for choice in plan.values():
         assert [b for b, _ in choice] == [b for b, _ in m_buckets()]
         assert {name for _, name in choice} <= {kernel, "dequant_fp32"}

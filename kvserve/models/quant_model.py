@@ -92,7 +92,10 @@ def quantization_summary(model: Any, requested: str) -> dict[str, Any]:
     """What ``stats()`` and the start-up line report: the mode and the weight bytes by format.
 
     ``formats``: held format (``q4_1``, ``q8_0``, ``dense``) -> bytes; ``kernels``: the
-    instruction set the int8-dot kernels run with (None when they are unavailable).
+    instruction set the int8-dot kernels run with (None when they are unavailable);
+    ``layouts``: byte layout (``plain``, ``x16``) -> bytes; ``dense_copy_bytes``: the dense
+    copies of quantized weights that the kernel selection chose for some M bucket
+    (``dequant_*``, held beside the blocks; part of the memory report's weights).
     """
     from kvserve.runtime.native import quant_ops
 
@@ -110,7 +113,32 @@ def quantization_summary(model: Any, requested: str) -> dict[str, Any]:
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
     formats["dense"] = formats.get("dense", 0) + dense
     kernels = quant_ops.best_isa() if formats.keys() - {"dense"} and quant_ops.available() else None
-    return {"mode": requested, "weight_bytes_by_format": formats, "kernels": kernels}
+    return {
+        "mode": requested,
+        "weight_bytes_by_format": formats,
+        "kernels": kernels,
+        "layouts": quantized_layouts(model),
+        "dense_copy_bytes": dense_copy_nbytes(model),
+    }
+
+
+def quantized_layouts(model: Any) -> dict[str, int]:
+    """Byte layout of the quantized blocks (``plain`` / ``x16``) -> bytes held in it."""
+    layouts: dict[str, int] = {}
+    for source in quantized_sources(model):
+        for part in getattr(source, "parts", (source,)):
+            if isinstance(part, QuantizedWeight):
+                layouts[part.layout] = layouts.get(part.layout, 0) + part.nbytes
+    return layouts
+
+
+def dense_copy_nbytes(model: Any) -> int:
+    """Bytes of the dense copies held for quantized projections (chosen for some M bucket)."""
+    from kvserve.models.quant_linear import is_quantized
+
+    if not quantized_sources(model):
+        return 0
+    return sum(lin.extra_nbytes for lin in model.linears() if is_quantized(lin.source))
 
 
 def summary_line(summary: dict[str, Any]) -> str:
@@ -120,4 +148,10 @@ def summary_line(summary: dict[str, Any]) -> str:
         for name, nbytes in sorted(summary["weight_bytes_by_format"].items())
     )
     kernels = f"; int8-dot kernels: {summary['kernels']}" if summary["kernels"] else ""
+    layouts = summary.get("layouts") or {}
+    if layouts.get("x16"):
+        kernels += f" (x16 layout: {layouts['x16'] / 1e6:.1f} MB)"
+    copies = summary.get("dense_copy_bytes", 0)
+    if copies:
+        kernels += f"; dense copies of quantized weights {copies / 1e6:.1f} MB (chosen for large M)"
     return f"quantization {summary['mode']}: weights {parts}{kernels}"

@@ -271,3 +271,32 @@ def test_quantized_selection_is_cached_by_format_and_layout(
     assert len(list(cache.glob("*.json"))) == 2
     names = {name for choice in plain_plan.values() for _, name in choice}
     assert not any("x16" in name for name in names)
+
+
+@pytest.mark.skipif(not quant_ops.load(), reason="quantized kernels unavailable")
+def test_dense_copies_of_quantized_weights_are_reported(tmp_path: Path) -> None:
+    """A plan that takes the dense copy for prefill (M > 128) states its memory cost."""
+    from kvserve.models.quant_select import quantized_shapes
+    from kvserve.runtime.kernel_select import m_buckets
+
+    path = make_tiny_gguf(tmp_path, "smollm", tensor_type="Q4_1")
+    model = build(path, "auto")
+    assert quantization_summary(model, "auto")["dense_copy_bytes"] == 0
+    shapes = quantized_shapes(model)
+    bounds = [b for b, _ in m_buckets()]
+    plan = {
+        s: [(b, "dequant_fp32" if b == bounds[-1] else kernel_name("q4_1")) for b in bounds]
+        for s in shapes
+    }
+    model.set_linear_plan(plan)
+    want = sum(
+        lin.out_features * lin.in_features * 4
+        for lin in model.linears()
+        if (lin.out_features, lin.in_features) in shapes
+    )
+    summary = quantization_summary(model, "auto")
+    assert summary["dense_copy_bytes"] == want > 0
+    assert "dense copies of quantized weights" in summary_line(summary)
+    assert summary["layouts"] == {
+        "x16" if quant_ops.best_isa() == "avx512_vnni" else "plain": quantized_nbytes(model)
+    }

@@ -4,6 +4,8 @@ Candidates for a ``QuantizedWeight`` source (``kvserve.models.quant``):
 
 - ``QuantKernelMethod`` (``{qtype}_{isa}``, e.g. ``q4_1_avx512_vnni``): the native int8-dot
   kernels over the blocks as held (``kvserve_quant_ops.cpp``); holds nothing extra.
+- ``DequantTileMethod`` (``dequant_tile_{dtype}``): rows dequantized a tile at a time into a
+  small scratch and multiplied with ``torch.mm``; holds nothing extra (large M without a copy).
 - ``DequantDenseMethod`` (``dequant_{dtype}``): a dense copy made once at load, run with
   ``torch.mm``. Memory cost: ``out * in * element_size`` bytes on top of the blocks (fp32:
   4 / (bits per weight / 8) = 6.4x a Q4_1 weight; bf16 3.2x); only chosen where the selector
@@ -184,6 +186,45 @@ class DequantDenseMethod(LinearMethod):
         return torch.addmm(self.bias, x, self.weight_t, out=out)
 
 
+class DequantTileMethod(LinearMethod):
+    """Dequantize a tile of rows at a time into a small scratch, then ``torch.mm`` it.
+
+    For large M (prefill) a dense GEMM beats the int8-dot kernel; this gets most of that
+    without holding a dense copy: the scratch is ``tile_rows x in`` values (~128 KiB, cache
+    resident), reused per call. NOTE: the dequantization costs ``out x in`` values per call,
+    which only pays off when M is large (the selector measures where).
+    """
+
+    shares_source = True
+    supports_bias = False
+
+    def __init__(self, weight: QuantizedWeight, act_dtype: torch.dtype) -> None:
+        self.weight = weight
+        self.act_dtype = act_dtype
+        self.out_features, self.in_features = weight.shape
+        self.tile_rows = max(16, (1 << 16) // self.in_features // 16 * 16)
+        self.name = f"dequant_tile_{dtype_tag(act_dtype)}"
+        self._ids = torch.arange(self.out_features, dtype=torch.long)
+        self._scratch: torch.Tensor | None = None  # [tile_rows, in], made on first use
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+        if self._scratch is None or self._scratch.dtype != x.dtype:
+            self._scratch = torch.empty(self.tile_rows, self.in_features, dtype=x.dtype)
+        w = self.weight
+        for r0 in range(0, self.out_features, self.tile_rows):
+            r1 = min(r0 + self.tile_rows, self.out_features)
+            tile = self._scratch[: r1 - r0]  # [rows, in]
+            quant_ops.embedding(self._ids[r0:r1], w.data, w.qtype, tile, layout=w.layout)
+            out[:, r0:r1].copy_(torch.mm(x, tile.t()))
+        return out
+
+
 class QuantSplitMethod(LinearMethod):
     """A fused weight of mixed formats: each part writes its column slice of ``out``."""
 
@@ -235,6 +276,7 @@ def quantized_candidates(
     if device.type == "cpu" and quant_ops.available():
         if isinstance(source, QuantizedWeight):
             methods.append(QuantKernelMethod(source))
+            methods.append(DequantTileMethod(source, act_dtype))
         else:
             methods.append(QuantSplitMethod(source, act_dtype))  # type: ignore[arg-type]
     methods.append(DequantDenseMethod(source, act_dtype))  # type: ignore[arg-type]

@@ -41,6 +41,8 @@ from kvserve.runtime.linear import LinearPlan
 from kvserve.runtime.native import quant_ops
 
 log = logging.getLogger(__name__)
+# Bumped when the quantized candidates change (the cache then measures again).
+QUANT_CANDIDATES_VERSION = 2  # 2: dequant_tile_* added
 
 
 def quantized_shapes(model: Any) -> dict[tuple[int, int], str]:
@@ -77,6 +79,7 @@ def quantized_cache_key(
     )
     key["quantized"] = sorted([o, i, q, lay] for (o, i), (q, lay) in formats.items())
     key["quant_kernels"] = quant_ops.build_name() if quant_ops.available() else None
+    key["quant_candidates"] = QUANT_CANDIDATES_VERSION
     return key
 
 

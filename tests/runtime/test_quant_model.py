@@ -15,6 +15,7 @@ from kvserve.models.loader import load_model
 from kvserve.models.quant import QuantizedWeight
 from kvserve.models.quant_linear import (
     DequantDenseMethod,
+    DequantTileMethod,
     QuantizedParts,
     QuantKernelMethod,
     QuantSplitMethod,
@@ -163,12 +164,21 @@ def test_candidates_kernel_first_then_dense_copy_with_its_cost() -> None:
         [quantize(torch.randn(8, 64)), quantize(torch.randn(4, 64))]
     )
     methods = quantized_candidates(weight, act_dtype=torch.bfloat16, device=CPU)
-    assert [type(m) for m in methods] == [QuantKernelMethod, DequantDenseMethod]
-    kernel, dense = methods
+    assert [type(m) for m in methods] == [QuantKernelMethod, DequantTileMethod, DequantDenseMethod]
+    kernel, tile, dense = methods
     assert kernel.shares_source and kernel.nbytes == weight.nbytes
+    assert tile.shares_source and tile.nbytes == weight.nbytes  # a scratch tile, no copy
     assert not dense.shares_source and dense.nbytes == 12 * 64 * 2  # bf16 copy
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     torch.testing.assert_close(kernel.apply(x).float(), dense.apply(x).float(), rtol=0.05, atol=0.1)
+    torch.testing.assert_close(tile.apply(x), dense.apply(x), rtol=0, atol=0)
+    big = quantize(torch.randn(150, 4096))  # 9 tiles of 16 rows and a last one of 6
+    xf = torch.randn(5, 4096)
+    want = xf @ big.dequantize().t()
+    for w in (big, big.interleaved()):  # x16: groups, then the plain tail rows
+        tiled = DequantTileMethod(w, torch.float32)
+        assert tiled.tile_rows == 16
+        torch.testing.assert_close(tiled.apply(xf), want, rtol=1e-4, atol=1e-3)
     assert quantized_candidates(torch.randn(4, 64), act_dtype=torch.float32, device=CPU) == []
 
 
@@ -230,7 +240,7 @@ def test_selection_per_bucket_between_kernel_and_dense_copy(tmp_path: Path) -> N
     kernel = kernel_name("q4_1")
     for choice in plan.values():
         assert [b for b, _ in choice] == [b for b, _ in m_buckets()]
-        assert {name for _, name in choice} <= {kernel, "dequant_fp32"}
+        assert {name for _, name in choice} <= {kernel, "dequant_tile_fp32", "dequant_fp32"}
     model.set_linear_plan(plan)
     assert_close_to_twin(logits(model), logits(build(path, "none")))
     assert select_quantized_kernels(model, act_dtype=torch.float32, mode="off") == {}

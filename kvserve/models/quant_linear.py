@@ -2,8 +2,10 @@
 
 Candidates for a ``QuantizedWeight`` source (``kvserve.models.quant``):
 
-- ``QuantKernelMethod`` (``{qtype}_{isa}``, e.g. ``q4_1_avx512_vnni``): the native int8-dot
-  kernels over the blocks as held (``kvserve_quant_ops.cpp``); holds nothing extra.
+- ``QuantKernelMethod`` (``{qtype}_{isa}``, e.g. ``q4_1_avx2``; ``{qtype}_x16_{isa}`` for a
+  weight in the x16 layout, e.g. ``q4_1_x16_avx512_vnni``): the native int8-dot kernels over
+  the blocks as held (``kvserve_quant_ops.cpp``); holds nothing extra. ``kernel_layout``
+  repacks a weight at load to the layout its kernel reads fastest.
 - ``DequantTileMethod`` (``dequant_tile_{dtype}``): rows dequantized a tile at a time into a
   small scratch and multiplied with ``torch.mm``; holds nothing extra (large M without a copy).
 - ``DequantDenseMethod`` (``dequant_{dtype}``): a dense copy made once at load, run with

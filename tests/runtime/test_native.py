@@ -85,6 +85,27 @@ def test_add_rms_norm_bfloat16() -> None:
     torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
 
 
+def test_bfloat16_rounding_is_torchs() -> None:
+    """The kernels' branch-free float -> bf16 rounding (round to nearest even, NaN stays NaN)
+    gives torch's bits: the residual add of add_rms_norm is one rounded float add."""
+    gen = torch.Generator().manual_seed(4)
+    hidden = (torch.randn(3, 512, generator=gen) * 100).bfloat16()
+    residual = torch.randn(3, 512, generator=gen).bfloat16()
+    # exact ties (the sum's low 16 bits are 0x8000 with an even / odd upper half), overflow,
+    # infinities and a NaN
+    hidden[0, :6] = torch.tensor([1.0, 1.0078125, 3e38, float("inf"), -float("inf"), 1.0])
+    residual[0, :6] = torch.tensor([2.0**-8, 2.0**-8, 3e38, 1.0, 1.0, float("nan")])
+    expected = hidden.float() + residual.float()  # exact in float, rounded once below
+    _ops().add_rms_norm(
+        hidden, residual, torch.ones(512).bfloat16(), 1e-6, torch.empty_like(hidden)
+    )
+    finite = ~expected.isnan()
+    assert torch.equal(
+        hidden[finite].view(torch.int16), expected.bfloat16()[finite].view(torch.int16)
+    )
+    assert hidden[~finite].isnan().all()
+
+
 @pytest.mark.parametrize("rows", [1, 33])
 def test_rope_matches_torch_on_a_strided_view(rows: int) -> None:
     """q and k are views into the fused qkv buffer: rows strided, heads contiguous."""

@@ -110,6 +110,15 @@ def _linear_param(
     return nn.Parameter(storage.t(), requires_grad=False)  # [out, in] view, strides (1, out)
 
 
+# The projections of a decoder layer: ``<name>_weight`` parameters, ``<name>_proj`` Linears.
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
+def _released_param(like: torch.Tensor) -> nn.Parameter:
+    """A 0-element parameter keeping ``like``'s dtype and device (what ``.to()`` moves)."""
+    return nn.Parameter(torch.empty(0, dtype=like.dtype, device=like.device), requires_grad=False)
+
+
 @dataclass(slots=True)
 class StepViews:
     """Workspace views that every layer of one step uses (all layers share their shapes).
@@ -175,6 +184,9 @@ class LlamaDecoderLayer(nn.Module):
         self._linears_key: tuple[torch.dtype, torch.device] | None = None
         # Quantized weight sources by projection ("qkv", ...), set by attach_quantized.
         self.quantized: dict[str, Any] = {}
+        # Projections whose weight parameter was freed (``release_packed_weights``): their
+        # Linear's prepacked copy is the only one, and rebuilds the weight when needed.
+        self.released: set[str] = set()
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         out = super()._apply(fn, recurse)
@@ -192,8 +204,42 @@ class LlamaDecoderLayer(nn.Module):
         if self._linears_key is None:
             self.build_linears()
 
+    def release_packed_weights(self) -> int:
+        """Free the weight parameter of each projection that runs only on its own prepacked
+        copy (which can rebuild it): a 0-element parameter of the same dtype and device takes
+        its place. Returns the bytes freed. The weights come back (``restore_weights``) before
+        the projections are rebuilt or the weights loaded again.
+        """
+        self.ensure_linears()
+        freed = 0
+        for proj in PROJECTIONS:
+            lin: Linear = getattr(self, f"{proj}_proj")
+            if proj in self.quantized or proj in self.released or not lin.can_free_source():
+                continue
+            weight = getattr(self, f"{proj}_weight")
+            freed += weight.numel() * weight.element_size()
+            placeholder = _released_param(weight)
+            lin.release_source(placeholder)
+            setattr(self, f"{proj}_weight", placeholder)
+            self.released.add(proj)
+        return freed
+
+    def restore_weights(self) -> None:
+        """Give back the parameters freed by ``release_packed_weights`` (rebuilt exactly from
+        the prepacked copies, in the parameters' current dtype and device)."""
+        for proj in sorted(self.released):
+            lin: Linear = getattr(self, f"{proj}_proj")
+            placeholder = getattr(self, f"{proj}_weight")
+            dense = lin.rebuild_source()  # [out, in]
+            weight = _linear_param(*dense.shape, dtype=placeholder.dtype, device=placeholder.device)
+            with torch.no_grad():
+                weight.copy_(dense)
+            setattr(self, f"{proj}_weight", weight)
+        self.released.clear()
+
     def build_linears(self) -> list[Linear]:
         """Build the four projections from the weights (per ``linear_plan``); returns them."""
+        self.restore_weights()
         w = self.qkv_weight
         kw = {"act_dtype": w.dtype, "device": w.device}
         plan = self.linear_plan
@@ -262,8 +308,14 @@ class LlamaDecoderLayer(nn.Module):
         o = self.o_proj(attn.reshape(hidden.shape[0], self.q_size), x, out_is_hint=True)
         # hidden += o-projection, then x = norm(hidden)
         ops.add_rms_norm(hidden, o, self.post_attention_layernorm, self.eps, x, ws)
-        self.gate_up_proj(x, sv.gate_up)
-        act = ops.silu_mul(sv.gate, sv.up, sv.gate_up, sv.act)  # [T, I]
+        # NOTE: a kernel that allocates its output (oneDNN) hands it over instead of copying
+        # it into the workspace: at a 2048-token prefill chunk that copy was 12.6 MB a layer.
+        gate_up = self.gate_up_proj(x, sv.gate_up, out_is_hint=True)  # [T, 2 I]
+        if gate_up is sv.gate_up:
+            gate, up = sv.gate, sv.up
+        else:
+            gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
+        act = ops.silu_mul(gate, up, gate_up, sv.act)  # [T, I]
         hidden.add_(self.down_proj(act, x, out_is_hint=True))
         return hidden
 
@@ -367,6 +419,25 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head_proj,
         ]
 
+    def release_packed_weights(self) -> int:
+        """Free the layers' weight parameters that only a prepacked copy reads (see
+        ``LlamaDecoderLayer.release_packed_weights``); returns the bytes freed.
+
+        NOTE: the memory a prepacked method needs is then held once instead of twice; the
+        copy counts as weights wherever weights are counted (``Linear.extra_nbytes``).
+        """
+        return sum(layer.release_packed_weights() for layer in self.layers)
+
+    def released_weight_bytes(self) -> int:
+        """Bytes of the freed weight parameters (held now only as prepacked copies)."""
+        return sum(
+            getattr(layer, f"{proj}_proj").out_features
+            * getattr(layer, f"{proj}_proj").in_features
+            * getattr(layer, f"{proj}_weight").element_size()
+            for layer in self.layers
+            for proj in layer.released
+        )
+
     def build_linears(self) -> list[Linear]:
         """Build (prepack) every projection and the lm_head now; returns them all."""
         built = [lin for layer in self.layers for lin in layer.build_linears()]
@@ -437,6 +508,8 @@ class LlamaForCausalLM(nn.Module):
 
         Raises ValueError naming a missing, unexpected or mis-shaped tensor.
         """
+        for layer in self.layers:
+            layer.restore_weights()  # full-size parameters to copy into
         sd = dict(state_dict)
         used: set[str] = set()
         quantized: dict[str, QuantizedWeight] = {}  # kept as blocks (attach_quantized)

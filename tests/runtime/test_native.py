@@ -361,3 +361,21 @@ def test_memory_plan_traces_the_native_ops_and_counts_their_scratch() -> None:
     )  # fmt: skip
     # The decode step's 8 sequences of up to 64 tokens: one scratch per thread.
     assert plan.kernel_scratch_bytes == native_decode_scratch_bytes(4, 64, 8, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_is_torchs_first_max_with_nan_maximal(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(7, 1000, generator=gen).to(dtype)
+    logits[1, [30, 600]] = 50.0  # a tie: the first wins
+    logits[2, [999, 5]] = float("nan")  # NaN is maximal: the first NaN
+    logits[3] = -float("inf")  # all -inf -> 0
+    logits[4, 999] = float("inf")
+    logits[5, 0] = 80.0  # at the edges
+    logits[6, 999] = 80.0
+    out = torch.empty(7, dtype=torch.long)
+    _ops().argmax_rows(out, logits)
+    assert out.tolist() == logits.max(dim=-1).indices.tolist()
+    assert out.tolist()[:4] == [out[0].item(), 30, 5, 0]
+    with pytest.raises(RuntimeError, match="out must be a contiguous int64"):
+        _ops().argmax_rows(torch.empty(7, dtype=torch.int32), logits)

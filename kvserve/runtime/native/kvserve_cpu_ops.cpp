@@ -668,6 +668,46 @@ void silu_mul(Tensor out, Tensor gate_up) {
   });
 }
 
+// First index of the row's maximum, a NaN counting as maximal (torch.max(dim).indices).
+// NOTE: two passes: a vectorized max (and NaN check) over the row, then a scan for its first
+// occurrence. ATen's max-with-indices keeps an index per lane and ran at ~1.2 G elements/s
+// on [32, 49152] logits (1.3 ms, one thread), 20x slower than its plain amax.
+template <typename scalar_t>
+int64_t argmax_row(const scalar_t* x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = to_float(x[i]);
+    nan |= v != v;
+    m = std::max(m, v);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = to_float(x[i]);
+    if (nan ? v != v : v == m) return i;
+  }
+  return 0;  // n == 0 is rejected by the caller
+}
+
+// out [N] int64 = per-row argmax of logits [N, V] (rows contiguous).
+void argmax_rows(Tensor out, Tensor logits) {
+  check_rows(logits, "logits");
+  check_cpu(out, "out");
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  TORCH_CHECK(n > 0, "logits must have at least one column");
+  TORCH_CHECK(out.scalar_type() == at::kLong && out.is_contiguous() && out.numel() == rows,
+              "out must be a contiguous int64 tensor of ", rows, " elements");
+  int64_t* o = out.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "argmax_rows",
+                                  [&] {
+    const scalar_t* x = logits.data_ptr<scalar_t>();
+    const int64_t xs = logits.stride(0);
+    at::parallel_for(0, rows, grain_for(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) o[r] = argmax_row<scalar_t>(x + r * xs, n);
+    });
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvserve, m) {
@@ -679,6 +719,7 @@ TORCH_LIBRARY(kvserve, m) {
         "Tensor block_tables, Tensor seq_lens, float scale, int sliding_window, "
         "int num_sink_tokens) -> ()");
   m.def("silu_mul(Tensor(a!) out, Tensor gate_up) -> ()");
+  m.def("argmax_rows(Tensor(a!) out, Tensor logits) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
@@ -687,6 +728,7 @@ TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("write_kv", &write_kv);
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("silu_mul", &silu_mul);
+  m.impl("argmax_rows", &argmax_rows);
 }
 
 }  // namespace kvserve

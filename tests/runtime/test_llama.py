@@ -339,3 +339,20 @@ def test_load_weights_after_release_restores_full_parameters() -> None:
     assert model.released_weight_bytes() == 0
     layer = model.layers[1]
     assert torch.equal(layer.down_weight, sd["model.layers.1.mlp.down_proj.weight"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_tables_are_rope_cos_sin_bit_for_bit(dtype: torch.dtype) -> None:
+    """The forward gathers cos / sin rows from per-model tables: the same values as
+    computing them for the step's positions, and a table grows to cover longer contexts."""
+    hf = tiny_hf_model("llama")
+    model, _ = ours_from_hf(hf)
+    positions = torch.tensor([0, 5, 63, 64, 300, 1023, 17])
+    cos_t, sin_t = model.rope_tables(1024, CPU, dtype)
+    assert cos_t.shape[0] >= 1024 and sin_t.shape == cos_t.shape
+    inv = compute_inv_freq(model.arch.head_dim, model.arch.rope_theta, model.arch.rope_scaling)
+    cos, sin = rope_cos_sin(inv, positions, dtype)
+    assert torch.equal(cos_t[positions], cos) and torch.equal(sin_t[positions], sin)
+    small = model.rope_tables(10, CPU, dtype)[0]
+    assert small is cos_t  # covered already: no new table
+    assert model.rope_tables(5000, CPU, dtype)[0].shape[0] >= 5000

@@ -470,7 +470,7 @@ class LlamaForCausalLM(nn.Module):
 
         NOTE: a step gathers its rows instead of computing cos / sin. Those small
         transcendental ops enter an OpenMP parallel region whose sleeping threads took
-        0.3-2.6 ms to wake on a loaded 2-core box (``aten::cos`` was 1.6 % of a B=8 decode
+        0.3-2.6 ms to wake on a loaded 2-core box (``aten::cos`` was 0.8-1.6 % of a decode
         step under ``torch.profiler``); the gather stays on one thread. Same values bit for
         bit: the table is ``rope_cos_sin`` of those positions.
         """

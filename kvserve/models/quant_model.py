@@ -110,7 +110,9 @@ def quantization_summary(model: Any, requested: str) -> dict[str, Any]:
                 else part.numel() * part.element_size()
             )
             formats[key] = formats.get(key, 0) + nbytes
+    # NOTE: dense weights held only as prepacked copies (freed parameters) count too.
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    dense += model.released_weight_bytes()
     formats["dense"] = formats.get("dense", 0) + dense
     kernels = quant_ops.best_isa() if formats.keys() - {"dense"} and quant_ops.available() else None
     return {

@@ -11,6 +11,7 @@
 #   budget    --step-budget (off by default): step-time budget, --prefill-policy shortest
 #   budget-fcfs, budget-rr     the step budget with --prefill-policy fcfs / round-robin
 #   budget-m1.5, budget-m2.5   the step budget with --step-decode-multiple 1.5 / 2.5
+#   budget-fixed, budget-aX    the step budget with --ttft-aging 0 (no TTFT guard) / X
 #                              (these four at 1.5 req/s only: VARIANTS)
 #   static    the baseline server, the client batching statically (8 at a time)
 # First a calibration run (baseline at 1.5 req/s) gives the ITL SLO: 2 x its median ITL
@@ -42,7 +43,6 @@ STATIC_BATCH="${STATIC_BATCH:-8}"
 export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS="$THREADS"
 KV=("$PY" -m kvserve.cli)
 URL="http://127.0.0.1:$PORT"
-mkdir -p "$OUT"
 log() { echo "[run_itl $(date +%H:%M:%S)] $*" >&2; }
 
 flags_of() {
@@ -54,9 +54,14 @@ flags_of() {
     budget-fcfs) echo "--step-budget --prefill-policy fcfs" ;;
     budget-rr) echo "--step-budget --prefill-policy round-robin" ;;
     budget-m*) echo "--step-budget --step-decode-multiple ${1#budget-m}" ;;
+    budget-fixed) echo "--step-budget --ttft-aging 0" ;;
+    budget-a*) echo "--step-budget --ttft-aging ${1#budget-a}" ;;
     *) echo "unknown policy $1" >&2; exit 2 ;;
   esac
 }
+# `bench/run_itl.sh --flags POLICY` prints the server flags of POLICY (bench/run_itl_ab.sh).
+if [ "${1:-}" = "--flags" ]; then flags_of "$2"; exit 0; fi
+mkdir -p "$OUT"
 
 W="$OUT/workload_sharegpt_${NUM_PROMPTS}.jsonl"
 "${KV[@]}" bench workload --workload sharegpt --max-output-len 128 \

@@ -75,6 +75,12 @@ _HELP: dict[str, str] = {
     "measured time between steps",
     "step_decode_multiple": "default step-time target, as a multiple of the predicted "
     "pure-decode step at the current batch",
+    "ttft_aging": "step-budget TTFT guard: a prompt that has waited w seconds for its first "
+    "token may stretch a step to the target + this x w (0: a fixed target)",
+    "ttft_slack": "step-budget TTFT deadline: a prompt that has waited this multiple of its "
+    "predicted unsplit prefill step is not capped (default: none)",
+    "step_min_decodes": "step budget: steps with fewer decodes than this are not capped (the "
+    "stall falls on so few streams that splitting the prompt costs more)",
     "prefill_policy": "who gets a step's prefill time: shortest remaining prompt first, "
     "round-robin, or fcfs (arrival order)",
     "scheduling_policy": "fcfs: the queue is served by priority then arrival, nobody is "
@@ -122,6 +128,9 @@ class EngineConfig:
     target_itl_ms: float | None = None
     step_decode_multiple: float = 1.75
     prefill_policy: str = "shortest"
+    ttft_aging: float = 1.0
+    step_min_decodes: int = 1
+    ttft_slack: float | None = None
     scheduling_policy: str = "fcfs"
     max_seats_per_request: int | None = None
     kernel_selection: str = "auto"
@@ -190,6 +199,9 @@ class EngineConfig:
             target_itl_ms=self.target_itl_ms,
             decode_multiple=self.step_decode_multiple,
             prefill_policy=self.prefill_policy,
+            ttft_aging=self.ttft_aging,
+            min_decodes=self.step_min_decodes,
+            ttft_slack=self.ttft_slack,
         )
 
     def cache_config(self) -> CacheConfig:

@@ -109,12 +109,18 @@ def load_engine_model(config: EngineConfig, kernels: KernelChoice) -> EngineMode
         mode=config.kernel_selection,
     )
     model.set_linear_plan(plan)
-    # NOTE: prepacked weight copies are held beside the parameters: counted as weights.
+    # NOTE: a parameter that only a prepacked copy reads is freed (the copy rebuilds it when
+    # needed), so such weights are held once; under tensor parallelism the workers keep theirs.
+    freed = model.release_packed_weights() if tp is None else 0
+    # NOTE: prepacked weight copies are held beside (or instead of) the parameters: counted
+    # as weights.
     packed = sum(lin.extra_nbytes for lin in model.linears())
     logger.info(
-        "%s; prepacked weight copies %.1f MiB (counted as weights)",
+        "%s; prepacked weight copies %.1f MiB (counted as weights; %.1f MiB of parameters "
+        "they replace freed)",
         kernels.summary(),
         packed / (1 << 20),
+        freed / (1 << 20),
     )
     weights_bytes = (
         sum(p.numel() * p.element_size() for p in model.parameters())

@@ -54,14 +54,6 @@ ENGINE_MODULES = {
 PENDING_PAIRS: dict[tuple[str, str], str] = {}
 
 MAX_CORE_LINES = 450  # the issue's "no core file over ~450 lines"
-# Over the limit for now, with why; strict, so the mark must go once the file is split.
-PENDING_LARGE = {
-    "scheduler.py": "split once issue 19's concurrent scheduler edits (step budget, "
-    "priority preemption) have landed: this round keeps scheduler edits minimal",
-    "kv_cache_manager.py": "787 -> ~490 lines (block tables, host prefix tier, swap space, "
-    "prefix hits and integrity moved out); the paged allocation policy and the swap flow "
-    "with their diagrams remain: moving swap into its own layer is the next split",
-}
 
 
 @dataclass(frozen=True)
@@ -362,12 +354,7 @@ def test_the_graph_sees_the_known_direction() -> None:
 
 
 def _core_files() -> list[object]:
-    params = []
-    for path in sorted((PACKAGE / "core").glob("*.py")):
-        reason = PENDING_LARGE.get(path.name)
-        marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-        params.append(pytest.param(path, marks=marks, id=path.name))
-    return params
+    return [pytest.param(p, id=p.name) for p in sorted((PACKAGE / "core").glob("*.py"))]
 
 
 @pytest.mark.parametrize("path", _core_files())

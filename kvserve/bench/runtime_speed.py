@@ -72,7 +72,7 @@ def decode_weight_bytes(model: LlamaForCausalLM) -> int:
         if name == "embed_tokens" and model.lm_head is not model.embed_tokens:
             continue
         total += p.numel() * p.element_size()
-    return total
+    return total + model.released_weight_bytes()  # held only as prepacked copies
 
 
 def read_bandwidth(
@@ -299,6 +299,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     )
     model.ensure_linears()
+    model.release_packed_weights()  # as the engine does
     weight_bytes = decode_weight_bytes(model) + quantized_decode_bytes(model)
     bound = bandwidth / weight_bytes
     print(f"loaded in {time.perf_counter() - t0:.1f}s; threads={torch.get_num_threads()}")

@@ -4,7 +4,8 @@
 - ``prefix_cache``: the ``PrefixCache`` interface and its radix-tree implementation.
 - ``kv_cache_manager``: block tables, prefix hits, copy-on-write, fork, swap plans; the
   protected hooks its variants override. ``tables``: the per-request records.
-- ``prefix_hits``: resolving prefix hits and caching full blocks (tables <-> prefix cache).
+- ``slot_plan``: what an ``allocate_slots`` call or a swap-in needs, planned before any change.
+- ``prefix_hits``: resolving prefix hits, caching and forgetting full blocks (tables <-> cache).
 - ``host_tier``: host-memory block ids shared by swap preemption and the prefix offload
   tier; ``host_prefix``: the host prefix tier; ``swap_space``: swapped-out requests.
 - ``window``: windowed eviction with attention sinks (a KVCacheManager variant).
@@ -12,7 +13,10 @@
 - ``kv_cache_config`` + ``managers``: ``KVCacheConfig`` and ``create_kv_cache_manager``.
 - ``integrity`` + ``errors``: the invariant checks and ``IntegrityError``.
 - ``metrics``: the capacity figures.
-- ``scheduler``: token-budget continuous batching on top of the manager.
+- ``scheduler``: token-budget continuous batching on top of the manager; its rules live in
+  ``step_plan`` (a step's budget, chunks, output), ``admission`` (validation, queue order,
+  seats, headroom, hysteresis), ``preemption`` (victim, recompute vs swap) and
+  ``stop_checks`` (appending a token, stop checks).
 - ``step_cost`` / ``step_budget``: an online step cost model and the step-time budget that
   sizes prefill chunks with it (the scheduler calls it once a step).
 """

@@ -121,3 +121,18 @@ def check_eviction_order(pool: BlockPool, cache: PrefixCache) -> None:
                 f"free cached block {block.block_id} would be evicted after its parent "
                 f"{parent.block_id}"
             )
+
+
+def check_cached_counts(
+    pool: BlockPool, num_host_cached: int, cache: PrefixCache, enable_prefix_caching: bool
+) -> None:
+    """The pool's and the host tier's cached marks add up to what the prefix cache maps,
+    and nothing is cached with caching off."""
+    num_cached = sum(b.cache_node is not None for b in pool.blocks)
+    if num_cached + num_host_cached != cache.num_cached_blocks:
+        raise IntegrityError(
+            f"{num_cached} pool blocks and {num_host_cached} host blocks are marked "
+            f"cached, the prefix cache maps {cache.num_cached_blocks}"
+        )
+    if not enable_prefix_caching and num_cached:
+        raise IntegrityError("caching is off but blocks cached")

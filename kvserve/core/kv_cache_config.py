@@ -45,3 +45,26 @@ class KVCacheConfig:
     def kind(self) -> str:
         """The manager variant: "windowed", "paged" or "contiguous"."""
         return "windowed" if self.kv_window is not None else self.allocator
+
+
+def check_cache_options(
+    owner: str,
+    conflict: str | None,
+    *,
+    enable_prefix_caching: bool,
+    enable_host_prefix_cache: bool,
+    num_host_blocks: int,
+) -> None:
+    """ValueError naming the conflict among a manager's caching options.
+
+    ``owner`` is the manager class's name, ``conflict`` its ``prefix_caching_conflict`` (why
+    it cannot cache prefixes, or None).
+    """
+    if enable_prefix_caching and conflict is not None:
+        raise ValueError(f"{owner} needs enable_prefix_caching=False: {conflict}")
+    if enable_host_prefix_cache and not enable_prefix_caching:
+        raise ValueError("enable_host_prefix_cache needs enable_prefix_caching")
+    if enable_host_prefix_cache and num_host_blocks == 0:
+        raise ValueError(
+            "enable_host_prefix_cache needs a host tier: num_host_blocks (swap_space) is 0"
+        )

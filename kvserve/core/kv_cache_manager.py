@@ -22,8 +22,9 @@ Life of a request:
 Layers and collaborators: ``block_tables.BlockTableManager`` (the layer below: tables over
 the pool, copy-on-write, fork, skipped blocks, free), ``host_prefix.HostPrefixTier`` (the
 host prefix tier: offload on eviction, loads of host-resident hits, reported as
-``-1 - host id``), ``swap_space.SwapSpace`` (swapped-out requests' host tables),
-``prefix_hits`` and ``integrity`` (functions). Variants (``core/window.py``,
+``-1 - host id``), ``swap_space.SwapSpace`` (swapped-out requests' host tables and their
+copy plans), ``slot_plan`` (what an allocation or a swap-in needs, decided before anything
+changes), ``prefix_hits``, ``integrity`` and ``metrics`` (functions). Variants (``core/window.py``,
 ``core/contiguous.py``; ``create_kv_cache_manager`` picks one) change behaviour only through
 protected hooks (those of the layer below, plus ``_allocate_slots``, ``_swap_out_blocks``,
 ``_blocks_for_swap_in`` and ``prefix_caching_conflict`` here), never by reaching into
@@ -50,16 +51,11 @@ from kvserve.core.block_tables import BlockTableManager, check_count
 from kvserve.core.errors import IntegrityError
 from kvserve.core.host_prefix import HostPrefixTier
 from kvserve.core.host_tier import HostBlock, HostTier
-from kvserve.core.kv_cache_config import KVCacheConfig
-from kvserve.core.metrics import ratio
-from kvserve.core.prefix_cache import CacheEntry, PrefixCache, RadixPrefixCache
-from kvserve.core.prefix_hits import (
-    cache_full_blocks,
-    device_prefix,
-    host_block_ref,
-    match_prefix,
-    resolve_prefix_hits,
-)
+from kvserve.core.kv_cache_config import KVCacheConfig, check_cache_options
+from kvserve.core.metrics import capacity_figures
+from kvserve.core.prefix_cache import PrefixCache, RadixPrefixCache
+from kvserve.core.prefix_hits import cache_full_blocks, forget_blocks, host_block_ref, match_prefix
+from kvserve.core.slot_plan import plan_slots, swap_in_blocks
 from kvserve.core.swap_space import SwapSpace
 from kvserve.core.tables import BlockTable
 from kvserve.request import Request
@@ -86,17 +82,13 @@ class KVCacheManager(BlockTableManager):
     ) -> None:
         super().__init__(num_blocks, block_size, on_evict=self._on_device_evict)
         check_count("num_host_blocks", num_host_blocks)
-        if enable_prefix_caching and self.prefix_caching_conflict is not None:
-            raise ValueError(
-                f"{type(self).__name__} needs enable_prefix_caching=False: "
-                f"{self.prefix_caching_conflict}"
-            )
-        if enable_host_prefix_cache and not enable_prefix_caching:
-            raise ValueError("enable_host_prefix_cache needs enable_prefix_caching")
-        if enable_host_prefix_cache and num_host_blocks == 0:
-            raise ValueError(
-                "enable_host_prefix_cache needs a host tier: num_host_blocks (swap_space) is 0"
-            )
+        check_cache_options(
+            type(self).__name__,
+            self.prefix_caching_conflict,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_host_prefix_cache=enable_host_prefix_cache,
+            num_host_blocks=num_host_blocks,
+        )
         self.num_host_blocks = num_host_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.enable_host_prefix_cache = enable_host_prefix_cache
@@ -110,7 +102,7 @@ class KVCacheManager(BlockTableManager):
             counters=self.counters,
         )
         self._host = self._host_prefix.tier  # host block ids, shared with swap preemption
-        self._swapped = SwapSpace(self._host)
+        self._swapped = SwapSpace(self._host, self.counters)
 
     @classmethod
     def from_config(cls, config: KVCacheConfig) -> KVCacheManager:
@@ -233,63 +225,48 @@ class KVCacheManager(BlockTableManager):
 
         Fresh blocks = host hits + new blocks + copy-on-write replacements; all of them
         plus ``reserve`` must fit in the free blocks (minus revived hits), else None.
+        ``slot_plan.plan_slots`` decides all this before anything changes; this applies it.
         """
         pool = self.block_pool
         table = self._table(request.request_id)
         bs = self.block_size
-        computed, host_hits = resolve_prefix_hits(
+        plan = plan_slots(
             request,
-            table is not None,
+            table,
             computed_ids,
             num_new_computed_tokens,
+            num_new_tokens,
             block_size=bs,
             pool=pool,
             host_tier=self._host,
         )
-        num_hits = len(computed) + len(host_hits)
-
-        num_computed = request.num_computed_tokens + num_new_computed_tokens
-        num_total = num_computed + num_new_tokens
-        old_blocks = table.blocks if table is not None else []
-        num_needed = max(0, -(-num_total // bs) - len(old_blocks) - num_hits)
-        # Copy-on-write: every existing block from the first one this step writes to the
-        # end of the table must be writable (ref 1, not cached), else it is replaced.
-        cow_indices: list[int] = []
-        if num_new_tokens:
-            for i in range(num_computed // bs, len(old_blocks)):
-                block = old_blocks[i]
-                if block.ref_cnt != 1 or block.cache_node is not None:
-                    cow_indices.append(i)
-        num_revived = sum(1 for b in computed if b.ref_cnt == 0) if computed else 0
-        num_loads = len(host_hits)
-        num_fresh = num_loads + num_needed + len(cow_indices)
-        if num_fresh + reserve > pool.num_free_blocks - num_revived:
+        if not plan.fits(pool.num_free_blocks, reserve):
             return None
-
+        computed, host_hits, num_needed = plan.computed, plan.host_hits, plan.num_needed
+        num_loads = len(host_hits)
         if computed:
             # NOTE: revive the prefix hits first, or the allocation below could evict them.
             pool.touch(computed)
         if host_hits:
             self._host_prefix.claim(host_hits)
-        fresh = pool.allocate(num_fresh) if num_fresh else []
+        fresh = pool.allocate(plan.num_fresh) if plan.num_fresh else []
         if host_hits:
             self._host_prefix.load(host_hits, fresh[:num_loads])
             computed = computed + fresh[:num_loads]
         first = table is None
         if table is None:
-            table = self._new_table(request, computed, num_hits)
-        if cow_indices:
-            self._copy_on_write(table, cow_indices, fresh[num_loads + num_needed :], num_computed)
+            table = self._new_table(request, computed, plan.num_hits)
+        if plan.cow_indices:
+            cow_fresh = fresh[num_loads + num_needed :]
+            self._copy_on_write(table, plan.cow_indices, cow_fresh, plan.num_computed)
         if num_needed:
             table.blocks.extend(fresh[num_loads : num_loads + num_needed])
         if self.enable_prefix_caching:
-            cache_full_blocks(self._cache, table, min(num_total, request.num_tokens) // bs, bs)
+            num_full = min(plan.num_total, request.num_tokens) // bs
+            cache_full_blocks(self._cache, table, num_full, bs)
             if first:
-                c = self.counters
-                c.prefix_cache_queries += request.num_tokens
-                c.prefix_cache_hits += num_new_computed_tokens
-                c.host_hit_tokens += num_loads * bs
-                c.device_hit_tokens += num_new_computed_tokens - num_loads * bs
+                hits = num_new_computed_tokens
+                self.counters.record_prefix_query(request.num_tokens, hits, num_loads * bs)
         return [b.block_id for b in fresh]
 
     def take_pending_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -316,25 +293,7 @@ class KVCacheManager(BlockTableManager):
         if table is None:
             return 0
         first = num_written_tokens // self.block_size
-        removed: list[CacheEntry] = []
-        for block in table.blocks[first:]:
-            if block.cache_node is not None:
-                # NOTE: the rest of its path goes too: descendants extend unwritten KV.
-                removed = self._cache.remove_subtree(block)
-                break
-        hosts = [b for b in removed if isinstance(b, HostBlock)]
-        for host in hosts:
-            self._host.uncache(host)
-        self._host.release(hosts)
-        if removed:
-            # Tables that shared a forgotten block now end their cached run before it.
-            for t in self._all_tables():
-                n = 0
-                while n < t.num_cached_blocks and t.blocks[n].cache_node is not None:
-                    n += 1
-                t.num_cached_blocks = n
-                t.num_full_checked = min(t.num_full_checked, n)
-        return len(removed)
+        return forget_blocks(self._cache, self._host, table.blocks[first:], self._all_tables())
 
     def fork(self, parent: Request, child: Request) -> None:
         """As ``BlockTableManager.fork``; a swapped-out child id is taken too."""
@@ -365,14 +324,12 @@ class KVCacheManager(BlockTableManager):
             raise ValueError(f"swap_out: request {rid!r} has a copy-on-write pending in this step")
         if self._host_prefix.loads_into(table.blocks):
             raise ValueError(f"swap_out: request {rid!r} has a host load pending in this step")
-        moved = self._swap_out_blocks(table)
-        hosts = self._swapped.store(request, len(moved))
-        if hosts is None:
+        pairs = self._swapped.store(request, self._swap_out_blocks(table))
+        if pairs is None:
             return None
         self._pop_table(rid)
         self.block_pool.free(reversed(table.blocks))
-        self.counters.swap_out_blocks += len(moved)
-        return [(b.block_id, h.host_block_id) for b, h in zip(moved, hosts, strict=True)]
+        return pairs
 
     def swap_in(self, request: Request, reserve: int = 0) -> list[tuple[int, int]] | None:
         """Bring a swapped-out request back: (host, device) pairs to copy.
@@ -409,16 +366,12 @@ class KVCacheManager(BlockTableManager):
         if got is None:
             return None
         blocks, num_reused = got
-        self._swapped.restore(rid, num_reused)
+        pairs = self._swapped.restore(rid, blocks, num_reused)
         table = self._new_table(request, blocks, num_reused)
         if self.enable_prefix_caching:
             num_full = request.num_computed_tokens // self.block_size
             cache_full_blocks(self._cache, table, num_full, self.block_size)
-        copied = blocks[num_reused : len(hosts)]
-        self.counters.swap_in_blocks += len(copied)
-        return [
-            (h.host_block_id, b.block_id) for h, b in zip(hosts[num_reused:], copied, strict=True)
-        ]
+        return pairs
 
     def _blocks_for_swap_in(
         self, request: Request, num_host_blocks: int, reserve: int
@@ -428,18 +381,15 @@ class KVCacheManager(BlockTableManager):
         Held (touched / allocated) on return; None, holding nothing, if fewer than
         ``needed + reserve`` blocks can be had.
         """
-        reused: list[KVBlock] = []
-        if self.enable_prefix_caching:
-            max_blocks = min(num_host_blocks, request.num_computed_tokens // self.block_size)
-            # NOTE: device hits only: the request's own host copy beats a host-resident hit.
-            reused = device_prefix(match_prefix(self._cache, request, max_blocks))
-        num_needed = num_host_blocks - len(reused)
-        num_revived = sum(1 for b in reused if b.ref_cnt == 0)
-        pool = self.block_pool
-        if num_needed + reserve > pool.num_free_blocks - num_revived:
-            return None
-        pool.touch(reused)
-        return reused + pool.allocate(num_needed), len(reused)
+        cache = self._cache if self.enable_prefix_caching else None
+        return swap_in_blocks(
+            request,
+            num_host_blocks,
+            reserve,
+            pool=self.block_pool,
+            cache=cache,
+            block_size=self.block_size,
+        )
 
     # ------------------------------------------------------------------ cache admin
 
@@ -458,23 +408,7 @@ class KVCacheManager(BlockTableManager):
 
         Utilization counts live blocks only (skipped null entries hold no tokens).
         """
-        util = self._utilization()
-        c = self.counters
-        return {
-            "num_kv_blocks": self.num_blocks,
-            "block_size": self.block_size,
-            "num_free_blocks": self.num_free_blocks,
-            "kv_usage": self.usage,
-            "kv_utilization": util,
-            # NOTE: 0 when idle (nothing allocated), 1 when blocks are allocated but empty.
-            "fragmentation": 1.0 - util if self._all_tables() else 0.0,
-            "prefix_hit_rate": ratio(c.prefix_cache_hits, c.prefix_cache_queries),
-            "prefix_cache_evictions": self.block_pool.num_evictions,
-            "num_host_blocks": self.num_host_blocks,
-            "num_free_host_blocks": self.num_free_host_blocks,
-            "host_cache_blocks": self._host.num_cached_blocks,
-            **c.as_dict(),  # every counter by its name (core/metrics.py)
-        }
+        return capacity_figures(self, self._utilization(), bool(self._all_tables()))
 
     def dump_state(self) -> dict[str, object]:
         """Everything that defines the manager's state, as plain comparable data.
@@ -505,14 +439,7 @@ class KVCacheManager(BlockTableManager):
             raise IntegrityError("a request has both a device and a host block table")
         self._check_tables(cache)
         pool = self.block_pool
-        num_cached = sum(b.cache_node is not None for b in pool.blocks)
         num_host_cached = self._host.num_cached_blocks
-        if num_cached + num_host_cached != cache.num_cached_blocks:
-            raise IntegrityError(
-                f"{num_cached} pool blocks and {num_host_cached} host blocks are marked "
-                f"cached, the prefix cache maps {cache.num_cached_blocks}"
-            )
-        if not self.enable_prefix_caching and num_cached:
-            raise IntegrityError("caching is off but blocks cached")
+        integrity.check_cached_counts(pool, num_host_cached, cache, self.enable_prefix_caching)
         integrity.check_eviction_order(pool, cache)
         self._host_prefix.check_integrity(self._swapped.held_ids(), self.num_blocks)

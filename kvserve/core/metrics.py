@@ -1,7 +1,8 @@
 """Capacity figures of the KV cache, in one place (names as in DESIGN.md and CONTRACTS.md).
 
 ``KVCacheCounters`` holds the monotonic counters the manager bumps on its paths;
-``kv_utilization`` and ``ratio`` turn state into the derived figures of ``snapshot()``:
+``kv_utilization`` and ``ratio`` turn state into the derived figures that
+``capacity_figures`` gathers for ``KVCacheManager.snapshot()``:
 
 - kv_usage: blocks referenced by live requests / total blocks (cached-but-free ones don't
   count).
@@ -23,8 +24,12 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from kvserve.core.kv_cache_manager import KVCacheManager
 
 
 @dataclass(slots=True)
@@ -49,6 +54,14 @@ class KVCacheCounters:
         """The counters by name."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    def record_prefix_query(self, num_tokens: int, num_hit: int, num_host_hit: int) -> None:
+        """A first allocation looked up ``num_tokens`` tokens and hit ``num_hit`` of them,
+        ``num_host_hit`` in host-resident blocks."""
+        self.prefix_cache_queries += num_tokens
+        self.prefix_cache_hits += num_hit
+        self.host_hit_tokens += num_host_hit
+        self.device_hit_tokens += num_hit - num_host_hit
+
     @contextmanager
     def timing_alloc(self) -> Iterator[None]:
         """Count one allocation call and its time (``alloc_calls``, ``alloc_time_s``).
@@ -61,6 +74,29 @@ class KVCacheCounters:
         finally:
             self.alloc_time_s += time.perf_counter() - t0
             self.alloc_calls += 1
+
+
+def capacity_figures(
+    kv: KVCacheManager, utilization: float, has_tables: bool
+) -> dict[str, float | int]:
+    """``KVCacheManager.snapshot()``: every capacity figure by name, from the manager's
+    public state plus its ``utilization`` and whether it ``has_tables`` (any live one)."""
+    c = kv.counters
+    return {
+        "num_kv_blocks": kv.num_blocks,
+        "block_size": kv.block_size,
+        "num_free_blocks": kv.num_free_blocks,
+        "kv_usage": kv.usage,
+        "kv_utilization": utilization,
+        # NOTE: 0 when idle (nothing allocated), 1 when blocks are allocated but empty.
+        "fragmentation": 1.0 - utilization if has_tables else 0.0,
+        "prefix_hit_rate": ratio(c.prefix_cache_hits, c.prefix_cache_queries),
+        "prefix_cache_evictions": kv.block_pool.num_evictions,
+        "num_host_blocks": kv.num_host_blocks,
+        "num_free_host_blocks": kv.num_free_host_blocks,
+        "host_cache_blocks": kv.host_tier.num_cached_blocks,
+        **c.as_dict(),  # every counter by its name
+    }
 
 
 def ratio(num: float, den: float) -> float:

@@ -6,9 +6,12 @@ Functions of public state only, called by ``KVCacheManager``:
 - ``resolve_prefix_hits``: validate ``allocate_slots``' ``new_computed_blocks`` (from
   ``get_computed_blocks``) and turn the ids into device blocks then host blocks.
 - ``cache_full_blocks``: offer a table's newly full blocks to the prefix cache.
+- ``forget_blocks``: take unwritten blocks (a failed step's) out of the prefix cache.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from kvserve.core.block_pool import BlockPool, KVBlock
 from kvserve.core.host_tier import HostBlock, HostTier
@@ -128,3 +131,34 @@ def cache_full_blocks(
         parent = block
         i += 1
     table.num_cached_blocks = i
+
+
+def forget_blocks(
+    cache: PrefixCache,
+    host_tier: HostTier,
+    blocks: list[KVBlock],
+    tables: Iterable[BlockTable],
+) -> int:
+    """Take the first cached block of ``blocks`` and its whole subtree out of the prefix cache.
+
+    For ``forget_unwritten``: the rest of its path goes too (descendants extend unwritten KV);
+    forgotten host blocks are released, and every table in ``tables`` that shared a forgotten
+    block ends its cached run before it. Returns the number of cache entries forgotten.
+    """
+    removed: list[CacheEntry] = []
+    for block in blocks:
+        if block.cache_node is not None:
+            removed = cache.remove_subtree(block)
+            break
+    hosts = [b for b in removed if isinstance(b, HostBlock)]
+    for host in hosts:
+        host_tier.uncache(host)
+    host_tier.release(hosts)
+    if removed:
+        for t in tables:
+            n = 0
+            while n < t.num_cached_blocks and t.blocks[n].cache_node is not None:
+                n += 1
+            t.num_cached_blocks = n
+            t.num_full_checked = min(t.num_full_checked, n)
+    return len(removed)

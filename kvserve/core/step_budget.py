@@ -18,6 +18,23 @@ such that the step's predicted time stays within the target:
   first candidate still gets ``min_prefill_chunk`` tokens, so prefill never starves; a target
   below the pure-decode step is logged once as a warning.
 
+The target binds only where it buys something (the TTFT guard; issue 21 measured a fixed
+target raising TTFT p90 9x at low load, where the token budget alone already kept the tail):
+
+- few streams: with fewer than ``min_decodes`` decodes in the step, nothing is capped (the
+  stall falls on one or two streams, the cost of splitting on every waiting prompt).
+- aging: a prompt still waiting for its first token that has waited ``w`` seconds (since
+  arrival) may stretch the step to ``target + ttft_aging x w``. The stall the streams are asked
+  to take grows with the time the prompt has already lost: with ``ttft_aging=1`` each step's
+  allowance is at least the time waited so far, so the allowed chunk about doubles step after
+  step and a split prompt is done within a few steps, while a step with no old prompt keeps
+  the plain target. ``ttft_aging=0`` is the fixed target.
+- deadline (``ttft_slack``): a prompt that has waited ``ttft_slack`` x the predicted time of
+  the step that would compute it unsplit (beside this step's decodes) is not capped at all.
+  TTFT is then within about that multiple of the unsplit prefill plus one step, and under
+  overload (long queues: every wait past its deadline) the planner stands aside, because
+  there small chunks cost throughput (every step pays the weight reads) and the queue grows.
+
 Who gets the time (``prefill_policy``), greedily in this order, each candidate the largest
 chunk that still fits:
 
@@ -72,6 +89,9 @@ class StepBudgetConfig:
     refit_every: int = 16
     min_records: int = 4  # of each kind (pure decode, with prefill) before anything is capped
     skip_first: int = 2  # the first steps pay one-off costs (allocator, kernel selection)
+    ttft_aging: float = 1.0  # step-time extension per second a prompt has waited (0: none)
+    min_decodes: int = 1  # fewer decodes than this in a step: no cap (1: always cap)
+    ttft_slack: float | None = None  # deadline: waited >= slack x unsplit step -> no cap
 
     def __post_init__(self) -> None:
         _positive_ms("max_step_ms", self.max_step_ms)
@@ -95,6 +115,22 @@ class StepBudgetConfig:
             raise ValueError(f"min_prefill_chunk must be >= 1, got {self.min_prefill_chunk}")
         if self.skip_first < 0:
             raise ValueError(f"skip_first must be >= 0, got {self.skip_first}")
+        a = self.ttft_aging
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a < math.inf:
+            raise ValueError(f"ttft_aging (--ttft-aging) must be a number >= 0, got {a!r}")
+        sl = self.ttft_slack
+        if sl is not None and (
+            isinstance(sl, bool) or not isinstance(sl, (int, float)) or not 0.0 <= sl < math.inf
+        ):
+            raise ValueError(f"ttft_slack (--ttft-slack) must be a number >= 0, got {sl!r}")
+        if isinstance(self.min_decodes, bool) or not isinstance(self.min_decodes, int):
+            raise ValueError(
+                f"min_decodes (--step-min-decodes) must be an int, got {self.min_decodes!r}"
+            )
+        if self.min_decodes < 1:
+            raise ValueError(
+                f"min_decodes (--step-min-decodes) must be >= 1, got {self.min_decodes}"
+            )
 
 
 class StepCostPredictor(Protocol):
@@ -116,6 +152,7 @@ class PrefillCandidate:
     start_pos: int  # tokens already computed (waiting: 0; prefix hits are not known yet)
     remaining: int  # tokens left to compute
     waiting: bool = False  # in the waiting queue: admitted head of line only
+    waited_s: float = 0.0  # since arrival, while no token was produced yet (else 0): aging
 
 
 class StepTimeBudget:
@@ -146,6 +183,8 @@ class StepTimeBudget:
         self.num_capped_steps = 0  # steps whose prefill was cut below the token budget
         self.num_min_chunk_steps = 0  # steps where nothing fit and a minimum chunk went
         self.num_over_target_steps = 0  # of those, where the decodes alone exceeded the target
+        self.num_aged_steps = 0  # steps given more than the target for a prompt's waiting time
+        self.num_few_decode_steps = 0  # steps left uncapped: fewer than min_decodes decodes
 
     # ------------------------------------------------------------------ records in
 
@@ -191,23 +230,34 @@ class StepTimeBudget:
         """
         if not candidates or not decode_contexts or not self.cost.ready or token_budget <= 0:
             return None
-        self._num_plans += 1
         cfg = self.config
+        if len(decode_contexts) < cfg.min_decodes:
+            self.num_few_decode_steps += 1
+            return None
+        self._num_plans += 1
         load = StepLoad.decodes(decode_contexts)
         decode_s = self.cost.predict(load)
         target = self.target_s(decode_s)
         self.last_decode_s, self.last_target_s = decode_s, target
         order = self._order(candidates)
+        decodes_only = load
         caps = {c.request_id: 0 for c in candidates}
         left = token_budget
         granted = 0
+        aged = False
         for c in order:
             limit = min(c.remaining, left)
             if limit <= 0:
                 break
-            n = self._largest_fit(load, c.start_pos, limit, target)
+            own = target + cfg.ttft_aging * max(c.waited_s, 0.0)
+            if cfg.ttft_slack is not None and c.waited_s > 0.0:
+                unsplit = self.cost.predict(decodes_only.plus_chunk(c.start_pos, limit))
+                if c.waited_s >= cfg.ttft_slack * unsplit:
+                    own = math.inf  # past its TTFT deadline: the rest of the token budget
+            n = self._largest_fit(load, c.start_pos, limit, own)
             if n == 0:
                 continue
+            aged = aged or self.cost.predict(load.plus_chunk(c.start_pos, n)) > target
             caps[c.request_id] = n
             load = load.plus_chunk(c.start_pos, n)
             left -= n
@@ -226,6 +276,7 @@ class StepTimeBudget:
         if len(self._last_served) > 4 * len(candidates) + 64:
             ids = {c.request_id for c in candidates}
             self._last_served = {k: v for k, v in self._last_served.items() if k in ids}
+        self.num_aged_steps += aged
         wanted = min(sum(c.remaining for c in candidates), token_budget)
         self.num_capped_steps += sum(caps.values()) < wanted
         return caps
@@ -284,6 +335,8 @@ class StepTimeBudget:
             "step_budget_min_chunk_steps": self.num_min_chunk_steps,
             "step_budget_over_target_steps": self.num_over_target_steps,
             "step_budget_gap_ms": self.gap_s * 1e3,
+            "step_budget_aged_steps": self.num_aged_steps,
+            "step_budget_few_decode_steps": self.num_few_decode_steps,
         }
         describe = getattr(self.cost, "describe", None)
         if callable(describe):

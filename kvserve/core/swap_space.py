@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from kvserve.core.block_pool import KVBlock
 from kvserve.core.host_tier import HostBlock, HostTier
+from kvserve.core.metrics import KVCacheCounters
 from kvserve.core.tables import HostTable
 from kvserve.request import Request
 
@@ -18,8 +20,9 @@ from kvserve.request import Request
 class SwapSpace:
     """Host block tables of swapped-out requests, by request id."""
 
-    def __init__(self, tier: HostTier) -> None:
+    def __init__(self, tier: HostTier, counters: KVCacheCounters) -> None:
         self.tier = tier
+        self.counters = counters  # the manager's: swap_out_blocks, swap_in_blocks
         self._tables: dict[str, HostTable] = {}
 
     def __contains__(self, request_id: str) -> bool:
@@ -39,19 +42,24 @@ class SwapSpace:
         table = self._tables.get(request_id)
         return table.host_blocks if table is not None else None
 
-    def store(self, request: Request, num_blocks: int) -> list[HostBlock] | None:
-        """Take ``num_blocks`` host blocks for ``request``; None (nothing changed) if too few.
+    def store(self, request: Request, moved: list[KVBlock]) -> list[tuple[int, int]] | None:
+        """Take a host block per block of ``moved`` for ``request``: the (device, host) copy
+        plan, or None (nothing changed) if the tier has too few.
 
         NOTE: may evict offloaded prefix blocks (oldest first); swapped requests come first.
         """
-        if num_blocks > self.tier.num_free_blocks:
+        if len(moved) > self.tier.num_free_blocks:
             return None
-        hosts = self.tier.allocate(num_blocks)
+        hosts = self.tier.allocate(len(moved))
         self._tables[request.request_id] = HostTable(request, hosts)
-        return hosts
+        self.counters.swap_out_blocks += len(moved)
+        return [(b.block_id, h.host_block_id) for b, h in zip(moved, hosts, strict=True)]
 
-    def restore(self, request_id: str, num_reused: int) -> None:
-        """The request is swapped in: release its host blocks.
+    def restore(
+        self, request_id: str, blocks: list[KVBlock], num_reused: int
+    ) -> list[tuple[int, int]]:
+        """The request is swapped in to device ``blocks``: release its host blocks and return
+        the (host, device) copy plan for those past the ``num_reused`` reused prefix hits.
 
         ``host_blocks[num_reused:]`` are read in this step's swap-in phase, so they are
         pinned until the step's plans are taken (free only then, with step pins on).
@@ -59,6 +67,11 @@ class SwapSpace:
         hosts = self._tables.pop(request_id).host_blocks
         self.tier.pin(hosts[num_reused:])
         self.tier.release(reversed(hosts))
+        copied = blocks[num_reused : len(hosts)]
+        self.counters.swap_in_blocks += len(copied)
+        return [
+            (h.host_block_id, b.block_id) for h, b in zip(hosts[num_reused:], copied, strict=True)
+        ]
 
     def free(self, request_id: str) -> None:
         """Drop the request's host blocks (a swapped request finished). No-op if none."""

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from kvserve.config import ModelArchConfig
 from kvserve.models.quant import QuantizedWeight
@@ -110,6 +111,15 @@ def _linear_param(
     return nn.Parameter(storage.t(), requires_grad=False)  # [out, in] view, strides (1, out)
 
 
+# The projections of a decoder layer: ``<name>_weight`` parameters, ``<name>_proj`` Linears.
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
+def _released_param(like: torch.Tensor) -> nn.Parameter:
+    """A 0-element parameter keeping ``like``'s dtype and device (what ``.to()`` moves)."""
+    return nn.Parameter(torch.empty(0, dtype=like.dtype, device=like.device), requires_grad=False)
+
+
 @dataclass(slots=True)
 class StepViews:
     """Workspace views that every layer of one step uses (all layers share their shapes).
@@ -175,6 +185,9 @@ class LlamaDecoderLayer(nn.Module):
         self._linears_key: tuple[torch.dtype, torch.device] | None = None
         # Quantized weight sources by projection ("qkv", ...), set by attach_quantized.
         self.quantized: dict[str, Any] = {}
+        # Projections whose weight parameter was freed (``release_packed_weights``): their
+        # Linear's prepacked copy is the only one, and rebuilds the weight when needed.
+        self.released: set[str] = set()
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         out = super()._apply(fn, recurse)
@@ -192,8 +205,42 @@ class LlamaDecoderLayer(nn.Module):
         if self._linears_key is None:
             self.build_linears()
 
+    def release_packed_weights(self) -> int:
+        """Free the weight parameter of each projection that runs only on its own prepacked
+        copy (which can rebuild it): a 0-element parameter of the same dtype and device takes
+        its place. Returns the bytes freed. The weights come back (``restore_weights``) before
+        the projections are rebuilt or the weights loaded again.
+        """
+        self.ensure_linears()
+        freed = 0
+        for proj in PROJECTIONS:
+            lin: Linear = getattr(self, f"{proj}_proj")
+            if proj in self.quantized or proj in self.released or not lin.can_free_source():
+                continue
+            weight = getattr(self, f"{proj}_weight")
+            freed += weight.numel() * weight.element_size()
+            placeholder = _released_param(weight)
+            lin.release_source(placeholder)
+            setattr(self, f"{proj}_weight", placeholder)
+            self.released.add(proj)
+        return freed
+
+    def restore_weights(self) -> None:
+        """Give back the parameters freed by ``release_packed_weights`` (rebuilt exactly from
+        the prepacked copies, in the parameters' current dtype and device)."""
+        for proj in sorted(self.released):
+            lin: Linear = getattr(self, f"{proj}_proj")
+            placeholder = getattr(self, f"{proj}_weight")
+            dense = lin.rebuild_source()  # [out, in]
+            weight = _linear_param(*dense.shape, dtype=placeholder.dtype, device=placeholder.device)
+            with torch.no_grad():
+                weight.copy_(dense)
+            setattr(self, f"{proj}_weight", weight)
+        self.released.clear()
+
     def build_linears(self) -> list[Linear]:
         """Build the four projections from the weights (per ``linear_plan``); returns them."""
+        self.restore_weights()
         w = self.qkv_weight
         kw = {"act_dtype": w.dtype, "device": w.device}
         plan = self.linear_plan
@@ -262,8 +309,14 @@ class LlamaDecoderLayer(nn.Module):
         o = self.o_proj(attn.reshape(hidden.shape[0], self.q_size), x, out_is_hint=True)
         # hidden += o-projection, then x = norm(hidden)
         ops.add_rms_norm(hidden, o, self.post_attention_layernorm, self.eps, x, ws)
-        self.gate_up_proj(x, sv.gate_up)
-        act = ops.silu_mul(sv.gate, sv.up, sv.gate_up, sv.act)  # [T, I]
+        # NOTE: a kernel that allocates its output (oneDNN) hands it over instead of copying
+        # it into the workspace: at a 2048-token prefill chunk that copy was 12.6 MB a layer.
+        gate_up = self.gate_up_proj(x, sv.gate_up, out_is_hint=True)  # [T, 2 I]
+        if gate_up is sv.gate_up:
+            gate, up = sv.gate, sv.up
+        else:
+            gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
+        act = ops.silu_mul(gate, up, gate_up, sv.act)  # [T, I]
         hidden.add_(self.down_proj(act, x, out_is_hint=True))
         return hidden
 
@@ -309,6 +362,8 @@ class LlamaForCausalLM(nn.Module):
         # NOTE: kept out of the parameters/buffers so .to(dtype) never lowers its precision.
         self._inv_freq = compute_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling)
         self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
+        # cos / sign-folded sin of positions [0, n) per (device, dtype): [n, 1, d] each.
+        self._rope_tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, ...]] = {}
         self.linear_plan: LinearPlan | None = None
         self.lm_head_proj: Linear
         self._lm_head_key: tuple[torch.dtype, torch.device] | None = None
@@ -367,6 +422,25 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head_proj,
         ]
 
+    def release_packed_weights(self) -> int:
+        """Free the layers' weight parameters that only a prepacked copy reads (see
+        ``LlamaDecoderLayer.release_packed_weights``); returns the bytes freed.
+
+        NOTE: the memory a prepacked method needs is then held once instead of twice; the
+        copy counts as weights wherever weights are counted (``Linear.extra_nbytes``).
+        """
+        return sum(layer.release_packed_weights() for layer in self.layers)
+
+    def released_weight_bytes(self) -> int:
+        """Bytes of the freed weight parameters (held now only as prepacked copies)."""
+        return sum(
+            getattr(layer, f"{proj}_proj").out_features
+            * getattr(layer, f"{proj}_proj").in_features
+            * getattr(layer, f"{proj}_weight").element_size()
+            for layer in self.layers
+            for proj in layer.released
+        )
+
     def build_linears(self) -> list[Linear]:
         """Build (prepack) every projection and the lm_head now; returns them all."""
         built = [lin for layer in self.layers for lin in layer.build_linears()]
@@ -387,6 +461,28 @@ class LlamaForCausalLM(nn.Module):
         self.attn_backend = backend
         for layer in self.layers:
             layer.attn_backend = backend
+
+    def rope_tables(
+        self, num_positions: int, device: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin (as ``rope_cos_sin``) of positions ``[0, n)``, ``n >=
+        num_positions``, each ``[n, 1, head_dim]``: computed once, grown by doubling.
+
+        NOTE: a step gathers its rows instead of computing cos / sin. Those small
+        transcendental ops enter an OpenMP parallel region whose sleeping threads took
+        0.3-2.6 ms to wake on a loaded 2-core box (``aten::cos`` was 0.8-1.6 % of a decode
+        step under ``torch.profiler``); the gather stays on one thread. Same values bit for
+        bit: the table is ``rope_cos_sin`` of those positions.
+        """
+        key = (device, dtype)
+        table = self._rope_tables.get(key)
+        if table is None or table[0].shape[0] < num_positions:
+            n = max(64, 1 << max(0, num_positions - 1).bit_length())
+            positions = torch.arange(n, device=device)
+            cos, sin = rope_cos_sin(self._inv_freq_on(device), positions, dtype)
+            table = (cos, sin)
+            self._rope_tables[key] = table
+        return table[0], table[1]
 
     def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
         inv = self._inv_freq_by_device.get(device)
@@ -418,7 +514,16 @@ class LlamaForCausalLM(nn.Module):
             embedding_lookup(self.quantized["embed_tokens"], input_ids, hidden)
         else:
             torch.index_select(emb, 0, input_ids, out=hidden)
-        cos, sin = rope_cos_sin(self._inv_freq_on(positions.device), positions, hidden.dtype, ws)
+        if isinstance(positions, FakeTensor):  # traced (memory plan): no table to keep
+            cos, sin = rope_cos_sin(self._inv_freq_on(positions.device), positions, emb.dtype, ws)
+        else:
+            num_positions = max((s.seq_len for s in meta.seqs), default=0)  # positions < it
+            cos_table, sin_table = self.rope_tables(num_positions, positions.device, emb.dtype)
+            shape = (positions.shape[0], *cos_table.shape[1:])  # [T, 1, d]
+            cos = ws.take("rope_cos", shape, emb.dtype, emb.device)
+            sin = ws.take("rope_sin", shape, emb.dtype, emb.device)
+            torch.index_select(cos_table, 0, positions, out=cos)
+            torch.index_select(sin_table, 0, positions, out=sin)
         views = self.layers[0].step_views(ws, hidden)  # every layer has the same shapes
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             layer(hidden, cos, sin, kv_cache, meta, ws, views)
@@ -437,6 +542,8 @@ class LlamaForCausalLM(nn.Module):
 
         Raises ValueError naming a missing, unexpected or mis-shaped tensor.
         """
+        for layer in self.layers:
+            layer.restore_weights()  # full-size parameters to copy into
         sd = dict(state_dict)
         used: set[str] = set()
         quantized: dict[str, QuantizedWeight] = {}  # kept as blocks (attach_quantized)

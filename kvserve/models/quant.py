@@ -33,6 +33,7 @@ from gguf import quants as gguf_quants
 
 from kvserve.config import QUANTIZATION_CHOICES as ENGINE_QUANTIZATION_CHOICES
 from kvserve.models.errors import ModelLoadError
+from kvserve.models.quant_layout import check_layout, from_x16, to_x16
 
 Q = GGMLQuantizationType
 
@@ -69,8 +70,10 @@ class QuantizedWeight:
     data: torch.Tensor  # uint8 [out, row_bytes], contiguous
     shape: tuple[int, int]  # (out_features, in_features)
     source_qtype: str = ""  # the file's type ("q4_k", ...); "" = same as qtype
+    layout: str = "plain"  # byte order of ``data``: "plain" or "x16" (``quant_layout``)
 
     def __post_init__(self) -> None:
+        check_layout(self.layout)
         if self.qtype not in KERNEL_QTYPES:
             raise ValueError(f"qtype must be one of {sorted(KERNEL_QTYPES)}, got {self.qtype!r}")
         out, inp = self.shape
@@ -100,11 +103,33 @@ class QuantizedWeight:
         """The dense weight ``[out, in]`` (exactly the values the kernels multiply)."""
         from kvserve.models.dequant import dequantize
 
-        raw = self.data.reshape(-1).numpy()
+        raw = self.plain().data.reshape(-1).numpy()
         return dequantize(raw, KERNEL_QTYPES[self.qtype], self.shape, dtype)
+
+    def plain(self) -> QuantizedWeight:
+        """This weight in the ``plain`` (GGUF) layout (itself when it is already)."""
+        if self.layout == "plain":
+            return self
+        data = from_x16(self.data.numpy(), self.qtype, self.in_features)
+        return QuantizedWeight(self.qtype, torch.from_numpy(data), self.shape, self.source_qtype)
+
+    def interleaved(self) -> QuantizedWeight:
+        """This weight in the ``x16`` layout (the AVX-512 VNNI GEMV's; same bytes held)."""
+        if self.layout == "x16":
+            return self
+        data = to_x16(self.data.numpy(), self.qtype, self.in_features)
+        return QuantizedWeight(
+            self.qtype, torch.from_numpy(data), self.shape, self.source_qtype, "x16"
+        )
+
+    def require_plain(self, what: str) -> None:
+        """ValueError unless ``data`` is in the plain layout (``what`` names the caller)."""
+        if self.layout != "plain":
+            raise ValueError(f"{what} needs the plain layout, this weight is {self.layout}")
 
     def rows(self, start: int, end: int) -> QuantizedWeight:
         """Output rows ``[start, end)`` (a column-parallel shard), sharing no memory."""
+        self.require_plain("rows()")
         return QuantizedWeight(
             self.qtype,
             self.data[start:end].clone(),
@@ -114,6 +139,7 @@ class QuantizedWeight:
 
     def with_rows(self, data: torch.Tensor) -> QuantizedWeight:
         """The same format over re-ordered rows ``data`` (uint8 [out, row_bytes])."""
+        self.require_plain("with_rows()")
         return QuantizedWeight(self.qtype, data.contiguous(), self.shape, self.source_qtype)
 
     @staticmethod
@@ -127,6 +153,8 @@ class QuantizedWeight:
         if not parts or not QuantizedWeight.can_concat(parts):
             kinds = [(p.qtype, p.in_features) for p in parts]
             raise ValueError(f"concat_rows needs one qtype and in_features, got {kinds}")
+        for p in parts:
+            p.require_plain("concat_rows()")
         sources = {p.source_qtype for p in parts}
         return QuantizedWeight(
             parts[0].qtype,

@@ -2,8 +2,12 @@
 
 Candidates for a ``QuantizedWeight`` source (``kvserve.models.quant``):
 
-- ``QuantKernelMethod`` (``{qtype}_{isa}``, e.g. ``q4_1_avx512_vnni``): the native int8-dot
-  kernels over the blocks as held (``kvserve_quant_ops.cpp``); holds nothing extra.
+- ``QuantKernelMethod`` (``{qtype}_{isa}``, e.g. ``q4_1_avx2``; ``{qtype}_x16_{isa}`` for a
+  weight in the x16 layout, e.g. ``q4_1_x16_avx512_vnni``): the native int8-dot kernels over
+  the blocks as held (``kvserve_quant_ops.cpp``); holds nothing extra. ``kernel_layout``
+  repacks a weight at load to the layout its kernel reads fastest.
+- ``DequantTileMethod`` (``dequant_tile_{dtype}``): rows dequantized a tile at a time into a
+  small scratch and multiplied with ``torch.mm``; holds nothing extra (large M without a copy).
 - ``DequantDenseMethod`` (``dequant_{dtype}``): a dense copy made once at load, run with
   ``torch.mm``. Memory cost: ``out * in * element_size`` bytes on top of the blocks (fp32:
   4 / (bits per weight / 8) = 6.4x a Q4_1 weight; bf16 3.2x); only chosen where the selector
@@ -17,6 +21,7 @@ Importing this module registers ``quantized_candidates``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -72,6 +77,31 @@ def fuse_weights(parts: Sequence[WeightPart]) -> torch.Tensor | QuantizedWeight 
     return QuantizedParts(tuple(parts))
 
 
+LAYOUT_ENV = "KVSERVE_QUANT_LAYOUT"
+LAYOUT_CHOICES = ("auto", "plain", "x16")
+
+
+def kernel_layout(source: WeightPart, layout: str | None = None) -> WeightPart:
+    """``source`` in the byte layout its kernel reads fastest (a dense tensor is unchanged).
+
+    ``layout``: "auto" (default, or ``$KVSERVE_QUANT_LAYOUT``) takes ``x16`` where the native
+    kernels run on AVX-512 VNNI and the weight has at least 16 rows (its interleaved GEMV;
+    the plain layout's is compute bound there), else ``plain``; "plain" / "x16" force one.
+    NOTE: a repack at load, not a copy: the caller keeps only the result.
+    """
+    layout = layout or os.environ.get(LAYOUT_ENV, "auto")
+    if layout not in LAYOUT_CHOICES:
+        raise ValueError(f"{LAYOUT_ENV}={layout!r}: choose one of {', '.join(LAYOUT_CHOICES)}")
+    if isinstance(source, QuantizedParts):
+        return QuantizedParts(tuple(kernel_layout(p, layout) for p in source.parts))  # type: ignore[misc]
+    if not isinstance(source, QuantizedWeight):
+        return source
+    if layout == "auto":
+        fast = quant_ops.available() and quant_ops.best_isa() == "avx512_vnni"
+        layout = "x16" if fast and source.out_features >= 16 else "plain"
+    return source.interleaved() if layout == "x16" else source.plain()
+
+
 def is_quantized(source: object) -> bool:
     """Whether ``source`` is a quantized weight source (held in blocks, at least partly)."""
     return isinstance(source, QuantizedWeight | QuantizedParts)
@@ -87,8 +117,9 @@ def embedding_lookup(
     NOTE: only the T gathered rows are dequantized; the table stays in blocks.
     """
     if quant_ops.available() and out.device.type == "cpu":
-        return quant_ops.embedding(ids, weight.data, weight.qtype, out)
-    rows = QuantizedWeight(weight.qtype, weight.data[ids.cpu()], (ids.shape[0], weight.shape[1]))
+        return quant_ops.embedding(ids, weight.data, weight.qtype, out, layout=weight.layout)
+    table = weight.plain()
+    rows = QuantizedWeight(table.qtype, table.data[ids.cpu()], (ids.shape[0], table.shape[1]))
     return out.copy_(rows.dequantize(torch.float32))
 
 
@@ -96,7 +127,8 @@ class QuantKernelMethod(LinearMethod):
     """The native int8-dot kernel over a ``QuantizedWeight``'s blocks (see module docstring).
 
     ``isa`` forces an instruction set ("avx512_vnni", "avx_vnni", "avx2", "scalar"); "auto"
-    takes the best the CPU has, and the name says which.
+    takes the best the CPU has, and the name says which. A weight in the ``x16`` layout runs
+    on "avx512_vnni" or "scalar" only (ValueError for the others).
     """
 
     shares_source = True
@@ -106,7 +138,13 @@ class QuantKernelMethod(LinearMethod):
         self.weight = weight
         self.out_features, self.in_features = weight.shape
         self.isa = quant_ops.best_isa() if isa == "auto" else isa
-        self.name = f"{weight.qtype}_{self.isa}"
+        if weight.layout == "x16" and self.isa not in quant_ops.X16_ISAS:
+            raise ValueError(
+                f"a weight in the x16 layout runs on {' or '.join(quant_ops.X16_ISAS)}, not on "
+                f"{self.isa}; keep it plain (kernel_layout(w, 'plain')) for that instruction set"
+            )
+        suffix = "_x16" if weight.layout == "x16" else ""
+        self.name = f"{weight.qtype}{suffix}_{self.isa}"
 
     @property
     def nbytes(self) -> int:
@@ -115,7 +153,8 @@ class QuantKernelMethod(LinearMethod):
     def apply(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if x.stride(-1) != 1:
             x = x.contiguous()
-        return quant_ops.linear(x, self.weight.data, self.weight.qtype, out=out, isa=self.isa)
+        w = self.weight
+        return quant_ops.linear(x, w.data, w.qtype, out=out, isa=self.isa, layout=w.layout)
 
 
 class DequantDenseMethod(LinearMethod):
@@ -147,6 +186,45 @@ class DequantDenseMethod(LinearMethod):
         if self.bias is None:
             return torch.mm(x, self.weight_t, out=out)
         return torch.addmm(self.bias, x, self.weight_t, out=out)
+
+
+class DequantTileMethod(LinearMethod):
+    """Dequantize a tile of rows at a time into a small scratch, then ``torch.mm`` it.
+
+    For large M (prefill) a dense GEMM beats the int8-dot kernel; this gets most of that
+    without holding a dense copy: the scratch is ``tile_rows x in`` values (~128 KiB, cache
+    resident), reused per call. NOTE: the dequantization costs ``out x in`` values per call,
+    which only pays off when M is large (the selector measures where).
+    """
+
+    shares_source = True
+    supports_bias = False
+
+    def __init__(self, weight: QuantizedWeight, act_dtype: torch.dtype) -> None:
+        self.weight = weight
+        self.act_dtype = act_dtype
+        self.out_features, self.in_features = weight.shape
+        self.tile_rows = max(16, (1 << 16) // self.in_features // 16 * 16)
+        self.name = f"dequant_tile_{dtype_tag(act_dtype)}"
+        self._ids = torch.arange(self.out_features, dtype=torch.long)
+        self._scratch: torch.Tensor | None = None  # [tile_rows, in], made on first use
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+        if self._scratch is None or self._scratch.dtype != x.dtype:
+            self._scratch = torch.empty(self.tile_rows, self.in_features, dtype=x.dtype)
+        w = self.weight
+        for r0 in range(0, self.out_features, self.tile_rows):
+            r1 = min(r0 + self.tile_rows, self.out_features)
+            tile = self._scratch[: r1 - r0]  # [rows, in]
+            quant_ops.embedding(self._ids[r0:r1], w.data, w.qtype, tile, layout=w.layout)
+            out[:, r0:r1].copy_(torch.mm(x, tile.t()))
+        return out
 
 
 class QuantSplitMethod(LinearMethod):
@@ -200,6 +278,7 @@ def quantized_candidates(
     if device.type == "cpu" and quant_ops.available():
         if isinstance(source, QuantizedWeight):
             methods.append(QuantKernelMethod(source))
+            methods.append(DequantTileMethod(source, act_dtype))
         else:
             methods.append(QuantSplitMethod(source, act_dtype))  # type: ignore[arg-type]
     methods.append(DequantDenseMethod(source, act_dtype))  # type: ignore[arg-type]

@@ -5,31 +5,82 @@ random dense weights before the model is read. A model that holds quantized weig
 gets this one: per projection shape, random weights in the model's own block format run
 through ``quantized_candidates`` (the kernel, and ``dequant_{dtype}``: a dense copy, which
 must beat the kernel by ``margin`` to pay for its memory), timed with the same ``measure``
-and chosen with the same ``choose`` per M bucket. NOTE: not cached (about 2 s on the
-embedded model's five shapes); the timings do not depend on the weights' values.
+and chosen with the same ``choose`` per M bucket; the timings do not depend on the weights'
+values. The choice is cached beside the dense one (``kernel_select.cache_dir()``), keyed as
+the dense one is (CPU, flags, torch, threads, dtype, shapes, buckets, candidates) plus each
+shape's block format and layout and the quantized kernels' build (source hash): about 2 s of
+measurement on the embedded model's five shapes at the first start-up, nothing after. The
+same rules as the dense cache: ``mode="measure"`` always measures and refreshes it, and a
+choice measured on a busy machine is measured again on a quieter one.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvserve.models.quant import QuantizedWeight, quantize_dense
-from kvserve.models.quant_linear import quantized_candidates
-from kvserve.runtime.kernel_select import DECODE_BOUNDS, choose, m_buckets, measure
+from kvserve.models.quant_linear import kernel_layout, quantized_candidates
+from kvserve.runtime.kernel_select import (
+    DECODE_BOUNDS,
+    Selection,
+    cache_key,
+    cache_path,
+    choose,
+    load_cached,
+    m_buckets,
+    machine_load,
+    measure,
+    save_cached,
+)
 from kvserve.runtime.linear import LinearPlan
+from kvserve.runtime.native import quant_ops
+
+log = logging.getLogger(__name__)
+# Bumped when the quantized candidates change (the cache then measures again).
+QUANT_CANDIDATES_VERSION = 2  # 2: dequant_tile_* added
 
 
 def quantized_shapes(model: Any) -> dict[tuple[int, int], str]:
     """(out, in) of the model's single-format quantized projections -> their format."""
-    shapes: dict[tuple[int, int], str] = {}
+    return {shape: qtype for shape, (qtype, _) in quantized_formats(model).items()}
+
+
+def quantized_formats(model: Any) -> dict[tuple[int, int], tuple[str, str]]:
+    """(out, in) of the model's single-format quantized projections -> (format, layout)."""
+    shapes: dict[tuple[int, int], tuple[str, str]] = {}
     sources = [model.quantized.get("lm_head")]
     sources += [s for layer in model.layers for s in layer.quantized.values()]
     for source in sources:
         if isinstance(source, QuantizedWeight):
-            shapes.setdefault(source.shape, source.qtype)
+            shapes.setdefault(source.shape, (source.qtype, source.layout))
     return shapes
+
+
+def quantized_cache_key(
+    formats: dict[tuple[int, int], tuple[str, str]],
+    *,
+    act_dtype: torch.dtype,
+    device: torch.device,
+    max_rows: dict[tuple[int, int], int] | None,
+) -> dict[str, object]:
+    """The dense selection's cache key plus the formats, layouts and the kernels' build."""
+    key = cache_key(
+        act_dtype=act_dtype,
+        device=device,
+        shapes=formats.keys(),
+        buckets=m_buckets(),
+        max_rows=max_rows,
+        factories=[quantized_candidates],
+    )
+    key["quantized"] = sorted([o, i, q, lay] for (o, i), (q, lay) in formats.items())
+    key["quant_kernels"] = quant_ops.build_name() if quant_ops.available() else None
+    key["quant_candidates"] = QUANT_CANDIDATES_VERSION
+    return key
 
 
 def select_quantized_kernels(
@@ -40,19 +91,33 @@ def select_quantized_kernels(
     mode: str = "auto",
     margin: float = 0.05,
     budget_s: float = 0.010,
+    directory: Path | None = None,
 ) -> LinearPlan:
     """The chosen quantized method per shape and M bucket (empty when ``mode`` is "off" or
-    the model holds no quantized projection)."""
-    shapes = quantized_shapes(model)
-    if mode == "off" or not shapes:
+    the model holds no quantized projection); from the cache under ``mode="auto"`` (see the
+    module docstring; ``directory`` overrides the cache directory)."""
+    formats = quantized_formats(model)
+    if mode == "off" or not formats:
         return {}
-    gen = torch.Generator().manual_seed(2)
-    weights = {
-        shape: quantize_dense(torch.randn(shape, generator=gen) * 0.02, qtype)
-        for shape, qtype in shapes.items()
-    }
+    device = torch.device(device)
     head = model.quantized.get("lm_head")
     max_rows = {head.shape: DECODE_BOUNDS[-1]} if head is not None else None
+    key = quantized_cache_key(formats, act_dtype=act_dtype, device=device, max_rows=max_rows)
+    path = cache_path(key, directory)
+    load = machine_load()
+    if mode == "auto":
+        cached = load_cached(path, key)
+        if cached is not None and not (cached["load"] > 1.0 and load < cached["load"] / 2):
+            log.info("quantized kernels from cache %s", path)
+            return cached["plan"]
+    t0 = time.perf_counter()
+    gen = torch.Generator().manual_seed(2)
+    weights = {
+        shape: kernel_layout(
+            quantize_dense(torch.randn(shape, generator=gen) * 0.02, qtype), layout
+        )
+        for shape, (qtype, layout) in formats.items()
+    }
     timings = measure(
         weights,
         act_dtype=act_dtype,
@@ -62,7 +127,11 @@ def select_quantized_kernels(
         factories=[quantized_candidates],
         budget_s=budget_s,
     )
-    return choose(timings, m_buckets(), margin=margin)
+    plan = choose(timings, m_buckets(), margin=margin)
+    sel = Selection(act_dtype, plan, timings, {}, "measured", time.perf_counter() - t0, load)
+    save_cached(path, key, sel)
+    log.info("quantized %s", sel.summary())
+    return plan
 
 
 def with_quantized_plan(

@@ -54,6 +54,8 @@ class LinearMethod(abc.ABC):
     copies it there), so a caller that only reads the result can skip that copy.
     ``shape_cached``: the kernel library builds and keeps a primitive for every distinct M it
     sees (oneDNN), so ``Linear`` calls it with M padded to a few sizes (``row_bucket``).
+    ``rebuilds_dtype``: the method holds a copy from which ``dense_weight`` gives back the
+    weight exactly, in this dtype (None: it cannot), so the source need not be kept.
     """
 
     name: str
@@ -63,6 +65,7 @@ class LinearMethod(abc.ABC):
     supports_bias: bool = False
     allocates: bool = False
     shape_cached: bool = False
+    rebuilds_dtype: torch.dtype | None = None
     bias: torch.Tensor | None = None
 
     @property
@@ -73,6 +76,11 @@ class LinearMethod(abc.ABC):
     @abc.abstractmethod
     def apply(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` [M, in] (the model's activation dtype) -> [M, out], into ``out`` if given."""
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight ``[out, in]`` rebuilt, exactly, from what this method holds; only for a
+        method whose ``rebuilds_dtype`` is set."""
+        raise NotImplementedError(f"{self.name} cannot rebuild its dense weight")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name}, {self.out_features}x{self.in_features})"
@@ -127,10 +135,15 @@ class OneDnnPrepackedMethod(LinearMethod):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, batch_size_hint)
         self._nbytes = w.numel() * w.element_size()
         self.name = f"onednn_prepacked_{dtype_tag(weight.dtype)}"
+        self.rebuilds_dtype = w.dtype
 
     @property
     def nbytes(self) -> int:
         return self._nbytes
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight ``[out, in]`` out of the blocked layout (bit for bit the packed one)."""
+        return self.packed.to_dense()
 
     def apply(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -313,6 +326,32 @@ class Linear:
     def extra_nbytes(self) -> int:
         """Bytes held beyond the weight source (prepacked / converted copies)."""
         return sum(m.nbytes for m in self.methods() if not m.shares_source)
+
+    def can_free_source(self) -> bool:
+        """Whether the weight source may be freed: no method reads it and a held copy in its
+        dtype can rebuild it (``rebuild_source``)."""
+        source = self.source
+        if not isinstance(source, torch.Tensor):
+            return False
+        methods = self.methods()
+        return not any(m.shares_source for m in methods) and any(
+            m.rebuilds_dtype == source.dtype for m in methods
+        )
+
+    def rebuild_source(self) -> torch.Tensor:
+        """The dense weight ``[out, in]`` rebuilt from a held copy (in the copy's dtype).
+
+        Raises ValueError when no held copy can rebuild it.
+        """
+        for m in self.methods():
+            if m.rebuilds_dtype is not None:
+                return m.dense_weight()
+        raise ValueError(f"{self!r} holds no copy that can rebuild its weight")
+
+    def release_source(self, placeholder: Any) -> None:
+        """Drop the reference to the weight source (``placeholder`` takes its place), so
+        that its memory is freed once the model drops it too."""
+        self.source = placeholder
 
     def method_for(self, num_rows: int) -> LinearMethod:
         """The method that runs a call with ``num_rows`` rows."""

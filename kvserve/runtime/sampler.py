@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.core.outputs import Logprob, LogprobsEntry, ScheduledRequest
+from kvserve.runtime import native
 from kvserve.runtime.logits_constraints import RowBitmask, apply_logit_bias, apply_token_bitmask
 from kvserve.sampling_params import SamplingParams
 
@@ -397,10 +398,21 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """Per-row argmax of ``logits`` [M, V] -> [M] long: the first maximal index, NaN counting
     as maximal, exactly as ``torch.argmax``.
 
-    NOTE: ``max(dim).indices`` gives the same indices in about half the CPU time of
-    ``argmax`` on [32, 49152] float32 rows (measured 1.0 vs 2.3 ms, one thread), and greedy
-    decoding runs it on every step.
+    NOTE: greedy decoding runs this on every step. On CPU the native kernel (a vectorized max,
+    then a scan for its first occurrence) took 0.35 ms on [32, 49152] float32 rows where
+    ``max(dim).indices`` took 1.3 ms and ``argmax`` 2.3 ms (one thread, Zen 4); elsewhere
+    ``max(dim).indices``.
     """
+    if (
+        logits.device.type == "cpu"
+        and logits.dim() == 2
+        and logits.shape[1] > 0
+        and logits.stride(-1) == 1
+        and native.available()
+    ):
+        out = torch.empty(logits.shape[0], dtype=torch.long)  # [M]
+        native.ops().argmax_rows(out, logits)
+        return out
     return logits.max(dim=-1).indices
 
 

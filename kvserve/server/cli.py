@@ -180,12 +180,13 @@ def _draining_server(config: Any, lifecycle: Any) -> Any:
         def __init__(self, config: uvicorn.Config, lifecycle: Any) -> None:
             super().__init__(config)
             self.lifecycle = lifecycle
+            self._loop: asyncio.AbstractEventLoop | None = None  # set once serving
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             if self.should_exit:  # the drain is over: stop waiting for connections
                 self.force_exit = True
                 return
-            loop = getattr(self, "_loop", None) or asyncio.get_event_loop_policy().get_event_loop()
+            loop = self._loop or asyncio.get_event_loop_policy().get_event_loop()
             # NOTE: the deadline counts from the signal's arrival, not from when the (busy)
             # loop gets to the callback.
             loop.call_soon_threadsafe(self.lifecycle.on_signal, time.monotonic())

@@ -8,9 +8,9 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from kvserve.server import protocol as p
-from kvserve.server.chat_tools import ChatPlan, prompt_messages
+from kvserve.server.chat_tools import ChatPlan
+from kvserve.server.context import ServingContext, check_model, off_engine, render_chat
 from kvserve.server.errors import APIError, from_validation_errors
-from kvserve.server.serving import ServingContext, check_model, off_engine
 from kvserve.server.tools import tools_as_dicts
 
 
@@ -32,19 +32,10 @@ async def tokenize(ctx: ServingContext, body: dict[str, Any]) -> Response:
         plan = ChatPlan(tool_mode="auto" if req.tools else "none")
         if req.tools:
             plan.tools = tools_as_dicts(req.tools)
-        template = ctx.chat_template or getattr(ctx.tokenizer, "chat_template", None)
         chat = p.ChatCompletionRequest.model_construct(
             messages=req.messages, add_generation_prompt=req.add_generation_prompt
         )
-        messages, extra = prompt_messages(chat, plan, template)
-        if ctx.chat_template is not None:
-            extra["chat_template"] = ctx.chat_template
-        try:
-            return ctx.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt, **extra
-            )
-        except ValueError as e:
-            raise APIError(str(e), param="messages") from e
+        return render_chat(ctx, chat, plan, req.add_generation_prompt)
 
     ids = await off_engine(ctx, run)
     strs = None

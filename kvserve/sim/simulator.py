@@ -199,7 +199,9 @@ class Simulator:
         start = clock.now
         i = 0
         while True:
-            while i < len(pending) and pending[i].arrival_time <= clock.now - start:
+            while i < len(pending) and start + pending[i].arrival_time <= clock.now:
+                # NOTE: compared as start + arrival (the value the clock is set to below): with
+                # arrival <= now - start, rounding could keep it false when start != 0 (a hang).
                 w = pending[i]
                 i += 1
                 req = to_request(w, self.vocab_size, params)

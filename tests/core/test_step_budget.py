@@ -37,6 +37,7 @@ class FakeCost:
 
 def make(policy: str = "shortest", *, budget: int = 64, **cfg: object) -> Driver:
     cfg.setdefault("max_step_ms", 30.0)
+    cfg.setdefault("ttft_aging", 0.0)  # the fixed target (the TTFT guard: test_step_budget_guard)
     step_budget = StepTimeBudget(
         StepBudgetConfig(prefill_policy=policy, **cfg),  # type: ignore[arg-type]
         FakeCost(),

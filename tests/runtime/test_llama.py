@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.models.llama import LlamaForCausalLM, compute_inv_freq, rope_cos_sin
+from kvserve.models.llama import PROJECTIONS, LlamaForCausalLM, compute_inv_freq, rope_cos_sin
 from kvserve.runtime import native
 from kvserve.runtime.attention import SeqSpec, build_attention_metadata
 from kvserve.runtime.kv_cache import KVCache
-from kvserve.runtime.linear import M_MAX, candidate_methods
+from kvserve.runtime.linear import M_MAX, candidate_methods, dtype_tag, onednn_available
 from kvserve.runtime.workspace import Workspace
 from tests.runtime.runtime_testutil import ToyAllocator, hf_logits, ours_from_hf, tiny_hf_model
 
@@ -275,3 +275,84 @@ def test_every_linear_method_as_the_models_kernel_matches_hf(
             torch.testing.assert_close(
                 ours[rid].float(), hf_logits(hf, tokens), atol=atol, rtol=0, msg=f"{name} {rid}"
             )
+
+
+@pytest.mark.skipif(not onednn_available(), reason="oneDNN unavailable in torch")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_releasing_prepacked_weights_frees_them_and_keeps_outputs(dtype: torch.dtype) -> None:
+    """A parameter that only a prepacked copy reads is freed (its bytes leave the
+    parameters, the copy still counts), the outputs stay bit for bit, and the weights come
+    back exactly when the projections are rebuilt."""
+    hf = tiny_hf_model("qwen2")  # with q/k/v biases
+    model, _ = ours_from_hf(hf, attn_backend="torch_sdpa")
+    model = model.to(dtype)
+    seqs = _prompts([9, 23], hf.config.vocab_size, seed=5)
+    chunks = {"s0": [4, 1], "s1": [16, 1]}
+    model.set_linear_plan(_EveryShape(f"onednn_prepacked_{dtype_tag(dtype)}"))
+    before = _run_schedule(model, seqs, chunks)
+    weights = {
+        (i, p): getattr(lay, f"{p}_weight").clone()
+        for i, lay in enumerate(model.layers)
+        for p in PROJECTIONS
+    }
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    packed = sum(lin.extra_nbytes for lin in model.linears())
+
+    freed = model.release_packed_weights()
+
+    expected = sum(w.numel() * w.element_size() for w in weights.values())
+    assert freed == expected == model.released_weight_bytes() > 0
+    assert sum(p.numel() * p.element_size() for p in model.parameters()) == params - freed
+    assert sum(lin.extra_nbytes for lin in model.linears()) == packed  # still held, counted
+    assert all(
+        lin.source.numel() == 0
+        for lay in model.layers
+        for lin in (lay.qkv_proj, lay.o_proj, lay.gate_up_proj, lay.down_proj)
+    )
+    after = _run_schedule(model, seqs, chunks)
+    for rid in seqs:
+        assert torch.equal(before[rid], after[rid])
+    assert model.release_packed_weights() == 0  # nothing left to free
+
+    model.set_linear_plan(None)  # torch.mm reads the parameters: they come back first
+    model.ensure_linears()
+    assert model.released_weight_bytes() == 0
+    for (i, p), w in weights.items():
+        got = getattr(model.layers[i], f"{p}_weight")
+        assert torch.equal(got, w) and got.stride() == w.stride()
+    assert model.release_packed_weights() == 0  # torch.mm shares the source: kept
+    mm = _run_schedule(model, seqs, chunks)
+    for rid in seqs:
+        torch.testing.assert_close(
+            mm[rid], before[rid], atol=0.25 if dtype != torch.float32 else 1e-4, rtol=0
+        )
+
+
+@pytest.mark.skipif(not onednn_available(), reason="oneDNN unavailable in torch")
+def test_load_weights_after_release_restores_full_parameters() -> None:
+    hf = tiny_hf_model("llama")
+    model, _ = ours_from_hf(hf, attn_backend="torch_sdpa")
+    sd = hf.state_dict()
+    model.set_linear_plan(_EveryShape("onednn_prepacked_fp32"))
+    assert model.release_packed_weights() > 0
+    model.load_weights(sd)
+    assert model.released_weight_bytes() == 0
+    layer = model.layers[1]
+    assert torch.equal(layer.down_weight, sd["model.layers.1.mlp.down_proj.weight"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_tables_are_rope_cos_sin_bit_for_bit(dtype: torch.dtype) -> None:
+    """The forward gathers cos / sin rows from per-model tables: the same values as
+    computing them for the step's positions, and a table grows to cover longer contexts."""
+    hf = tiny_hf_model("llama")
+    model, _ = ours_from_hf(hf)
+    positions = torch.tensor([0, 5, 63, 64, 300, 1023, 17])
+    cos_t, sin_t = model.rope_tables(1024, CPU, dtype)
+    assert cos_t.shape[0] >= 1024 and sin_t.shape == cos_t.shape
+    inv = compute_inv_freq(model.arch.head_dim, model.arch.rope_theta, model.arch.rope_scaling)
+    cos, sin = rope_cos_sin(inv, positions, dtype)
+    assert torch.equal(cos_t[positions], cos) and torch.equal(sin_t[positions], sin)
+    small = model.rope_tables(10, CPU, dtype)[0]
+    assert small is cos_t  # covered already: no new table
+    assert model.rope_tables(5000, CPU, dtype)[0].shape[0] >= 5000

@@ -85,6 +85,27 @@ def test_add_rms_norm_bfloat16() -> None:
     torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
 
 
+def test_bfloat16_rounding_is_torchs() -> None:
+    """The kernels' branch-free float -> bf16 rounding (round to nearest even, NaN stays NaN)
+    gives torch's bits: the residual add of add_rms_norm is one rounded float add."""
+    gen = torch.Generator().manual_seed(4)
+    hidden = (torch.randn(3, 512, generator=gen) * 100).bfloat16()
+    residual = torch.randn(3, 512, generator=gen).bfloat16()
+    # exact ties (the sum's low 16 bits are 0x8000 with an even / odd upper half), overflow,
+    # infinities and a NaN
+    hidden[0, :6] = torch.tensor([1.0, 1.0078125, 3e38, float("inf"), -float("inf"), 1.0])
+    residual[0, :6] = torch.tensor([2.0**-8, 2.0**-8, 3e38, 1.0, 1.0, float("nan")])
+    expected = hidden.float() + residual.float()  # exact in float, rounded once below
+    _ops().add_rms_norm(
+        hidden, residual, torch.ones(512).bfloat16(), 1e-6, torch.empty_like(hidden)
+    )
+    finite = ~expected.isnan()
+    assert torch.equal(
+        hidden[finite].view(torch.int16), expected.bfloat16()[finite].view(torch.int16)
+    )
+    assert hidden[~finite].isnan().all()
+
+
 @pytest.mark.parametrize("rows", [1, 33])
 def test_rope_matches_torch_on_a_strided_view(rows: int) -> None:
     """q and k are views into the fused qkv buffer: rows strided, heads contiguous."""
@@ -340,3 +361,21 @@ def test_memory_plan_traces_the_native_ops_and_counts_their_scratch() -> None:
     )  # fmt: skip
     # The decode step's 8 sequences of up to 64 tokens: one scratch per thread.
     assert plan.kernel_scratch_bytes == native_decode_scratch_bytes(4, 64, 8, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_is_torchs_first_max_with_nan_maximal(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(7, 1000, generator=gen).to(dtype)
+    logits[1, [30, 600]] = 50.0  # a tie: the first wins
+    logits[2, [999, 5]] = float("nan")  # NaN is maximal: the first NaN
+    logits[3] = -float("inf")  # all -inf -> 0
+    logits[4, 999] = float("inf")
+    logits[5, 0] = 80.0  # at the edges
+    logits[6, 999] = 80.0
+    out = torch.empty(7, dtype=torch.long)
+    _ops().argmax_rows(out, logits)
+    assert out.tolist() == logits.max(dim=-1).indices.tolist()
+    assert out.tolist()[:4] == [out[0].item(), 30, 5, 0]
+    with pytest.raises(RuntimeError, match="out must be a contiguous int64"):
+        _ops().argmax_rows(torch.empty(7, dtype=torch.int32), logits)

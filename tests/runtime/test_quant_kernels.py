@@ -150,3 +150,96 @@ def test_q4_1_block_layout_is_ggufs() -> None:
     ours = quantize_dense(torch.from_numpy(w), "q4_1").data.numpy()
     theirs = gguf_quants.quantize(w, GGMLQuantizationType.Q4_1)
     np.testing.assert_array_equal(ours, theirs)
+
+
+# ---- layout x16 (rows interleaved in groups of 16, kvserve/models/quant_layout.py) ----------
+
+X16_ISAS = [i for i in ISAS if i in quant_ops.X16_ISAS]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    qtype=st.sampled_from(sorted(KERNEL_QTYPES)),
+    m=st.integers(1, 64),
+    n=st.integers(1, 70),
+    k_blocks=st.integers(1, 9),
+    seed=st.integers(0, 2**31 - 1),
+    isa=st.sampled_from(X16_ISAS or ["scalar"]),
+)
+def test_x16_linear_matches_dequantized_reference(
+    qtype: str, m: int, n: int, k_blocks: int, seed: int, isa: str
+) -> None:
+    """N odd and even, below and above 16 (plain tail rows after the groups)."""
+    rng = np.random.default_rng(seed)
+    k = 32 * k_blocks
+    weight = quantize_dense(torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32)), qtype)
+    x = (rng.standard_normal((m, k)) * rng.uniform(0.01, 10)).astype(np.float32)
+    x16 = weight.interleaved()
+    y = quant_ops.linear(torch.from_numpy(x), x16.data, qtype, isa=isa, layout="x16").numpy()
+    check(x, weight, y)
+
+
+@pytest.mark.parametrize("qtype", sorted(KERNEL_QTYPES))
+def test_x16_equals_plain_on_decode_shapes(qtype: str) -> None:
+    """Same integer dot products, same scale arithmetic order per block: the two layouts agree
+    to fp32 summation order (K = 576, 1536; N = 97 leaves a tail of 1 row)."""
+    rng = np.random.default_rng(5)
+    for n, k in ((97, 576), (64, 1536)):
+        weight = quantize_dense(torch.from_numpy(rng.standard_normal((n, k), np.float32)), qtype)
+        x16 = weight.interleaved()
+        for m in (1, 5, 32):
+            x = torch.from_numpy(rng.standard_normal((m, k), np.float32))
+            plain = quant_ops.linear(x, weight.data, qtype, isa="scalar")
+            for isa in X16_ISAS:
+                y = quant_ops.linear(x, x16.data, qtype, isa=isa, layout="x16")
+                np.testing.assert_allclose(y.numpy(), plain.numpy(), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", sorted(KERNEL_QTYPES))
+def test_x16_byte_order_and_round_trip(qtype: str) -> None:
+    """The documented order: per group and block, the 16 d (q4_1: then the 16 m), then the
+    value bytes as [chunk][row][4 bytes]; ``plain()`` undoes it exactly."""
+    rng = np.random.default_rng(6)
+    weight = quantize_dense(torch.from_numpy(rng.standard_normal((35, 64), np.float32)), qtype)
+    x16 = weight.interleaved()
+    assert x16.layout == "x16" and x16.nbytes == weight.nbytes
+    assert torch.equal(x16.plain().data, weight.data)
+    plain, inter = weight.data.numpy(), x16.data.numpy()
+    bb = plain.shape[1] // 2  # block bytes (2 blocks a row)
+    scales = 2 if qtype == "q4_1" else 1
+    group_block = inter[16:32].reshape(-1)[16 * bb : 32 * bb]  # group 1, block 1
+    row = 16 + 3  # output row 19 = row 3 of group 1
+    blk = plain[row, bb : 2 * bb]
+    assert bytes(group_block[6:8]) == bytes(blk[0:2])  # its d
+    if scales == 2:
+        assert bytes(group_block[32 + 6 : 32 + 8]) == bytes(blk[2:4])  # its m
+    values = group_block[32 * scales :].reshape(-1, 16, 4)  # [chunk, row, 4]
+    np.testing.assert_array_equal(values[:, 3].reshape(-1), blk[2 * scales :])
+    np.testing.assert_array_equal(inter[32:], plain[32:])  # the 3 tail rows stay plain
+    torch.testing.assert_close(x16.dequantize(), weight.dequantize(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("qtype", sorted(KERNEL_QTYPES))
+def test_x16_embedding_gathers_dequantized_rows(qtype: str) -> None:
+    rng = np.random.default_rng(7)
+    weight = quantize_dense(torch.from_numpy(rng.standard_normal((50, 96), np.float32)), qtype)
+    ids = torch.tensor([0, 49, 17, 17, 33], dtype=torch.long)
+    out = torch.empty(5, 96)
+    quant_ops.embedding(ids, weight.interleaved().data, qtype, out, layout="x16")
+    torch.testing.assert_close(out, weight.dequantize()[ids], rtol=0, atol=0)
+
+
+def test_x16_bad_input_is_rejected() -> None:
+    weight = quantize_dense(torch.randn(32, 64), "q4_1").interleaved()
+    for isa in ("avx_vnni", "avx2"):
+        if isa in ISAS:
+            with pytest.raises(RuntimeError, match="x16 layout"):
+                quant_ops.linear(torch.randn(1, 64), weight.data, "q4_1", isa=isa, layout="x16")
+    with pytest.raises(RuntimeError, match="layout code"):
+        torch.ops.kvserve_quant.linear(
+            torch.empty(1, 32), torch.randn(1, 64), weight.data, 2, None, 0, 8
+        )
+    with pytest.raises(ValueError, match="plain layout"):
+        weight.rows(0, 16)
+    with pytest.raises(ValueError, match="unknown quantized layout"):
+        QuantizedWeight("q4_1", weight.data, weight.shape, layout="x8")

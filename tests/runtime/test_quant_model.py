@@ -15,6 +15,7 @@ from kvserve.models.loader import load_model
 from kvserve.models.quant import QuantizedWeight
 from kvserve.models.quant_linear import (
     DequantDenseMethod,
+    DequantTileMethod,
     QuantizedParts,
     QuantKernelMethod,
     QuantSplitMethod,
@@ -83,7 +84,7 @@ def test_gguf_runs_as_stored_and_matches_dequantized_twin(tmp_path: Path, tensor
     quant, dense = build(path, "auto"), build(path, "none")
     qtype = tensor_type.lower()
     names = {lin.method_for(1).name for lin in quant.linears()}
-    assert names == {f"{qtype}_{quant_ops.best_isa()}"}
+    assert names == {kernel_name(qtype)}
     assert quant.quantized["lm_head"] is quant.quantized["embed_tokens"]
     # only norms stay as parameters; the blocks are counted once (tied table)
     params = sum(p.numel() for p in quant.parameters())
@@ -98,6 +99,37 @@ def test_gguf_runs_as_stored_and_matches_dequantized_twin(tmp_path: Path, tensor
     summary = quantization_summary(quant, "auto")
     assert summary["weight_bytes_by_format"][qtype] == blocks
     assert qtype in summary_line(summary)
+
+
+def kernel_name(qtype: str) -> str:
+    """The kernel method's name for a model weight: x16 layout where AVX-512 VNNI runs."""
+    isa = quant_ops.best_isa()
+    return f"{qtype}_x16_{isa}" if isa == "avx512_vnni" else f"{qtype}_{isa}"
+
+
+@pytest.mark.skipif(not quant_ops.load(), reason="quantized kernels unavailable")
+def test_layout_x16_and_plain_give_the_same_logits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The model's weights are repacked to the kernel's layout at load (x16 on AVX-512 VNNI);
+    forcing either layout (``KVSERVE_QUANT_LAYOUT``) runs the same arithmetic."""
+    from kvserve.models.quant_linear import LAYOUT_ENV, kernel_layout
+
+    path = make_tiny_gguf(tmp_path, "smollm", tensor_type="Q4_1")
+    auto = build(path, "auto")
+    want = "x16" if quant_ops.best_isa() == "avx512_vnni" else "plain"
+    assert auto.quantized["lm_head"].layout == want
+    assert {lay.quantized["gate_up"].layout for lay in auto.layers} == {want}
+    layouts = {}
+    for layout in ("plain", "x16"):
+        monkeypatch.setenv(LAYOUT_ENV, layout)
+        model = build(path, "auto")
+        assert model.quantized["embed_tokens"].layout == layout
+        layouts[layout] = logits(model)
+    torch.testing.assert_close(layouts["plain"], layouts["x16"], rtol=1e-4, atol=1e-4)
+    monkeypatch.setenv(LAYOUT_ENV, "x8")
+    with pytest.raises(ValueError, match=LAYOUT_ENV):
+        kernel_layout(auto.quantized["lm_head"])
 
 
 @pytest.mark.skipif(not quant_ops.load(), reason="quantized kernels unavailable")
@@ -132,12 +164,21 @@ def test_candidates_kernel_first_then_dense_copy_with_its_cost() -> None:
         [quantize(torch.randn(8, 64)), quantize(torch.randn(4, 64))]
     )
     methods = quantized_candidates(weight, act_dtype=torch.bfloat16, device=CPU)
-    assert [type(m) for m in methods] == [QuantKernelMethod, DequantDenseMethod]
-    kernel, dense = methods
+    assert [type(m) for m in methods] == [QuantKernelMethod, DequantTileMethod, DequantDenseMethod]
+    kernel, tile, dense = methods
     assert kernel.shares_source and kernel.nbytes == weight.nbytes
+    assert tile.shares_source and tile.nbytes == weight.nbytes  # a scratch tile, no copy
     assert not dense.shares_source and dense.nbytes == 12 * 64 * 2  # bf16 copy
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     torch.testing.assert_close(kernel.apply(x).float(), dense.apply(x).float(), rtol=0.05, atol=0.1)
+    torch.testing.assert_close(tile.apply(x), dense.apply(x), rtol=0, atol=0)
+    big = quantize(torch.randn(150, 4096))  # 9 tiles of 16 rows and a last one of 6
+    xf = torch.randn(5, 4096)
+    want = xf @ big.dequantize().t()
+    for w in (big, big.interleaved()):  # x16: groups, then the plain tail rows
+        tiled = DequantTileMethod(w, torch.float32)
+        assert tiled.tile_rows == 16
+        torch.testing.assert_close(tiled.apply(xf), want, rtol=1e-4, atol=1e-3)
     assert quantized_candidates(torch.randn(4, 64), act_dtype=torch.float32, device=CPU) == []
 
 
@@ -192,12 +233,80 @@ def test_selection_per_bucket_between_kernel_and_dense_copy(tmp_path: Path) -> N
     model = build(path, "auto")
     shapes = quantized_shapes(model)
     assert shapes[(model.arch.vocab_size, model.arch.hidden_size)] == "q4_1"
-    plan = select_quantized_kernels(model, act_dtype=torch.float32, budget_s=0.001)
+    plan = select_quantized_kernels(
+        model, act_dtype=torch.float32, budget_s=0.001, directory=tmp_path / "cache"
+    )
     assert plan.keys() == shapes.keys()
-    kernel = f"q4_1_{quant_ops.best_isa()}"
+    kernel = kernel_name("q4_1")
     for choice in plan.values():
         assert [b for b, _ in choice] == [b for b, _ in m_buckets()]
-        assert {name for _, name in choice} <= {kernel, "dequant_fp32"}
+        assert {name for _, name in choice} <= {kernel, "dequant_tile_fp32", "dequant_fp32"}
     model.set_linear_plan(plan)
     assert_close_to_twin(logits(model), logits(build(path, "none")))
     assert select_quantized_kernels(model, act_dtype=torch.float32, mode="off") == {}
+
+
+@pytest.mark.skipif(not quant_ops.load(), reason="quantized kernels unavailable")
+def test_quantized_selection_is_cached_by_format_and_layout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvserve.models import quant_select
+    from kvserve.models.quant_linear import LAYOUT_ENV
+
+    path = make_tiny_gguf(tmp_path, "smollm", tensor_type="Q4_1")
+    model = build(path, "auto")
+    cache = tmp_path / "cache"
+    kw = {"act_dtype": torch.float32, "budget_s": 0.001, "directory": cache}
+    plan = quant_select.select_quantized_kernels(model, **kw)
+    assert len(list(cache.glob("*.json"))) == 1
+    calls = []
+    real_measure = quant_select.measure
+
+    def counting_measure(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return real_measure(*args, **kwargs)
+
+    monkeypatch.setattr(quant_select, "measure", counting_measure)
+    # NOTE: as loaded as when measured: the cached choice stands (see kernel_select).
+    monkeypatch.setattr(quant_select, "machine_load", lambda: 1000.0)
+    assert quant_select.select_quantized_kernels(model, **kw) == plan  # from the cache
+    assert calls == []
+    quant_select.select_quantized_kernels(model, mode="measure", **kw)
+    assert calls == [1]  # "measure" measures again (and refreshes the same file)
+    assert len(list(cache.glob("*.json"))) == 1
+    monkeypatch.setenv(LAYOUT_ENV, "plain")
+    plain_model = build(path, "auto")
+    plain_plan = quant_select.select_quantized_kernels(plain_model, **kw)
+    assert calls == [1, 1]  # another layout is another cache entry
+    assert len(list(cache.glob("*.json"))) == 2
+    names = {name for choice in plain_plan.values() for _, name in choice}
+    assert not any("x16" in name for name in names)
+
+
+@pytest.mark.skipif(not quant_ops.load(), reason="quantized kernels unavailable")
+def test_dense_copies_of_quantized_weights_are_reported(tmp_path: Path) -> None:
+    """A plan that takes the dense copy for prefill (M > 128) states its memory cost."""
+    from kvserve.models.quant_select import quantized_shapes
+    from kvserve.runtime.kernel_select import m_buckets
+
+    path = make_tiny_gguf(tmp_path, "smollm", tensor_type="Q4_1")
+    model = build(path, "auto")
+    assert quantization_summary(model, "auto")["dense_copy_bytes"] == 0
+    shapes = quantized_shapes(model)
+    bounds = [b for b, _ in m_buckets()]
+    plan = {
+        s: [(b, "dequant_fp32" if b == bounds[-1] else kernel_name("q4_1")) for b in bounds]
+        for s in shapes
+    }
+    model.set_linear_plan(plan)
+    want = sum(
+        lin.out_features * lin.in_features * 4
+        for lin in model.linears()
+        if (lin.out_features, lin.in_features) in shapes
+    )
+    summary = quantization_summary(model, "auto")
+    assert summary["dense_copy_bytes"] == want > 0
+    assert "dense copies of quantized weights" in summary_line(summary)
+    assert summary["layouts"] == {
+        "x16" if quant_ops.best_isa() == "avx512_vnni" else "plain": quantized_nbytes(model)
+    }

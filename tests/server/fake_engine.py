@@ -24,6 +24,7 @@ class FakeTokenizer:
     eos_token_id: int | None = None
     bos_token_id: int | None = None
     vocab_size = VOCAB_SIZE
+    chat_template: str | None = None  # the server renders with apply_chat_template below
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [min(ord(c), VOCAB_SIZE - 1) for c in text]
@@ -84,7 +85,9 @@ class FakeEngine:
         self.step_seconds = step_seconds
         self.requests: dict[str, _Req] = {}
         self.kv_cache_manager = FakeKVCacheManager(self, num_blocks)
+        self.structured = None  # no structured output: constraints are not checked
         self.fail_next_step = False
+        self.fail_add_with: Exception | None = None  # add_request raises this
         self.fail_request_ids: set[str] = set()  # these end with an error output (own fault)
         self.num_aborted = 0
         self.num_prompt_tokens = 0
@@ -99,6 +102,8 @@ class FakeEngine:
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> str:
+        if self.fail_add_with is not None:
+            raise self.fail_add_with
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:

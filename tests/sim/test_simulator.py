@@ -182,3 +182,20 @@ def test_contiguous_reservation_wastes_more_and_fits_fewer() -> None:
     assert contiguous["max_concurrent_requests"] <= pool_tokens // 512
     assert paged["max_concurrent_requests"] > contiguous["max_concurrent_requests"]
     assert contiguous["mean_fragmentation"] > 0.3 > paged["mean_fragmentation"]
+
+
+def test_a_run_on_a_clock_that_does_not_start_at_zero_ends() -> None:
+    """Regression: idle gaps set now = start + arrival; the arrival test must use that sum.
+
+    With ``arrival <= now - start`` these values round to false ((s + a) - s < a), and the
+    loop waited for the request forever.
+    """
+    start, arrival = 4.20571580830845, 0.518
+    assert (start + arrival) - start < arrival  # the rounding this test is about
+    wl = [
+        WorkloadRequest("late", prompt_len=8, output_len=2, arrival_time=arrival),
+    ]
+    scheduler, clock = build_scheduler(SchedulerConfig(max_num_seqs=4), 64)
+    clock.now = start
+    res = Simulator(scheduler, lambda sched: 0.01, clock).run(wl)
+    assert res.latency.timings["late"].num_output_tokens == 2

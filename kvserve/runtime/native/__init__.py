@@ -83,7 +83,14 @@ def ensure_ninja_on_path() -> None:
 
 def _register_fakes() -> None:
     """Fake kernels: every op only writes into its arguments, so tracing has nothing to do."""
-    for op in ("add_rms_norm", "rope_", "write_kv", "paged_decode_attention", "silu_mul"):
+    for op in (
+        "add_rms_norm",
+        "rope_",
+        "write_kv",
+        "paged_decode_attention",
+        "silu_mul",
+        "argmax_rows",
+    ):
         torch.library.register_fake(f"kvserve::{op}")(lambda *args, **kwargs: None)
 
 

@@ -23,6 +23,17 @@
 //   scalar:      plain C++ integer loops.
 // Work splits over output rows (tiles of 4 rows) with at::parallel_for: each thread streams
 // its own rows once and reuses each tile for all tokens while it sits in L1.
+//
+// Layout "x16" (layout code 16, made once at load by kvserve/models/quant.py:interleave_x16):
+// the first N - N % 16 rows in groups of 16, each group's block b stored as one run of 16 x
+// block bytes: the 16 fp16 d (q4_1: then the 16 fp16 m), then the values in chunks of 4 bytes,
+// chunk-major: [chunk c][row i][4 bytes] (q8_0: 8 chunks of values 4c..4c+3; q4_*: 4 chunks of
+// nibble bytes 4c..4c+3, i.e. values 4c..4c+3 low and 16+4c..16+4c+3 high). One 64-byte load
+// is then one chunk of all 16 rows, int32 lane i = row i: a vpdpbusd against 4 broadcast
+// activation bytes advances 16 rows at once, and the scales of 16 rows are one load, so the
+// per-block scale arithmetic is shared by 16 rows instead of done per row (the AVX-512 GEMV
+// of the plain layout is compute bound at about half the read bandwidth). The last N % 16 rows
+// stay plain. Instruction sets for x16: avx512_vnni and scalar.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -34,6 +45,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace kvserve_quant {
@@ -143,6 +155,47 @@ void quantize_row(const scalar_t* x, int64_t k, int8_t* q, float* d, float* s) {
     d[b] = scale;
     s[b] = scale * static_cast<float>(sum);
   }
+}
+
+// The same as quantize_row for fp32 / bf16 rows with AVX-512 (bit-identical: the same fp32
+// max, product and round-to-nearest-even as std::nearbyint, exact integer sums).
+template <typename scalar_t>
+KVQ_AVX512 inline __m512 load16_ps(const scalar_t* x) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return _mm512_loadu_ps(x);
+  } else {  // bf16: the upper half of an fp32
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+template <typename scalar_t>
+KVQ_AVX512 void quantize_row_avx512(const scalar_t* x, int64_t k, int8_t* q, float* d, float* s) {
+  const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const __m512 v0 = load16_ps(x + b * kBlock), v1 = load16_ps(x + b * kBlock + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const __m512 vinv = _mm512_set1_ps(inv);
+    // NOTE: clamp in float then round: the same as rounding then clamping to [-127, 127].
+    const __m512i q0 = _mm512_cvtps_epi32(
+        _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v0, vinv), lo), hi));
+    const __m512i q1 = _mm512_cvtps_epi32(
+        _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v1, vinv), lo), hi));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtsepi32_epi8(q1));
+    const float scale = amax / 127.0f;
+    d[b] = scale;
+    s[b] = scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+  }
+}
+
+template <typename scalar_t>
+void quantize_activations(const scalar_t* x, int64_t k, int8_t* q, float* d, float* s, int isa) {
+  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (isa == kIsaAvx512Vnni) return quantize_row_avx512(x, k, q, d, s);
+  }
+  quantize_row(x, k, q, d, s);
 }
 
 // Quantized activations of M tokens: row m at q + m * k, d / s + m * nb.
@@ -365,6 +418,173 @@ KVQ_AVX512 void tile_avx512(const uint8_t* w, int64_t row_bytes, const QAct& a, 
   }
 }
 
+
+// ---- layout x16 ---------------------------------------------------------------------------
+
+constexpr int kGroup = 16;
+
+// Offset of a group-block's values (after the 16 d and, for q4_1, the 16 m).
+constexpr int64_t x16_values_offset(int qtype) { return qtype == kQ4_1 ? 64 : 32; }
+
+// Block b of output row `row` in the GGUF byte layout: a pointer into w for a plain row (at or
+// past `grouped`), else rebuilt into tmp from its group.
+const uint8_t* x16_plain_block(const uint8_t* w, int64_t row_bytes, int qtype, int64_t grouped,
+                               int64_t row, int64_t b, uint8_t* tmp) {
+  const int64_t bb = kBlockBytes[qtype];
+  if (row >= grouped) return w + row * row_bytes + b * bb;
+  const int64_t g = row / kGroup, i = row % kGroup;
+  const uint8_t* blk = w + g * kGroup * row_bytes + b * kGroup * bb;
+  std::memcpy(tmp, blk + 2 * i, 2);
+  if (qtype == kQ4_1) std::memcpy(tmp + 2, blk + 32 + 2 * i, 2);
+  const uint8_t* vals = blk + x16_values_offset(qtype);
+  const int chunks = qtype == kQ8_0 ? 8 : 4;
+  uint8_t* out = tmp + (qtype == kQ4_1 ? 4 : 2);
+  for (int c = 0; c < chunks; ++c) std::memcpy(out + 4 * c, vals + c * 64 + 4 * i, 4);
+  return tmp;
+}
+
+template <int QT>
+float dot_row_scalar_x16(const uint8_t* w, int64_t row_bytes, int64_t grouped, int64_t row,
+                         const QAct& a, int64_t t) {
+  uint8_t tmp[40];
+  float acc = 0.0f;
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t* blk = x16_plain_block(w, row_bytes, QT, grouped, row, b, tmp);
+    const QAct one{a.q + t * a.k + b * kBlock, a.d + t * a.nb + b, a.s + t * a.nb + b, kBlock, 1};
+    acc += dot_row_scalar<QT>(blk, one, 0);
+  }
+  return acc;
+}
+
+// One group of 16 rows x T tokens: res[t][i] = row i . token t0 + t.
+template <int QT, int T>
+KVQ_AVX512 void group_avx512(const uint8_t* g, const QAct& a, int64_t t0, float* res) {
+  constexpr int64_t GB = kGroup * kBlockBytes[QT];  // bytes of one group-block
+  constexpr int64_t VO = x16_values_offset(QT);
+  __m512 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i u128 = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int8_t* xq[T];
+  for (int t = 0; t < T; ++t) xq[t] = a.q + (t0 + t) * a.k;
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t* blk = g + b * GB;
+    _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * GB), _MM_HINT_T0);
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+    __m512i dot0[T], dot1[T];
+    for (int t = 0; t < T; ++t) dot0[t] = dot1[t] = _mm512_setzero_si512();
+    if constexpr (QT == kQ8_0) {
+      // dot(x, w) = dot(x + 128, w) - 128 sum(w): x + 128 is the unsigned operand.
+      __m512i wsum = _mm512_setzero_si512();
+      for (int c = 0; c < 8; ++c) {
+        const __m512i wv = _mm512_loadu_si512(blk + VO + 64 * c);
+        wsum = _mm512_dpbusd_epi32(wsum, u128, wv);
+        for (int t = 0; t < T; ++t) {
+          const __m512i xv =
+              _mm512_set1_epi32(static_cast<int>(load_u32(reinterpret_cast<const uint8_t*>(
+                                    xq[t] + b * kBlock + 4 * c)) ^ 0x80808080u));
+          if (c & 1)
+            dot1[t] = _mm512_dpbusd_epi32(dot1[t], xv, wv);
+          else
+            dot0[t] = _mm512_dpbusd_epi32(dot0[t], xv, wv);
+        }
+      }
+      for (int t = 0; t < T; ++t) {
+        const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(dot0[t], dot1[t]), wsum);
+        const __m512 scaled =
+            _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(a.d[(t0 + t) * a.nb + b]));
+        acc[t] = _mm512_fmadd_ps(scaled, dw, acc[t]);
+      }
+    } else {
+      for (int c = 0; c < 4; ++c) {
+        const __m512i wv = _mm512_loadu_si512(blk + VO + 64 * c);
+        const __m512i lo = _mm512_and_si512(wv, low4);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low4);
+        for (int t = 0; t < T; ++t) {
+          const uint8_t* xb = reinterpret_cast<const uint8_t*>(xq[t] + b * kBlock + 4 * c);
+          dot0[t] = _mm512_dpbusd_epi32(dot0[t], lo, _mm512_set1_epi32(static_cast<int>(load_u32(xb))));
+          dot1[t] =
+              _mm512_dpbusd_epi32(dot1[t], hi, _mm512_set1_epi32(static_cast<int>(load_u32(xb + 16))));
+        }
+      }
+      __m512 mw;
+      if constexpr (QT == kQ4_1)
+        mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+      for (int t = 0; t < T; ++t) {
+        const int64_t xi = (t0 + t) * a.nb + b;
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(dot0[t], dot1[t]));
+        if constexpr (QT == kQ4_0) {
+          // d_w (d_x dot - 8 s_x)
+          const __m512 v =
+              _mm512_fmadd_ps(dot, _mm512_set1_ps(a.d[xi]), _mm512_set1_ps(-8.0f * a.s[xi]));
+          acc[t] = _mm512_fmadd_ps(v, dw, acc[t]);
+        } else {
+          acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(dot, _mm512_set1_ps(a.d[xi])), dw, acc[t]);
+          acc[t] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[xi]), acc[t]);
+        }
+      }
+    }
+  }
+  for (int t = 0; t < T; ++t) _mm512_storeu_ps(res + t * kGroup, acc[t]);
+}
+
+using GroupFn = void (*)(const uint8_t*, const QAct&, int64_t, float*);
+
+template <int QT>
+void group_table(GroupFn fns[4]) {
+  fns[0] = &group_avx512<QT, 1>;
+  fns[1] = &group_avx512<QT, 2>;
+  fns[2] = &group_avx512<QT, 3>;
+  fns[3] = &group_avx512<QT, 4>;
+}
+
+// The x16 layout's rows (see the header): groups on the AVX-512 kernel or the scalar one,
+// the plain tail rows on the scalar dot.
+template <typename scalar_t>
+void run_linear_x16(const QAct& act, int64_t m, const uint8_t* wp, int64_t n, int64_t row_bytes,
+                    int qtype, const float* bias, scalar_t* op, int64_t out_stride, int isa) {
+  const int64_t groups = n / kGroup, grouped = groups * kGroup;
+  GroupFn fns[4] = {};
+  if (isa == kIsaAvx512Vnni) {
+    if (qtype == kQ8_0) group_table<kQ8_0>(fns);
+    if (qtype == kQ4_0) group_table<kQ4_0>(fns);
+    if (qtype == kQ4_1) group_table<kQ4_1>(fns);
+  }
+  auto scalar_dot = [&](int64_t row, int64_t t) -> float {
+    if (qtype == kQ8_0) return dot_row_scalar_x16<kQ8_0>(wp, row_bytes, grouped, row, act, t);
+    if (qtype == kQ4_0) return dot_row_scalar_x16<kQ4_0>(wp, row_bytes, grouped, row, act, t);
+    return dot_row_scalar_x16<kQ4_1>(wp, row_bytes, grouped, row, act, t);
+  };
+  auto store = [&](int64_t row, int64_t t, float v) {
+    op[t * out_stride + row] = static_cast<scalar_t>(v + (bias != nullptr ? bias[row] : 0.0f));
+  };
+  // NOTE: ~32 KiB of weights per task, as the plain layout's tiles.
+  const int64_t grain =
+      std::max<int64_t>(1, 32768 / (kGroup * row_bytes * std::max<int64_t>(m, 1)));
+  at::parallel_for(0, groups + (n > grouped ? 1 : 0), grain, [&](int64_t begin, int64_t end) {
+    float res[kGroup * 4];
+    for (int64_t g = begin; g < end; ++g) {
+      if (g == groups) {  // the plain tail rows
+        for (int64_t row = grouped; row < n; ++row)
+          for (int64_t t = 0; t < m; ++t) store(row, t, scalar_dot(row, t));
+        continue;
+      }
+      const uint8_t* gp = wp + g * kGroup * row_bytes;
+      for (int64_t t0 = 0; t0 < m; t0 += 4) {
+        const int tokens = static_cast<int>(std::min<int64_t>(4, m - t0));
+        if (isa == kIsaAvx512Vnni) {
+          fns[tokens - 1](gp, act, t0, res);
+        } else {
+          for (int t = 0; t < tokens; ++t)
+            for (int i = 0; i < kGroup; ++i) res[t * kGroup + i] = scalar_dot(g * kGroup + i, t0 + t);
+        }
+        for (int t = 0; t < tokens; ++t)
+          for (int i = 0; i < kGroup; ++i) store(g * kGroup + i, t0 + t, res[t * kGroup + i]);
+      }
+    }
+  });
+}
+
 // ---- dispatch ----------------------------------------------------------------------------
 
 using TileFn = void (*)(const uint8_t*, int64_t, const QAct&, int64_t, float*);
@@ -405,7 +625,7 @@ int max_tokens_per_tile(int isa) {
 
 template <typename scalar_t>
 void run_linear(const Tensor& x, const Tensor& weight, int qtype, const float* bias, Tensor& out,
-                int isa) {
+                int isa, int layout) {
   const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
   const int64_t row_bytes = weight.size(1), nb = k / kBlock;
   const int64_t x_stride = x.stride(0), out_stride = out.stride(0);
@@ -424,9 +644,13 @@ void run_linear(const Tensor& x, const Tensor& weight, int qtype, const float* b
   const int64_t token_grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, k));
   at::parallel_for(0, m, token_grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
-      quantize_row(xp + t * x_stride, k, qp + t * k, dp + t * nb, sp + t * nb);
+      quantize_activations(xp + t * x_stride, k, qp + t * k, dp + t * nb, sp + t * nb, isa);
   });
   const QAct act{qp, dp, sp, k, nb};
+  if (layout == kGroup) {
+    run_linear_x16<scalar_t>(act, m, wp, n, row_bytes, qtype, bias, op, out_stride, isa);
+    return;
+  }
 
   TileFn fns[2][4] = {};
   if (isa != kIsaScalar) {
@@ -480,7 +704,9 @@ void check_weight(const Tensor& weight, int64_t qtype, int64_t k) {
 // out [M, N] (rows contiguous, any row stride: a column slice of a wider buffer works) =
 // x [M, K] @ dequant(weight)^T (+ bias [N], float32).
 void quant_linear(Tensor out, const Tensor& x, const Tensor& weight, int64_t qtype,
-                  const std::optional<Tensor>& bias, int64_t isa) {
+                  const std::optional<Tensor>& bias, int64_t isa, int64_t layout) {
+  TORCH_CHECK(layout == 0 || layout == kGroup, "kvserve_quant: unknown layout code ", layout,
+              " (0 = plain, 16 = x16)");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1,
               "kvserve_quant: x must be a 2-D CPU tensor with contiguous rows");
   TORCH_CHECK(out.device().is_cpu() && out.dim() == 2 && out.stride(1) == 1,
@@ -500,16 +726,23 @@ void quant_linear(Tensor out, const Tensor& x, const Tensor& weight, int64_t qty
   int chosen = isa == kIsaAuto ? best_isa() : static_cast<int>(isa);
   TORCH_CHECK(isa_supported(chosen), "kvserve_quant: instruction set ", isa,
               " is not supported by this CPU");
+  TORCH_CHECK(layout == 0 || chosen == kIsaAvx512Vnni || chosen == kIsaScalar,
+              "kvserve_quant: the x16 layout runs on avx512_vnni or scalar, not on isa ", chosen);
   if (x.size(0) == 0) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "quant_linear", [&] {
-    run_linear<scalar_t>(x, weight, static_cast<int>(qtype), bp, out, chosen);
+    run_linear<scalar_t>(x, weight, static_cast<int>(qtype), bp, out, chosen,
+                         static_cast<int>(layout));
   });
 }
 
+// Output row `row` of a weight in `layout` (0 or 16) dequantized into o [k].
 template <typename scalar_t>
-void dequant_row(const uint8_t* w, int qtype, int64_t k, scalar_t* o) {
+void dequant_row(const uint8_t* wp, int64_t row_bytes, int64_t n, int layout, int64_t row,
+                 int qtype, int64_t k, scalar_t* o) {
+  const int64_t grouped = layout == kGroup ? n / kGroup * kGroup : 0;
+  uint8_t tmp[40];
   for (int64_t b = 0; b < k / kBlock; ++b) {
-    const uint8_t* blk = w + b * kBlockBytes[qtype];
+    const uint8_t* blk = x16_plain_block(wp, row_bytes, qtype, grouped, row, b, tmp);
     const float d = load_half(blk);
     scalar_t* ob = o + b * kBlock;
     if (qtype == kQ8_0) {
@@ -530,7 +763,9 @@ void dequant_row(const uint8_t* w, int qtype, int64_t k, scalar_t* o) {
 }
 
 // out [T, K] = dequant(weight)[ids]: the embedding lookup of a quantized table.
-void quant_embedding(Tensor out, const Tensor& ids, const Tensor& weight, int64_t qtype) {
+void quant_embedding(Tensor out, const Tensor& ids, const Tensor& weight, int64_t qtype,
+                     int64_t layout) {
+  TORCH_CHECK(layout == 0 || layout == kGroup, "kvserve_quant: unknown layout code ", layout);
   TORCH_CHECK(out.device().is_cpu() && out.dim() == 2 && out.stride(1) == 1,
               "kvserve_quant: out must be a 2-D CPU tensor with contiguous rows");
   check_weight(weight, qtype, out.size(1));
@@ -548,7 +783,8 @@ void quant_embedding(Tensor out, const Tensor& ids, const Tensor& weight, int64_
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, t_n, 64, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t)
-        dequant_row<scalar_t>(wp + ip[t] * row_bytes, static_cast<int>(qtype), k, op + t * stride);
+        dequant_row<scalar_t>(wp, row_bytes, rows, static_cast<int>(layout), ip[t],
+                              static_cast<int>(qtype), k, op + t * stride);
     });
   });
 }
@@ -561,8 +797,10 @@ int64_t quant_best_isa() { return best_isa(); }
 }  // namespace kvserve_quant
 
 TORCH_LIBRARY(kvserve_quant, m) {
-  m.def("linear(Tensor(a!) out, Tensor x, Tensor weight, int qtype, Tensor? bias, int isa) -> ()");
-  m.def("embedding(Tensor(a!) out, Tensor ids, Tensor weight, int qtype) -> ()");
+  m.def(
+      "linear(Tensor(a!) out, Tensor x, Tensor weight, int qtype, Tensor? bias, int isa, "
+      "int layout=0) -> ()");
+  m.def("embedding(Tensor(a!) out, Tensor ids, Tensor weight, int qtype, int layout=0) -> ()");
   m.def("isa_supported(int isa) -> bool", &kvserve_quant::quant_isa_supported);
   m.def("best_isa() -> int", &kvserve_quant::quant_best_isa);
 }

@@ -5,8 +5,8 @@ Built on first use like the other native kernels (same compiler flags and cache 
 build and change independently. ``load()`` never raises: it returns False and ``reason()``
 says why (no compiler, ``KVSERVE_NATIVE=0``); quantized weights then run dequantized.
 
-Ops: ``linear(out, x, weight, qtype, bias, isa)`` (y = x @ W^T + b over GGML blocks, int8
-activations, see the C++ header comment), ``embedding(out, ids, weight, qtype)`` (gather and
+Ops: ``linear(out, x, weight, qtype, bias, isa, layout)`` (y = x @ W^T + b over GGML blocks, int8
+activations, see the C++ header comment), ``embedding(out, ids, weight, qtype, layout)`` (gather and
 dequantize rows), ``isa_supported(isa)`` and ``best_isa()``.
 """
 
@@ -28,6 +28,9 @@ SOURCE = Path(__file__).with_name("kvserve_quant_ops.cpp")
 QTYPE_CODES: dict[str, int] = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
 # Instruction-set codes: "auto" picks the best one this CPU has.
 ISA_CODES: dict[str, int] = {"auto": 0, "scalar": 1, "avx2": 2, "avx_vnni": 3, "avx512_vnni": 4}
+# Weight byte layouts (kvserve/models/quant_layout.py): x16 runs on avx512_vnni and scalar.
+LAYOUT_CODES: dict[str, int] = {"plain": 0, "x16": 16}
+X16_ISAS = ("avx512_vnni", "scalar")
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -107,11 +110,14 @@ def linear(
     bias: torch.Tensor | None = None,  # float32 [N]
     out: torch.Tensor | None = None,  # [M, N], x's dtype, rows contiguous
     isa: str = "auto",
+    layout: str = "plain",
 ) -> torch.Tensor:
     """``x @ dequant(weight)^T (+ bias)`` with the int8-dot kernels; returns ``out``."""
     if out is None:
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
-    torch.ops.kvserve_quant.linear(out, x, weight, QTYPE_CODES[qtype], bias, ISA_CODES[isa])
+    torch.ops.kvserve_quant.linear(
+        out, x, weight, QTYPE_CODES[qtype], bias, ISA_CODES[isa], LAYOUT_CODES[layout]
+    )
     return out
 
 
@@ -120,7 +126,8 @@ def embedding(
     weight: torch.Tensor,  # uint8 [V, row_bytes]
     qtype: str,
     out: torch.Tensor,  # [T, K]
+    layout: str = "plain",
 ) -> torch.Tensor:
     """Rows ``ids`` of the quantized table, dequantized into ``out``; returns ``out``."""
-    torch.ops.kvserve_quant.embedding(out, ids, weight, QTYPE_CODES[qtype])
+    torch.ops.kvserve_quant.embedding(out, ids, weight, QTYPE_CODES[qtype], LAYOUT_CODES[layout])
     return out

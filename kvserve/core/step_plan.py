@@ -1,0 +1,95 @@
+"""One ``Scheduler.schedule()`` call's plan: its token budget, chunk sizes and output.
+
+``StepPlan`` is the mutable state of one step: the ``SchedulerOutput`` being built, the
+step's ``StepStats``, the token budget left (``max_num_batched_tokens`` at the start) and,
+with a step-time budget, its per-request prefill chunk caps. ``chunk`` sizes a request's
+next chunk under both budgets and the chunked-prefill setting; ``emit`` appends the
+``ScheduledRequest`` and charges the budget; ``record`` fills the step's figures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
+from kvserve.core.sched_stats import StepStats
+from kvserve.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from kvserve.core.kv_cache_manager import KVCacheManager
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """Mutable state of one ``schedule()`` call."""
+
+    out: SchedulerOutput
+    stats: StepStats
+    budget: int  # tokens left to hand out in this step
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+    scheduled_ids: set[str] = field(default_factory=set)
+    prefill_caps: dict[str, int] | None = None  # step-time budget: tokens per request id
+
+    def prefill_budget(self, request: Request, remaining: int) -> int:
+        """The step's token budget, cut to the step-time budget's cap for a prefill chunk."""
+        caps = self.prefill_caps
+        if caps is None or remaining == 1:
+            return self.budget
+        if request.request_id not in caps:
+            # NOTE: a waiting request left out of the plan (admission reopened in this step)
+            # waits one step; anything else unplanned is never held back.
+            waiting = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            return 0 if waiting else self.budget
+        return min(self.budget, caps[request.request_id])
+
+    def chunk(self, request: Request, remaining: int) -> int:
+        """Tokens to schedule now out of ``remaining``: all, a budget-sized chunk, or none."""
+        budget = self.prefill_budget(request, remaining)
+        if remaining <= budget:
+            return remaining
+        # NOTE: without chunked prefill a fresh prompt never exceeds the budget (add_request),
+        # but prompt + output after a recompute preemption can; it is chunked anyway.
+        if self.enable_chunked_prefill or remaining > self.max_num_batched_tokens:
+            return budget
+        return 0
+
+    def emit(
+        self, request: Request, num_new: int, block_ids: list[int], clock: Callable[[], float]
+    ) -> None:
+        """Append the ScheduledRequest for ``num_new`` tokens from num_computed_tokens on,
+        reading the request's ``block_ids`` table; charge the budget."""
+        start = request.num_computed_tokens
+        end = start + num_new
+        params = request.sampling_params
+        self.out.scheduled.append(
+            ScheduledRequest(
+                request_id=request.request_id,
+                token_ids=request.token_ids_slice(start, end),
+                start_pos=start,
+                block_ids=block_ids,
+                sample=end == request.num_tokens,
+                sampling_params=params,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=request.output_token_ids,
+                seed=None if params.seed is None else params.seed + request.sample_index,
+            )
+        )
+        self.scheduled_ids.add(request.request_id)
+        self.budget -= num_new
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = clock()
+
+    def record(
+        self, queues: tuple[int, int, int], kv: KVCacheManager, elapsed_s: float
+    ) -> StepStats:
+        """Fill and return the step's figures: ``queues`` = (running, waiting, swapped)."""
+        s = self.stats
+        s.num_running, s.num_waiting, s.num_swapped = queues
+        s.num_scheduled_requests = len(self.out.scheduled)
+        s.num_scheduled_tokens = self.out.total_num_scheduled_tokens
+        s.num_free_blocks, s.kv_usage = kv.num_free_blocks, kv.usage
+        s.schedule_time_s = elapsed_s
+        return s

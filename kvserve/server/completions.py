@@ -1,0 +1,207 @@
+"""POST /v1/completions: a prompt (or a batch) -> engine requests -> JSON or an SSE stream."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from typing import cast
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from kvserve.async_engine import RequestStream
+from kvserve.outputs import RequestOutput
+from kvserve.server import protocol as p
+from kvserve.server.chat_tools import structured_params
+from kvserve.server.context import ServingContext, check_model, off_engine, usage
+from kvserve.server.errors import APIError
+from kvserve.server.logprobs import completion_logprobs
+from kvserve.server.streaming import (
+    ChoiceDelta,
+    collect_or_disconnect,
+    sse,
+    sse_response,
+    stream_events,
+)
+from kvserve.server.validation import (
+    MAX_CHOICES,
+    add_engine_requests,
+    check_constraint,
+    check_prompt_ids,
+    resolve_max_tokens,
+    sampling_params,
+)
+from kvserve.structured.spec import StructuredOutputsParams
+
+
+async def create_completion(
+    ctx: ServingContext, req: p.CompletionRequest, raw: Request
+) -> Response:
+    """POST /v1/completions."""
+    check_model(ctx, req.model)
+    if req.suffix:
+        raise APIError("suffix is not supported", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError("best_of must equal n (best-of sampling is not supported)", param="best_of")
+    prompts = await off_engine(ctx, lambda: _completion_prompts(ctx, req))
+    constraint = _completion_constraint(req)
+    await check_constraint(ctx, constraint, "structured_outputs")
+    # NOTE: echo with logprobs reports the prompt tokens' logprobs too (OpenAI).
+    prompt_lps = req.prompt_logprobs
+    if req.echo and req.logprobs is not None:
+        prompt_lps = max(req.logprobs, prompt_lps or 0)
+    params_list = [
+        sampling_params(
+            ctx,
+            req,
+            resolve_max_tokens(ctx, len(ids), req.max_tokens, "max_tokens"),
+            req.logprobs,
+            constraint,
+            prompt_lps,
+        )
+        for ids in prompts
+    ]
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    streams = await add_engine_requests(ctx, request_id, prompts, params_list, req)
+    if req.stream:
+        return sse_response(_completion_stream(ctx, req, request_id, prompts, streams))
+    finals = await collect_or_disconnect(raw, streams)
+    choices = [
+        _with_prompt_parts(
+            ctx,
+            req,
+            out,
+            p.CompletionChoice(
+                index=i * req.n + c.index,
+                text=c.text,
+                logprobs=completion_logprobs(ctx, c.token_ids, c.logprobs, 0, req.logprobs),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            ),
+        )
+        for i, out in enumerate(finals)
+        for c in out.outputs
+    ]
+    resp = p.CompletionResponse(
+        id=request_id, model=ctx.model_name, choices=choices, usage=usage(prompts, finals)
+    )
+    return JSONResponse(p.dump(resp))
+
+
+def _completion_prompts(ctx: ServingContext, req: p.CompletionRequest) -> list[list[int]]:
+    """Runs on a tokenizer thread: tokenize and check every prompt of the batch."""
+    prompt = req.prompt
+    items: list[str | list[int]]
+    if isinstance(prompt, str):
+        items = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        items = [cast("list[int]", prompt)]  # NOTE: pydantic made the list all ints
+    else:
+        items = list(cast("list[str] | list[list[int]]", prompt))
+    if not items:
+        raise APIError("prompt is empty", param="prompt")
+    if len(items) * req.n > MAX_CHOICES:
+        raise APIError(f"prompts x n must be <= {MAX_CHOICES}", param="n")
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            if not item:
+                raise APIError("prompt is empty", param="prompt")
+            ids = ctx.tokenizer.encode(item)
+        else:
+            ids = list(item)
+        check_prompt_ids(ctx, ids, "prompt")
+        out.append(ids)
+    return out
+
+
+def _completion_stream(
+    ctx: ServingContext,
+    req: p.CompletionRequest,
+    request_id: str,
+    prompts: list[list[int]],
+    streams: list[RequestStream],
+) -> AsyncGenerator[str, None]:
+    created = int(time.time())
+    echoed: set[int] = set()
+
+    def chunk(choices: list[p.CompletionChoice], usage_info: p.UsageInfo | None = None) -> str:
+        resp = p.CompletionResponse(
+            id=request_id, created=created, model=ctx.model_name, choices=choices, usage=usage_info
+        )
+        return sse(p.dump(resp))
+
+    def choice_event(d: ChoiceDelta) -> str:
+        c = d.completion
+        choice = p.CompletionChoice(
+            index=d.index,
+            text=c.delta_text,
+            logprobs=completion_logprobs(ctx, c.token_ids, c.logprobs, d.start, req.logprobs),
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+        )
+        if d.index not in echoed:  # the first chunk of a choice carries the prompt parts
+            echoed.add(d.index)
+            choice = _with_prompt_parts(ctx, req, d.output, choice)
+        return chunk([choice])
+
+    return stream_events(
+        streams,
+        prompts,
+        req.n,
+        choice_event,
+        with_logprobs=req.logprobs is not None,
+        usage_event=(lambda u: chunk([], u)) if req.include_usage else None,
+    )
+
+
+def _completion_constraint(req: p.CompletionRequest) -> StructuredOutputsParams | None:
+    if req.structured_outputs is None:
+        return None
+    try:
+        return structured_params(req.structured_outputs)
+    except ValueError as e:
+        raise APIError(str(e), param="structured_outputs") from e
+
+
+def _with_prompt_parts(
+    ctx: ServingContext, req: p.CompletionRequest, out: RequestOutput, choice: p.CompletionChoice
+) -> p.CompletionChoice:
+    """``choice`` with echo (prompt text, and its logprobs when logprobs are asked) and
+    vLLM's ``prompt_logprobs`` added, as the request asks."""
+    lps = out.prompt_logprobs
+    if req.prompt_logprobs is not None and lps is not None:
+        num_top = req.prompt_logprobs
+        choice.prompt_logprobs = [
+            None
+            if entry is None
+            else {
+                str(t): p.PromptLogprob(
+                    logprob=lp.logprob, rank=lp.rank, decoded_token=ctx.token_text(t)
+                )
+                for t, lp in entry.items()
+                if t == tid or lp.rank <= num_top
+            }
+            for tid, entry in zip(out.prompt_token_ids, lps, strict=False)
+        ]
+    if not req.echo:
+        return choice
+    prompt_text = (
+        out.prompt if out.prompt is not None else ctx.tokenizer.decode(out.prompt_token_ids)
+    )
+    choice.text = prompt_text + choice.text
+    if choice.logprobs is not None and lps is not None:
+        head = completion_logprobs(
+            ctx, out.prompt_token_ids, [e or {} for e in lps], 0, req.logprobs
+        )
+        assert head is not None
+        head.token_logprobs[0] = None
+        head.top_logprobs[0] = None
+        shift = len(prompt_text)
+        head.tokens += choice.logprobs.tokens
+        head.token_logprobs += choice.logprobs.token_logprobs
+        head.top_logprobs += choice.logprobs.top_logprobs
+        head.text_offset += [o + shift for o in choice.logprobs.text_offset]
+        choice.logprobs = head
+    return choice

@@ -1,0 +1,157 @@
+"""Checks that need the model (prompt length, vocabulary, context) and the request's
+SamplingParams; each error names the offending field. Everything else is checked by
+protocol.py and SamplingParams."""
+
+from __future__ import annotations
+
+from kvserve.async_engine import RequestStream
+from kvserve.sampling_params import SamplingParams
+from kvserve.server import protocol as p
+from kvserve.server.context import ServingContext, off_engine
+from kvserve.server.errors import APIError, engine_error, from_value_error
+from kvserve.structured.spec import StructuredOutputsParams
+
+MAX_SEED = 2**63 - 1 - 1024  # NOTE: room for seed + sample_index in the sampler's generator
+MAX_CHOICES = 256  # prompts x n in one request
+
+
+def check_prompt_ids(ctx: ServingContext, token_ids: list[int], param: str) -> None:
+    """400 (naming ``param``) for an empty prompt, an id outside the vocabulary, or a prompt
+    that leaves no room in the context for one generated token."""
+    if not token_ids:
+        raise APIError(f"{param} is empty", param=param)
+    for t in token_ids:
+        if not 0 <= t < ctx.vocab_size:
+            raise APIError(
+                f"{param} token id {t} is outside the vocabulary [0, {ctx.vocab_size})",
+                param=param,
+            )
+    if len(token_ids) >= ctx.max_model_len:
+        raise APIError(
+            f"{param} has {len(token_ids)} tokens, but this model's context length is "
+            f"{ctx.max_model_len} (and at least one token must be generated)",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+def resolve_max_tokens(
+    ctx: ServingContext, num_prompt_tokens: int, max_tokens: int | None, param: str
+) -> int:
+    """``max_tokens`` checked against the context (None: as many as the context and the KV
+    pool leave)."""
+    if max_tokens is None:
+        return max(1, ctx.max_total_tokens - num_prompt_tokens)
+    if num_prompt_tokens + max_tokens > ctx.max_model_len:
+        raise APIError(
+            f"{param}={max_tokens} plus the prompt's {num_prompt_tokens} tokens exceeds this "
+            f"model's context length {ctx.max_model_len}; lower {param}",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return max_tokens
+
+
+def _logit_bias(ctx: ServingContext, bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token id strings -> bias) with every id checked."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            message = f"logit_bias key {key!r} is not a token id"
+            raise APIError(message, param="logit_bias") from None
+        if not 0 <= token_id < ctx.vocab_size:
+            raise APIError(
+                f"logit_bias token id {token_id} is outside the vocabulary [0, {ctx.vocab_size})",
+                param="logit_bias",
+            )
+        out[token_id] = value
+    return out
+
+
+async def check_constraint(
+    ctx: ServingContext, constraint: StructuredOutputsParams | None, param: str | None
+) -> None:
+    """Compile the constraint now (cached), so a bad schema/regex/grammar is a 400 naming
+    the problem before anything is queued."""
+    if constraint is None or ctx.validate_constraint is None:
+        return
+    check = ctx.validate_constraint
+    try:
+        await off_engine(ctx, lambda: check(constraint))
+    except ValueError as e:
+        raise APIError(str(e), param=param) from e
+
+
+def sampling_params(
+    ctx: ServingContext,
+    req: p.SamplingRequest,
+    max_tokens: int,
+    logprobs: int | None,
+    constraint: StructuredOutputsParams | None = None,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
+    """The engine's SamplingParams for an OpenAI request (400 naming the field if invalid)."""
+    if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
+        raise APIError(f"seed must be in [0, {MAX_SEED}]", param="seed")
+    if req.top_k is not None and req.top_k > ctx.vocab_size:
+        raise APIError(f"top_k must be <= the vocabulary size {ctx.vocab_size}", param="top_k")
+    logit_bias = _logit_bias(ctx, req.logit_bias)
+    stop = [req.stop] if isinstance(req.stop, str) else req.stop
+    if stop is not None and any(not s for s in stop):
+        raise APIError("stop strings must be non-empty", param="stop")
+    try:
+        return SamplingParams(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=-1 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=stop or None,
+            stop_token_ids=req.stop_token_ids,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            ignore_eos=req.ignore_eos,
+            repetition_penalty=req.repetition_penalty,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            logit_bias=logit_bias,
+            structured_outputs=constraint,
+            prompt_logprobs=prompt_logprobs,
+        )
+    except ValueError as e:
+        raise from_value_error(e) from e
+
+
+async def add_engine_requests(
+    ctx: ServingContext,
+    base_id: str,
+    prompts: list[list[int]],
+    params_list: list[SamplingParams],
+    req: p.SamplingRequest,
+) -> list[RequestStream]:
+    """Queue one engine request per prompt; on any failure abort the ones already queued and
+    raise the failure as its API error (``errors.ENGINE_ERRORS``)."""
+    streams: list[RequestStream] = []
+    try:
+        for i, (ids, params) in enumerate(zip(prompts, params_list, strict=True)):
+            rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+            streams.append(
+                await ctx.engine.add_request(
+                    ids, params, request_id=rid, priority=req.priority, cache_salt=req.cache_salt
+                )
+            )
+    except BaseException as e:
+        for s in streams:
+            s.abort()
+        if isinstance(e, Exception):
+            raise engine_error(e) from e
+        raise
+    return streams

@@ -12,6 +12,10 @@ Candidates for a ``QuantizedWeight`` source (``kvserve.models.quant``):
   ``torch.mm``. Memory cost: ``out * in * element_size`` bytes on top of the blocks (fp32:
   4 / (bits per weight / 8) = 6.4x a Q4_1 weight; bf16 3.2x); only chosen where the selector
   measures it faster (large M, prefill).
+- ``DequantPrepackedMethod`` (``dequant_onednn_{dtype}``, CPU with oneDNN, fp32 / bf16): the
+  same dense copy reordered once into oneDNN's blocked layout (the dense path's
+  ``onednn_prepacked_*``), which runs decode-sized M faster than ``torch.mm`` on the CPUs
+  measured; same memory cost.
 
 A fused projection whose parts have different formats (``QuantizedParts``, from
 ``fuse_weights``) gets ``QuantSplitMethod``: each part runs into its column slice of ``out``.
@@ -28,7 +32,13 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.models.quant import QuantizedWeight
-from kvserve.runtime.linear import LinearMethod, dtype_tag, register_candidates
+from kvserve.runtime.linear import (
+    LinearMethod,
+    OneDnnPrepackedMethod,
+    dtype_tag,
+    onednn_available,
+    register_candidates,
+)
 from kvserve.runtime.native import quant_ops
 
 WeightPart = torch.Tensor | QuantizedWeight
@@ -160,9 +170,9 @@ class QuantKernelMethod(LinearMethod):
 class DequantDenseMethod(LinearMethod):
     """A dense ``act_dtype`` copy of the weight, run with ``torch.mm``.
 
-    NOTE: the copy is made on the first ``apply`` (the selector's first timing run), so that
-    listing the candidates of a model costs no dense copy of every weight; ``nbytes`` is the
-    copy's size either way.
+    NOTE: the copy is made by ``prepare`` (when a ``Linear`` takes the method) or the first
+    ``apply`` (the selector's first timing run), so that listing the candidates of a model
+    costs no dense copy of every weight; ``nbytes`` is the copy's size either way.
     """
 
     shares_source = False
@@ -172,20 +182,63 @@ class DequantDenseMethod(LinearMethod):
         self.source = source
         self.act_dtype = act_dtype
         self.out_features, self.in_features = source.shape
-        self.weight_t: torch.Tensor | None = None  # [in, out], made on first use
+        self.weight_t: torch.Tensor | None = None  # [in, out], made by prepare
         self.name = f"dequant_{dtype_tag(act_dtype)}"
 
     @property
     def nbytes(self) -> int:
         return self.out_features * self.in_features * self.act_dtype.itemsize
 
-    def apply(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def prepare(self) -> None:
         if self.weight_t is None:
             # [in, out] contiguous: the layout MKL ran fastest for decode (see models/llama.py).
             self.weight_t = self.source.dequantize(self.act_dtype).t().contiguous()
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if self.weight_t is None:
+            self.prepare()
         if self.bias is None:
             return torch.mm(x, self.weight_t, out=out)
         return torch.addmm(self.bias, x, self.weight_t, out=out)
+
+
+class DequantPrepackedMethod(LinearMethod):
+    """A dense ``act_dtype`` copy of the weight in oneDNN's blocked layout
+    (``OneDnnPrepackedMethod`` over the dequantized weight).
+
+    NOTE: made when ``DequantDenseMethod``'s copy is (``prepare`` or the first ``apply``).
+    Why a second dense candidate: where the selector prefers a copy (M above the int8
+    kernel's range), the dense path's own measurements pick the prepacked layout over
+    ``torch.mm`` at decode sizes, and without it a quantized model ran those steps slower
+    than the dense model (bench/README.md, "Quantized weights").
+    """
+
+    shares_source = False
+    supports_bias = True
+    allocates = True
+    shape_cached = True
+
+    def __init__(self, source: QuantizedWeight | QuantizedParts, act_dtype: torch.dtype) -> None:
+        self.source = source
+        self.act_dtype = act_dtype
+        self.out_features, self.in_features = source.shape
+        self.packed: OneDnnPrepackedMethod | None = None  # made by prepare
+        self.name = f"dequant_onednn_{dtype_tag(act_dtype)}"
+
+    @property
+    def nbytes(self) -> int:
+        return self.out_features * self.in_features * self.act_dtype.itemsize
+
+    def prepare(self) -> None:
+        if self.packed is None:
+            self.packed = OneDnnPrepackedMethod(self.source.dequantize(self.act_dtype))
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if self.packed is None:
+            self.prepare()
+        # NOTE: ``Linear`` sets ``bias`` on this method after building it.
+        self.packed.bias = self.bias
+        return self.packed.apply(x, out)
 
 
 class DequantTileMethod(LinearMethod):
@@ -271,7 +324,8 @@ class QuantSplitMethod(LinearMethod):
 def quantized_candidates(
     source: object, *, act_dtype: torch.dtype, device: torch.device
 ) -> list[LinearMethod]:
-    """The kernel (when the native quantized kernels load, on CPU) and the dense fallback."""
+    """The kernel (when the native quantized kernels load, on CPU), the tiled dequantization,
+    and the dense copies (``torch.mm``; oneDNN prepacked on CPU)."""
     if not is_quantized(source):
         return []
     methods: list[LinearMethod] = []
@@ -282,4 +336,7 @@ def quantized_candidates(
         else:
             methods.append(QuantSplitMethod(source, act_dtype))  # type: ignore[arg-type]
     methods.append(DequantDenseMethod(source, act_dtype))  # type: ignore[arg-type]
+    prepackable = act_dtype in (torch.float32, torch.bfloat16)
+    if device.type == "cpu" and prepackable and onednn_available():
+        methods.append(DequantPrepackedMethod(source, act_dtype))  # type: ignore[arg-type]
     return methods

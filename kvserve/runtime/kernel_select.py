@@ -270,8 +270,10 @@ def choose(
 ) -> dict[tuple[int, int], list[tuple[int, str]]]:
     """The fastest candidate per shape and bucket (deterministic: ties go to the first one
     measured). A candidate that holds its own weight copy (not ``shares_source``) must beat
-    the fastest source-sharing one by ``margin`` (its memory has a price), unless that copy
-    is held anyway because another bucket of the same weight chose it.
+    the fastest free one by ``margin`` (its memory has a price); free are the source-sharing
+    candidates and the copies held anyway because another bucket of the same weight chose
+    them. So a second copy (e.g. another layout of the same dense weight) is taken only
+    where it beats the first by ``margin``.
 
     A bucket with no timing (above a shape's ``max_rows``) takes the previous bucket's choice.
     """
@@ -290,6 +292,7 @@ def choose(
         held: set[str] = set()
         for _ in range(2):
             choice: list[tuple[int, str]] = []
+            # NOTE: held grows bucket by bucket too: a copy a smaller M took is free above it.
             for max_m, _ in buckets:
                 cell = by_cell.get((*shape, max_m))
                 if not cell:
@@ -303,6 +306,8 @@ def choose(
                     if fastest.seconds > base.seconds * (1.0 - margin):  # type: ignore[operator]
                         fastest = base
                 choice.append((max_m, fastest.candidate))
+                if not fastest.shares_source:
+                    held.add(fastest.candidate)
             held = {name for _, name in choice}
         if choice:
             plan[shape] = choice

@@ -77,6 +77,12 @@ class LinearMethod(abc.ABC):
     def apply(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` [M, in] (the model's activation dtype) -> [M, out], into ``out`` if given."""
 
+    def prepare(self) -> None:
+        """Make what the method holds but builds lazily (a copy of the weight), so that
+        listing candidates costs nothing; ``Linear`` calls it for the methods it is given,
+        so no copy is made on the serving path. A no-op by default."""
+        return None
+
     def dense_weight(self) -> torch.Tensor:
         """The weight ``[out, in]`` rebuilt, exactly, from what this method holds; only for a
         method whose ``rebuilds_dtype`` is set."""
@@ -303,6 +309,7 @@ class Linear:
         for m in self._methods:
             if m.supports_bias:
                 m.bias = bias
+            m.prepare()
         # NOTE: one method for every M (the usual case): no bisect on the hot path.
         distinct = {id(m) for m in self._methods}
         self._single = self._methods[0] if len(distinct) == 1 else None

@@ -311,3 +311,26 @@ def test_a_copy_held_for_one_bucket_needs_no_margin_in_the_others() -> None:
     assert choose(t, buckets, margin=0.05) == {(4, 4): [(1, "packed"), (8, "packed")]}
     # without the decisive bucket, the 2% win is inside the margin
     assert choose(t[2:], buckets[1:], margin=0.05) == {(4, 4): [(8, "mm")]}
+
+
+def test_a_second_copy_must_beat_the_held_one_by_the_margin() -> None:
+    """Two layouts of the same dense copy: the second is held only where it beats the first
+    by the margin (each costs the weight's memory again)."""
+    buckets = [(1, 1), (8, 8), (32, 32)]
+
+    def timings(b_at_32: float) -> list[kernel_select.Timing]:
+        rows = [("kernel", 1.0, 1.0, 1.0, True), ("copy_a", 0.5, 0.5, 0.5, False)]
+        rows.append(("copy_b", 0.6, 0.49, b_at_32, False))  # 2 % better than copy_a at M=8
+        return [
+            kernel_select.Timing(4, 4, m, m, name, secs[i], 64, shares_source=shared)
+            for i, (m, _) in enumerate(buckets)
+            for name, *secs, shared in rows
+        ]
+
+    assert choose(timings(0.49), buckets, margin=0.05) == {
+        (4, 4): [(1, "copy_a"), (8, "copy_a"), (32, "copy_a")]
+    }
+    # 20 % better at M=32: worth a second copy, which is then free at M=8 too
+    assert choose(timings(0.40), buckets, margin=0.05) == {
+        (4, 4): [(1, "copy_a"), (8, "copy_b"), (32, "copy_b")]
+    }

@@ -15,6 +15,7 @@ from kvserve.models.loader import load_model
 from kvserve.models.quant import QuantizedWeight
 from kvserve.models.quant_linear import (
     DequantDenseMethod,
+    DequantPrepackedMethod,
     DequantTileMethod,
     QuantizedParts,
     QuantKernelMethod,
@@ -23,6 +24,7 @@ from kvserve.models.quant_linear import (
 )
 from kvserve.models.quant_model import quantization_summary, quantized_nbytes, summary_line
 from kvserve.runtime.attention import SeqSpec, build_attention_metadata
+from kvserve.runtime.linear import onednn_available
 from kvserve.runtime.native import quant_ops
 from tests.tiny_models import make_tiny_gguf, make_tiny_model
 
@@ -149,7 +151,7 @@ def test_mixed_formats_in_one_projection_run_split(tmp_path: Path) -> None:
 def test_without_native_kernels_weights_run_dequantized(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """No compiler: the candidates are only the dense copy, the embedding dequantizes rows in
+    """No compiler: the candidates are only the dense copies, the embedding dequantizes rows in
     torch; the output equals the dense model's up to summation order."""
     monkeypatch.setattr(quant_ops, "_state", {"ok": False, "reason": "test"})
     path = make_tiny_gguf(tmp_path, "llama", tensor_type="Q4_1")
@@ -164,8 +166,11 @@ def test_candidates_kernel_first_then_dense_copy_with_its_cost() -> None:
         [quantize(torch.randn(8, 64)), quantize(torch.randn(4, 64))]
     )
     methods = quantized_candidates(weight, act_dtype=torch.bfloat16, device=CPU)
-    assert [type(m) for m in methods] == [QuantKernelMethod, DequantTileMethod, DequantDenseMethod]
-    kernel, tile, dense = methods
+    want_types = [QuantKernelMethod, DequantTileMethod, DequantDenseMethod]
+    if onednn_available():
+        want_types.append(DequantPrepackedMethod)
+    assert [type(m) for m in methods] == want_types
+    kernel, tile, dense = methods[:3]
     assert kernel.shares_source and kernel.nbytes == weight.nbytes
     assert tile.shares_source and tile.nbytes == weight.nbytes  # a scratch tile, no copy
     assert not dense.shares_source and dense.nbytes == 12 * 64 * 2  # bf16 copy
@@ -180,6 +185,45 @@ def test_candidates_kernel_first_then_dense_copy_with_its_cost() -> None:
         assert tiled.tile_rows == 16
         torch.testing.assert_close(tiled.apply(xf), want, rtol=1e-4, atol=1e-3)
     assert quantized_candidates(torch.randn(4, 64), act_dtype=torch.float32, device=CPU) == []
+
+
+@pytest.mark.skipif(not onednn_available(), reason="oneDNN unavailable in torch")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prepacked_dense_copy_matches_the_dense_copy(dtype: torch.dtype) -> None:
+    """``dequant_onednn_*``: the dense copy in oneDNN's layout, made on first use, with its
+    memory counted; same product as ``dequant_*`` (bias included) up to summation order."""
+    weight = quantize(torch.randn(48, 64))
+    bias = torch.randn(48, dtype=dtype)
+    packed = DequantPrepackedMethod(weight, dtype)
+    dense = DequantDenseMethod(weight, dtype)
+    for m in (packed, dense):
+        m.bias = bias
+    assert packed.name == f"dequant_onednn_{'fp32' if dtype == torch.float32 else 'bf16'}"
+    assert packed.packed is None  # nothing copied until it runs
+    assert not packed.shares_source and packed.nbytes == 48 * 64 * dtype.itemsize
+    assert packed.shape_cached and packed.allocates
+    tol = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 0.02, "atol": 0.1}
+    for rows in (1, 8, 33):
+        x = torch.randn(rows, 64, dtype=dtype)
+        out = torch.empty(rows, 48, dtype=dtype)
+        got = packed.apply(x, out)
+        assert got.data_ptr() == out.data_ptr()
+        torch.testing.assert_close(got.float(), dense.apply(x).float(), **tol)
+    assert packed.packed is not None
+
+
+def test_a_linear_makes_its_dense_copies_when_built() -> None:
+    """A chosen copy is made when the ``Linear`` is built, not by the first request."""
+    from kvserve.runtime.linear import M_MAX, build_linear
+
+    weight = quantize(torch.randn(16, 64))
+    names = ["dequant_fp32"] + (["dequant_onednn_fp32"] if onednn_available() else [])
+    for name in names:
+        lin = build_linear(weight, act_dtype=torch.float32, device=CPU, choice=[(M_MAX, name)])
+        (method,) = lin.methods()
+        assert method.name == name
+        held = method.weight_t if isinstance(method, DequantDenseMethod) else method.packed
+        assert held is not None
 
 
 def quantize(w: torch.Tensor) -> QuantizedWeight:
@@ -240,7 +284,12 @@ def test_selection_per_bucket_between_kernel_and_dense_copy(tmp_path: Path) -> N
     kernel = kernel_name("q4_1")
     for choice in plan.values():
         assert [b for b, _ in choice] == [b for b, _ in m_buckets()]
-        assert {name for _, name in choice} <= {kernel, "dequant_tile_fp32", "dequant_fp32"}
+        assert {name for _, name in choice} <= {
+            kernel,
+            "dequant_tile_fp32",
+            "dequant_fp32",
+            "dequant_onednn_fp32",
+        }
     model.set_linear_plan(plan)
     assert_close_to_twin(logits(model), logits(build(path, "none")))
     assert select_quantized_kernels(model, act_dtype=torch.float32, mode="off") == {}

@@ -166,29 +166,9 @@ def _dense(q, keys, values, seq_len, window, sinks):
     return torch.einsum("hk,khd->hd", probs, values.double()).float()
 
 
-@settings(max_examples=80, deadline=None)
-@given(
-    lens=st.lists(st.integers(1, 70), min_size=1, max_size=9),
-    block_size=st.sampled_from([1, 4, 16]),
-    # NOTE: float32 and bf16 groups of 1-8 heads with head_dim % 8 == 0 take the group kernels;
-    # 16 heads per KV head and head_dim 12 take the per-head loops.
-    heads=st.sampled_from([(2, 2), (6, 2), (9, 3), (8, 1), (14, 2), (16, 1)]),
-    head_dim=st.sampled_from([8, 12, 64, 80]),
-    window=st.sampled_from([None, 1, 5, 24]),
-    sinks=st.integers(0, 6),
-    threads=st.sampled_from([1, 2]),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-    seed=st.integers(0, 2**16),
-)
-def test_paged_decode_attention_matches_dense(
-    lens, block_size, heads, head_dim, window, sinks, threads, dtype, seed
-) -> None:
-    """Shuffled block tables, GQA/MQA groups, windows with sinks and freed (-1) blocks.
-
-    bf16 (the group kernels widen K/V rows on load) is compared with the dense reference on
-    the same bf16 inputs: only the output's rounding to bf16 (2^-9 relative) is allowed.
-    """
-    num_heads, num_kv_heads = heads
+def _decode_case(lens, block_size, num_heads, num_kv_heads, head_dim, window, sinks, dtype, seed):
+    """A paged cache with shuffled block tables (blocks out of the window freed to -1), the
+    queries, and the dense reference: (q, cache, tables, seq_lens, expected [B, H, d])."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-n // block_size) for n in lens) + 2
@@ -210,24 +190,95 @@ def test_paged_decode_attention_matches_dense(
                 if i * block_size >= sinks and (i + 1) * block_size <= n - window:
                     table[i] = NULL_BLOCK_ID
         tables.append(table + [0] * (width - len(table)))
+    tables = torch.tensor(tables, dtype=torch.int32)
+    return q, cache, tables, torch.tensor(lens, dtype=torch.int32), torch.stack(expected)
+
+
+def _decode(q, cache, tables, seq_lens, window, sinks, threads):
+    """paged_decode_attention's output with ``threads`` threads."""
     out = torch.empty_like(q)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         _ops().paged_decode_attention(
-            out,
-            q,
-            cache,
-            torch.tensor(tables, dtype=torch.int32),
-            torch.tensor(lens, dtype=torch.int32),
-            1.0 / math.sqrt(head_dim),
-            window or 0,
-            sinks,
+            out, q, cache, tables, seq_lens, 1.0 / math.sqrt(q.shape[-1]), window or 0, sinks
         )
     finally:
         torch.set_num_threads(previous)
-    tol = {"rtol": 0, "atol": 2e-5} if dtype == torch.float32 else {"rtol": 2**-8, "atol": 1e-4}
-    torch.testing.assert_close(out.float(), torch.stack(expected), **tol)
+    return out
+
+
+def _decode_tolerance(dtype: torch.dtype) -> dict[str, float]:
+    """bf16: only the output's rounding to bf16 (2^-9 relative) beyond float32's error."""
+    return {"rtol": 0, "atol": 2e-5} if dtype == torch.float32 else {"rtol": 2**-8, "atol": 1e-4}
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 70), min_size=1, max_size=9),
+    block_size=st.sampled_from([1, 4, 16]),
+    # NOTE: float32 and bf16 groups of 1-8 heads take the AVX-512 kernels with head_dim 64 on
+    # AVX-512 CPUs, the v8f group kernels with head_dim 8 and 80 (and 64 elsewhere); 16 heads
+    # per KV head and head_dim 12 take the per-head loops.
+    heads=st.sampled_from([(2, 2), (6, 2), (9, 3), (8, 1), (14, 2), (16, 1)]),
+    head_dim=st.sampled_from([8, 12, 64, 80]),
+    window=st.sampled_from([None, 1, 5, 24]),
+    sinks=st.integers(0, 6),
+    threads=st.sampled_from([1, 2]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_paged_decode_attention_matches_dense(
+    lens, block_size, heads, head_dim, window, sinks, threads, dtype, seed
+) -> None:
+    """Shuffled block tables, GQA/MQA groups, windows with sinks and freed (-1) blocks.
+
+    bf16 (the kernels widen K/V rows on load or multiply bf16 pairs in float) is compared with
+    the dense reference on the same bf16 inputs.
+    """
+    num_heads, num_kv_heads = heads
+    q, cache, tables, seq_lens, expected = _decode_case(
+        lens, block_size, num_heads, num_kv_heads, head_dim, window, sinks, dtype, seed
+    )
+    out = _decode(q, cache, tables, seq_lens, window, sinks, threads)
+    torch.testing.assert_close(out.float(), expected, **_decode_tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
+@pytest.mark.parametrize("group", range(1, 9))
+def test_decode_attention_every_group_of_the_avx512_kernels(group, head_dim, dtype) -> None:
+    """Every group size and head_dim % 32 == 0: the AVX-512 kernels on AVX-512 CPUs (their V
+    pass takes 64 columns at a time for head_dim % 64 == 0 and up to 4 heads, else 32). The
+    K pass scores 16 visible rows at a time: lengths around multiples of 16, then blocks of 5
+    and a window edge inside a block, so that the groups of 16 straddle blocks."""
+    for lens, block_size, window, sinks in (
+        ([1, 15, 16, 17, 47], 16, None, 0),
+        ([40, 33, 70], 5, 21, 3),
+    ):
+        q, cache, tables, seq_lens, expected = _decode_case(
+            lens, block_size, 2 * group, 2, head_dim, window, sinks, dtype, seed=group + head_dim
+        )
+        out = _decode(q, cache, tables, seq_lens, window, sinks, threads=1)
+        torch.testing.assert_close(out.float(), expected, **_decode_tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [12, 64, 80])
+@pytest.mark.parametrize("window", [None, 24])
+def test_decode_attention_does_not_depend_on_the_batch_or_threads(head_dim, dtype, window) -> None:
+    """Each sequence's output bit for bit, alone or in a batch, with 1 or 2 threads (a task is
+    one KV head of a sequence or a whole sequence): the engine's equivalence tests rely on it.
+    head_dim 64, 80 and 12 take the three kinds of kernels (see above)."""
+    lens = [70, 5, 33, 16, 1, 64, 20, 48]
+    q, cache, tables, seq_lens, _ = _decode_case(lens, 16, 9, 3, head_dim, window, 2, dtype, 3)
+    reference = _decode(q, cache, tables, seq_lens, window, 2, threads=1)
+    for threads in (1, 2):
+        assert torch.equal(_decode(q, cache, tables, seq_lens, window, 2, threads), reference)
+        for b in range(len(lens)):
+            one = slice(b, b + 1)
+            alone = _decode(q[one], cache, tables[one], seq_lens[one], window, 2, threads)
+            assert torch.equal(alone, reference[one]), (b, threads)
 
 
 def test_decode_attention_bfloat16_close_to_float32() -> None:

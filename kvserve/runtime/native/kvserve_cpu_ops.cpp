@@ -16,7 +16,8 @@
 // Numerics: float accumulation for every dtype (double for RMSNorm's sum of squares); results
 // differ from the torch path only by summation order and by `exp_approx` (relative error
 // 8.4e-8 at most over [-87, 88], checked against double exp in steps of 1e-4; ATen's
-// vectorized exp is within 1 ulp, 1.2e-7).
+// vectorized exp is within 1 ulp, 1.2e-7). Decode attention's bf16 q . k on AVX512_BF16 CPUs
+// (vdpbf16ps) also flushes products below 2^-126 to 0.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -31,6 +32,10 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace kvserve {
 namespace {
@@ -488,8 +493,346 @@ template <typename scalar_t>
 constexpr bool kHasGroupKernels =
     std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>;
 
+// Softmax of each of the nq rows of scores [nq, n] in place (float, max-subtracted).
+inline void softmax_rows(float* scores, int64_t nq, int64_t n) {
+  for (int64_t iq = 0; iq < nq; ++iq) {
+    float* sq = scores + iq * n;
+    // NOTE: a max in any lane order is the same max. Written with std::max (and without the
+    // pragma) this loop stayed scalar, one dependent vmaxss per score: ~1.6 us per sequence
+    // of the embedded model (9 heads x 170 scores), as much as its AVX-512 V pass.
+    float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+    for (int64_t t = 0; t < n; ++t) m = sq[t] > m ? sq[t] : m;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      const float e = exp_approx(sq[t] - m);
+      sq[t] = e;
+      sum += e;
+    }
+    // NOTE: normalize the probabilities, not the output: the same rounding as softmax.
+    const float inv = 1.0f / sum;
+#pragma omp simd
+    for (int64_t t = 0; t < n; ++t) sq[t] *= inv;
+  }
+}
+
+#if defined(__AVX512F__)
+// AVX-512 path (float32 / bfloat16, d % 32 == 0, 1-8 heads per KV head): 16-float vectors,
+// the scores of 16 key rows reduced together instead of one horizontal sum each, and the
+// softmax's exponentials 16 at a time.
+// NOTE: why. The v8f kernels above compile to AVX2 width, and hsum8 costs ~7 shuffles and
+// adds per score, about as much as the score's FMAs. On the embedded model (G = 3, d = 64,
+// bf16, 170 tokens, one thread, K/V in L2) a sequence took 12.4 us with them (K pass 5.6, V
+// pass 3.5, softmax and prefetches 3.2) and takes 6.2 us here (2.5, 1.6, 2.1).
+
+// 32 elements as two 16-float halves: float32 as they lie ([0, 16) and [16, 32)); bfloat16
+// as its even and odd elements, widened by a shift and a mask (exact, like to_float), which
+// is cheaper than an in-order widening (a lane-crossing shuffle per 16 elements).
+// Accumulators and float queries of this path are kept in that "split" order.
+inline void load32(const float* p, __m512& lo, __m512& hi) {
+  lo = _mm512_loadu_ps(p);
+  hi = _mm512_loadu_ps(p + 16);
+}
+
+inline void load32(const c10::BFloat16* p, __m512& lo, __m512& hi) {
+  const __m512i x = _mm512_loadu_si512(p);  // bf16 pairs: element 2i low, 2i + 1 high
+  lo = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+  hi = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// split[32] (load32's order for kv_t) -> out[32] in element order.
+template <typename kv_t>
+inline void unsplit32(const float* split, float* out) {
+  if constexpr (std::is_same_v<kv_t, float>) {
+    std::memcpy(out, split, 32 * sizeof(float));
+  } else {
+    const __m512 even = _mm512_loadu_ps(split), odd = _mm512_loadu_ps(split + 16);
+    const __m512i first =
+        _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+    _mm512_storeu_ps(out, _mm512_permutex2var_ps(even, first, odd));
+    _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(even, second, odd));
+  }
+}
+
+// acc + q . k over 32 elements: q float in load32's order for kv_t, k as stored.
+template <typename kv_t>
+inline __m512 dot32(__m512 acc, const float* q, const kv_t* k) {
+  __m512 lo, hi;
+  load32(k, lo, hi);
+  acc = _mm512_fmadd_ps(_mm512_loadu_ps(q), lo, acc);
+  return _mm512_fmadd_ps(_mm512_loadu_ps(q + 16), hi, acc);
+}
+
+#if defined(__AVX512BF16__)
+// bf16 q and k: vdpbf16ps, acc[i] += q[2i] k[2i] + q[2i+1] k[2i+1] in float. A bf16 product
+// is exact in float, so this is the float FMA path in another summation order (inputs and
+// results below 2^-126 flush to 0).
+// NOTE: vdpbf16ps runs at half the rate of a float FMA here (one per 2 cycles), but saves
+// widening K: 5.4 us per sequence of the embedded model, 6.2 with load32 and two FMAs.
+// Widening each K row once for all G heads (partial sums through the stack) was slower.
+inline __m512 dot32(__m512 acc, const c10::BFloat16* q, const c10::BFloat16* k) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q), (__m512bh)_mm512_loadu_si512(k));
+}
+
+template <typename kv_t>
+using WideQuery = kv_t;  // bf16 queries go to vdpbf16ps as they are
+#else
+template <typename kv_t>
+using WideQuery = float;
+#endif
+
+// exp_approx on 16 lanes, the same operations in the same order (GCC contracts the scalar
+// code's `a * b + c` into these FMAs), so the same results bit for bit: checked over
+// [-100, 100] in steps of 1e-4 and at +-0, +-inf and NaN.
+// NOTE: why not `#pragma omp simd` over exp_approx: GCC turns its clamps and final select into
+// mask-register juggling (~40 instructions per 8 floats); this is ~20 per 16.
+inline __m512 exp16(__m512 x) {
+  // max(lo, x) and min(hi, x) return x when x is NaN, like std::max(x, lo) and std::min.
+  x = _mm512_min_ps(_mm512_set1_ps(88.37626f), _mm512_max_ps(_mm512_set1_ps(-87.33654f), x));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_add_epi32(_mm512_castps_si512(p),
+                                        _mm512_slli_epi32(_mm512_cvttps_epi32(n), 23));
+  const __mmask16 zero = _mm512_cmp_ps_mask(n, _mm512_set1_ps(-126.0f), _CMP_LT_OQ);
+  return _mm512_mask_blend_ps(zero, _mm512_castsi512_ps(bits), _mm512_setzero_ps());
+}
+
+// softmax_rows with exp16: the exponentials summed in 16 lanes instead of the compiler's 8.
+inline void softmax_rows_wide(float* scores, int64_t nq, int64_t n) {
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n % 16)) - 1);
+  const int64_t full = n - n % 16;
+  for (int64_t iq = 0; iq < nq; ++iq) {
+    float* sq = scores + iq * n;
+    float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+    for (int64_t t = 0; t < n; ++t) m = sq[t] > m ? sq[t] : m;
+    const __m512 mv = _mm512_set1_ps(m);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < full; t += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sq + t), mv));
+      _mm512_storeu_ps(sq + t, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    if (tail != 0) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sq + full), mv));
+      _mm512_mask_storeu_ps(sq + full, tail, e);
+      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(tail, e));
+    }
+    // NOTE: normalize the probabilities, not the output: the same rounding as softmax.
+    const float inv = 1.0f / _mm512_reduce_add_ps(sum);
+#pragma omp simd
+    for (int64_t t = 0; t < n; ++t) sq[t] *= inv;
+  }
+}
+
+// Lane i of the result: the sum of v[i]'s 16 lanes (16 horizontal sums at once, in 15
+// shuffles, 15 blends and 15 adds). Each level halves the width: for each pair (a, b) the
+// blend keeps a's low and b's high part and the shuffle brings a's high and b's low part,
+// so the sum holds a's partial sums in its low and b's in its high parts.
+inline __m512 sum16(const __m512* v) {
+  __m512 x[8], y[4], z[2];
+  for (int i = 0; i < 8; ++i) {  // 256-bit halves: x[i] = [v[i] | v[i + 8]]
+    const __m512 a = v[i], b = v[i + 8];
+    x[i] = _mm512_add_ps(_mm512_mask_blend_ps(0xFF00, a, b),
+                         _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 3, 2)));
+  }
+  const __m512i swap128 =
+      _mm512_setr_epi32(4, 5, 6, 7, 16, 17, 18, 19, 12, 13, 14, 15, 24, 25, 26, 27);
+  for (int i = 0; i < 4; ++i) {  // 128-bit quarters
+    const __m512 a = x[i], b = x[i + 4];
+    y[i] = _mm512_add_ps(_mm512_mask_blend_ps(0xF0F0, a, b),
+                         _mm512_permutex2var_ps(a, swap128, b));
+  }
+  for (int i = 0; i < 2; ++i) {  // 64-bit pairs
+    const __m512d a = _mm512_castps_pd(y[i]), b = _mm512_castps_pd(y[i + 2]);
+    z[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_mask_blend_pd(0xAA, a, b)),
+                         _mm512_castpd_ps(_mm512_shuffle_pd(a, b, 0x55)));
+  }
+  const __m512i swap32 =
+      _mm512_setr_epi32(1, 16, 3, 18, 5, 20, 7, 22, 9, 24, 11, 26, 13, 28, 15, 30);
+  return _mm512_add_ps(_mm512_mask_blend_ps(0xAAAA, z[0], z[1]),
+                       _mm512_permutex2var_ps(z[0], swap32, z[1]));
+}
+
+// scores[g * sstride + r] = scale * q_g . k_r for g < G and r < n, k_r = rows[r] + off;
+// rows: 16 pointers, those past the first n repeat an earlier row (their scores are dropped).
+// q: [G, d], float in load32's order or bf16 as stored (WideQuery).
+// NOTE: head by head, 16 rows at a time: 16 independent accumulators in registers, then one
+// sum16. The K rows (16 x d) are read G times, from L1. No branch on n in the loops: with
+// one (`if (r < n)`), GCC kept the accumulators on the stack.
+template <int G, typename q_t, typename kv_t>
+void dot_group16(const q_t* q, const kv_t* const* rows, int64_t off, int64_t n, int64_t d,
+                 float scale, float* scores, int64_t sstride) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+  for (int g = 0; g < G; ++g) {
+    __m512 acc[16];
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i += 32) {
+#pragma GCC unroll 16
+      for (int r = 0; r < 16; ++r) acc[r] = dot32(acc[r], q + g * d + i, rows[r] + off + i);
+    }
+    const __m512 s = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(scores + g * sstride, mask, s);
+  }
+}
+
+// acc[g] += sum_r p[g * pstride + r] * v_r for g < G, n rows v_r = v + r * stride.
+// acc: [G, d] float in load32's order; d % (32 C) == 0.
+// NOTE: 32 C columns per pass over the rows (C = 2 reads a d = 64 row's 128 bytes in one
+// pass, C = 1 half of it in each of two), with 2 C G accumulators, doubled (even and odd
+// rows) when there are 8 or fewer, to have enough independent FMA chains.
+template <int G, int C, typename kv_t>
+void axpy_group16(const float* p, int64_t pstride, const kv_t* v, int64_t stride, int64_t n,
+                  int64_t d, float* acc) {
+  constexpr int K = 2 * C;  // float vectors per pass and head
+  constexpr int S = K * G <= 8 ? 2 : 1;
+  for (int64_t i = 0; i < d; i += 32 * C) {
+    __m512 a[S][G][K];
+    for (int g = 0; g < G; ++g) {
+      for (int k = 0; k < K; ++k) {
+        a[0][g][k] = _mm512_loadu_ps(acc + g * d + i + 16 * k);
+        for (int s = 1; s < S; ++s) a[s][g][k] = _mm512_setzero_ps();
+      }
+    }
+    auto row = [&](int s, int64_t r) {
+      __m512 x[K];
+      for (int c = 0; c < C; ++c) load32(v + r * stride + i + 32 * c, x[2 * c], x[2 * c + 1]);
+      for (int g = 0; g < G; ++g) {
+        const __m512 pg = _mm512_set1_ps(p[g * pstride + r]);
+        for (int k = 0; k < K; ++k) a[s][g][k] = _mm512_fmadd_ps(pg, x[k], a[s][g][k]);
+      }
+    };
+    int64_t r = 0;
+    for (; r + S <= n; r += S) {
+      for (int s = 0; s < S; ++s) row(s, r + s);
+    }
+    for (; r < n; ++r) row(0, r);
+    for (int g = 0; g < G; ++g) {
+      for (int k = 0; k < K; ++k) {
+        for (int s = 1; s < S; ++s) a[0][g][k] = _mm512_add_ps(a[0][g][k], a[s][g][k]);
+        _mm512_storeu_ps(acc + g * d + i + 16 * k, a[0][g][k]);
+      }
+    }
+  }
+}
+
+template <typename kv_t>
+struct WideKernels {
+  void (*dot)(const WideQuery<kv_t>*, const kv_t* const*, int64_t, int64_t, int64_t, float,
+              float*, int64_t);
+  void (*axpy)(const float*, int64_t, const kv_t*, int64_t, int64_t, int64_t, float*);
+};
+
+// The AVX-512 kernels for `group` query heads per KV head (nullptr: none).
+template <typename kv_t>
+inline const WideKernels<kv_t>* wide_kernels(int64_t group, int64_t d) {
+  using q_t = WideQuery<kv_t>;
+  static const WideKernels<kv_t> table[] = {
+      {dot_group16<1, q_t, kv_t>, axpy_group16<1, 1, kv_t>},
+      {dot_group16<2, q_t, kv_t>, axpy_group16<2, 1, kv_t>},
+      {dot_group16<3, q_t, kv_t>, axpy_group16<3, 1, kv_t>},
+      {dot_group16<4, q_t, kv_t>, axpy_group16<4, 1, kv_t>},
+      {dot_group16<5, q_t, kv_t>, axpy_group16<5, 1, kv_t>},
+      {dot_group16<6, q_t, kv_t>, axpy_group16<6, 1, kv_t>},
+      {dot_group16<7, q_t, kv_t>, axpy_group16<7, 1, kv_t>},
+      {dot_group16<8, q_t, kv_t>, axpy_group16<8, 1, kv_t>},
+  };
+  // d % 64 == 0: the V pass takes 64 columns at a time for groups of up to 4 heads.
+  static const WideKernels<kv_t> table64[] = {
+      {dot_group16<1, q_t, kv_t>, axpy_group16<1, 2, kv_t>},
+      {dot_group16<2, q_t, kv_t>, axpy_group16<2, 2, kv_t>},
+      {dot_group16<3, q_t, kv_t>, axpy_group16<3, 2, kv_t>},
+      {dot_group16<4, q_t, kv_t>, axpy_group16<4, 2, kv_t>},
+  };
+  if (group < 1 || group > 8 || d % 32 != 0) return nullptr;
+  return group <= 4 && d % 64 == 0 ? &table64[group - 1] : &table[group - 1];
+}
+
+// decode_seq (below) with the AVX-512 kernels: the same passes and buffers. The softmax scale
+// multiplies the float scores (vdpbf16ps takes the bf16 queries as they are).
+template <typename scalar_t>
+void decode_seq_wide(const WideKernels<scalar_t>& wide, const scalar_t* q, scalar_t* out,
+                     const scalar_t* k_plane, const scalar_t* v_plane, const int32_t* table,
+                     int64_t seq_len, int64_t block_size, int64_t kvh, int64_t h0, int64_t h1,
+                     int64_t group, int64_t d, float scale, int64_t window, int64_t sinks,
+                     std::vector<float>& buf) {
+  using q_t = WideQuery<scalar_t>;
+  const Visible vis = visible_ranges(seq_len, window, sinks);
+  const int64_t n_vis = vis.r1_end + (seq_len - vis.r2_begin);
+  const int64_t nq = (h1 - h0) * group;
+  buf.resize(static_cast<size_t>(nq * (n_vis + 2 * d)));
+  float* scores = buf.data();        // [nq, n_vis]
+  float* acc = scores + nq * n_vis;  // [nq, d] in load32's order
+  const q_t* qk;                     // [nq, d] the queries as dot32 takes them
+  if constexpr (std::is_same_v<q_t, scalar_t>) {
+    qk = q + h0 * group * d;
+  } else {
+    float* qf = acc + nq * d;  // float queries in load32's order
+    const scalar_t* q0 = q + h0 * group * d;
+    for (int64_t i = 0; i < nq * d; i += 32) {
+      __m512 lo, hi;
+      load32(q0 + i, lo, hi);
+      _mm512_storeu_ps(qf + i, lo);
+      _mm512_storeu_ps(qf + i + 16, hi);
+    }
+    qk = qf;
+  }
+  const int64_t row_elems = kvh * d;
+  // NOTE: the K pass takes 16 visible rows at a time, across blocks: a block size under 16
+  // or a window boundary inside a block costs no partial groups but the sequence's last.
+  const scalar_t* rows[16];  // [kvh, d] rows of visible positions j0 .. j0 + count - 1
+  int64_t j0 = 0, count = 0;
+  auto score_rows = [&] {
+    for (int64_t r = count; r < 16; ++r) rows[r] = rows[count - 1];
+    for (int64_t h = h0; h < h1; ++h) {
+      const int64_t iq = (h - h0) * group;
+      wide.dot(qk + iq * d, rows, h * d, count, d, scale, scores + iq * n_vis + j0, n_vis);
+    }
+    j0 += count;
+    count = 0;
+  };
+  for_each_visible_run(k_plane, table, block_size, row_elems, vis, seq_len, v_plane - k_plane,
+                       [&](int64_t, const scalar_t* row, int64_t n) {
+    for (int64_t r = 0; r < n; ++r) {
+      rows[count++] = row + r * row_elems;
+      if (count == 16) score_rows();
+    }
+  });
+  if (count > 0) score_rows();
+  softmax_rows_wide(scores, nq, n_vis);
+  std::fill(acc, acc + nq * d, 0.0f);
+  for_each_visible_run(v_plane, table, block_size, row_elems, vis, seq_len, 0,
+                       [&](int64_t j, const scalar_t* row, int64_t n) {
+    for (int64_t h = h0; h < h1; ++h) {
+      const int64_t iq = (h - h0) * group;
+      wide.axpy(scores + iq * n_vis + j, n_vis, row + h * d, row_elems, n, d, acc + iq * d);
+    }
+  });
+  scalar_t* o0 = out + h0 * group * d;
+  for (int64_t i = 0; i < nq * d; i += 32) {
+    float chunk[32];
+    unsplit32<scalar_t>(acc + i, chunk);
+    for (int e = 0; e < 32; ++e) o0[i + e] = from_float<scalar_t>(chunk[e]);
+  }
+}
+#endif  // __AVX512F__
+
 // Decode attention of one sequence for kv heads [h0, h1): each kv head's `group` query heads
-// attend over the visible positions, read in place from the cache blocks.
+// attend over the visible positions, read in place from the cache blocks. Where the AVX-512
+// kernels take the shape (decode_seq_wide), they do; the choice depends on the model only, so
+// a sequence's result does not depend on the batch it is in or on the thread count.
 template <typename scalar_t>
 void decode_seq(const scalar_t* q,        // [H, d] this sequence's query heads
                 scalar_t* out,            // [H, d]
@@ -498,6 +841,15 @@ void decode_seq(const scalar_t* q,        // [H, d] this sequence's query heads
                 const int32_t* table, int64_t seq_len, int64_t block_size, int64_t kvh,
                 int64_t h0, int64_t h1, int64_t group, int64_t d, float scale, int64_t window,
                 int64_t sinks, std::vector<float>& buf) {
+#if defined(__AVX512F__)
+  if constexpr (kHasGroupKernels<scalar_t>) {
+    if (const WideKernels<scalar_t>* wide = wide_kernels<scalar_t>(group, d)) {
+      decode_seq_wide<scalar_t>(*wide, q, out, k_plane, v_plane, table, seq_len, block_size,
+                                kvh, h0, h1, group, d, scale, window, sinks, buf);
+      return;
+    }
+  }
+#endif
   const Visible vis = visible_ranges(seq_len, window, sinks);
   const int64_t n_vis = vis.r1_end + (seq_len - vis.r2_begin);
   const int64_t nq = (h1 - h0) * group;  // query heads handled here
@@ -527,22 +879,7 @@ void decode_seq(const scalar_t* q,        // [H, d] this sequence's query heads
       dot_rows(qf + iq * d, row + h * d, row_elems, n, d, scores + iq * n_vis + j);
     }
   });
-  for (int64_t iq = 0; iq < nq; ++iq) {
-    float* sq = scores + iq * n_vis;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < n_vis; ++t) m = std::max(m, sq[t]);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < n_vis; ++t) {
-      const float e = exp_approx(sq[t] - m);
-      sq[t] = e;
-      sum += e;
-    }
-    // NOTE: normalize the probabilities, not the output: the same rounding as softmax.
-    const float inv = 1.0f / sum;
-#pragma omp simd
-    for (int64_t t = 0; t < n_vis; ++t) sq[t] *= inv;
-  }
+  softmax_rows(scores, nq, n_vis);
   std::fill(acc, acc + nq * d, 0.0f);
   for_each_visible_run(v_plane, table, block_size, row_elems, vis, seq_len, 0,
                        [&](int64_t j, const scalar_t* row, int64_t n) {

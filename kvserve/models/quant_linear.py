@@ -167,8 +167,9 @@ class QuantKernelMethod(LinearMethod):
         return quant_ops.linear(x, w.data, w.qtype, out=out, isa=self.isa, layout=w.layout)
 
 
-class DequantDenseMethod(LinearMethod):
-    """A dense ``act_dtype`` copy of the weight, run with ``torch.mm``.
+class DenseCopyMethod(LinearMethod):
+    """A dense ``act_dtype`` copy of a quantized weight, made by ``prepare``: the base of the
+    two layouts below (``out * in * itemsize`` bytes either way).
 
     NOTE: the copy is made by ``prepare`` (when a ``Linear`` takes the method) or the first
     ``apply`` (the selector's first timing run), so that listing the candidates of a model
@@ -178,16 +179,25 @@ class DequantDenseMethod(LinearMethod):
     shares_source = False
     supports_bias = True
 
-    def __init__(self, source: QuantizedWeight | QuantizedParts, act_dtype: torch.dtype) -> None:
+    def __init__(
+        self, source: QuantizedWeight | QuantizedParts, act_dtype: torch.dtype, name: str
+    ) -> None:
         self.source = source
         self.act_dtype = act_dtype
         self.out_features, self.in_features = source.shape
-        self.weight_t: torch.Tensor | None = None  # [in, out], made by prepare
-        self.name = f"dequant_{dtype_tag(act_dtype)}"
+        self.name = name
 
     @property
     def nbytes(self) -> int:
         return self.out_features * self.in_features * self.act_dtype.itemsize
+
+
+class DequantDenseMethod(DenseCopyMethod):
+    """The dense copy as a contiguous ``[in, out]`` tensor, run with ``torch.mm``."""
+
+    def __init__(self, source: QuantizedWeight | QuantizedParts, act_dtype: torch.dtype) -> None:
+        super().__init__(source, act_dtype, f"dequant_{dtype_tag(act_dtype)}")
+        self.weight_t: torch.Tensor | None = None  # [in, out], made by prepare
 
     def prepare(self) -> None:
         if self.weight_t is None:
@@ -202,32 +212,22 @@ class DequantDenseMethod(LinearMethod):
         return torch.addmm(self.bias, x, self.weight_t, out=out)
 
 
-class DequantPrepackedMethod(LinearMethod):
-    """A dense ``act_dtype`` copy of the weight in oneDNN's blocked layout
-    (``OneDnnPrepackedMethod`` over the dequantized weight).
+class DequantPrepackedMethod(DenseCopyMethod):
+    """The dense copy in oneDNN's blocked layout (``OneDnnPrepackedMethod`` over the
+    dequantized weight).
 
-    NOTE: made when ``DequantDenseMethod``'s copy is (``prepare`` or the first ``apply``).
-    Why a second dense candidate: where the selector prefers a copy (M above the int8
-    kernel's range), the dense path's own measurements pick the prepacked layout over
-    ``torch.mm`` at decode sizes, and without it a quantized model ran those steps slower
-    than the dense model (bench/README.md, "Quantized weights").
+    NOTE: why a second layout: where the selector prefers a copy (M above the int8 kernel's
+    range), the dense model's own selection runs oneDNN prepacked at decode sizes, and with
+    only the ``torch.mm`` copy a quantized model ran those steps slower than the dense model
+    (README, "Kernels and dtype": 694.5 vs 786.6 tok/s at B=32 on the AMX Xeon).
     """
 
-    shares_source = False
-    supports_bias = True
     allocates = True
     shape_cached = True
 
     def __init__(self, source: QuantizedWeight | QuantizedParts, act_dtype: torch.dtype) -> None:
-        self.source = source
-        self.act_dtype = act_dtype
-        self.out_features, self.in_features = source.shape
+        super().__init__(source, act_dtype, f"dequant_onednn_{dtype_tag(act_dtype)}")
         self.packed: OneDnnPrepackedMethod | None = None  # made by prepare
-        self.name = f"dequant_onednn_{dtype_tag(act_dtype)}"
-
-    @property
-    def nbytes(self) -> int:
-        return self.out_features * self.in_features * self.act_dtype.itemsize
 
     def prepare(self) -> None:
         if self.packed is None:

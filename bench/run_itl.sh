@@ -99,8 +99,12 @@ run() {  # policy group rate [extra bench flags...]
   [ -n "${SLO_ITL_MS:-}" ] && slo=(--slo-itl "$SLO_ITL_MS")
   log "$policy at $rate req/s -> $group"
   mkdir -p "$OUT/$group"
+  # NOTE: a salt per run: the same prompts sent again would hit the server's prefix cache
+  # (calibration, static and sweep share the baseline server), so later runs would prefill
+  # almost nothing.
   "${KV[@]}" bench serve --base-url "$URL" --workload-file "$W" --request-rate "$rate" \
     --workload-seed 11 "${slo[@]}" --label "$policy" --system kvserve "$@" \
+    --extra-body "{\"cache_salt\": \"$group-$rate\"}" \
     --output-json "$OUT/$group/${policy}_${rate}.json" > "$OUT/$group/${policy}_${rate}.txt"
   grep -E 'output_tokens_per_s|^itl|^ttft|slo_attainment' "$OUT/$group/${policy}_${rate}.txt" >&2 || true
 }

@@ -65,8 +65,11 @@ for rep in $(seq 1 "$REPEATS"); do
   for rate in $RATES; do
     for policy in $POLICIES; do
       log "$policy at $rate req/s (repeat $rep; load $(cut -d' ' -f1 /proc/loadavg))"
+      # NOTE: a salt per run: the same prompts sent again would hit the server's prefix
+      # cache, so every run after a server's first would prefill almost nothing.
       "${KV[@]}" bench serve --base-url "${URL_OF[$policy]}" --workload-file "$W" \
         --request-rate "$rate" --workload-seed 11 --slo-itl "$SLO_ITL_MS" --label "$policy" \
+        --extra-body "{\"cache_salt\": \"run-$rate-$rep\"}" \
         --system kvserve --output-json "$OUT/sweep/${policy}_${rate}_r${rep}.json" \
         > "$OUT/sweep/${policy}_${rate}_r${rep}.txt"
       grep -E 'output_tokens_per_s|^itl|^ttft' "$OUT/sweep/${policy}_${rate}_r${rep}.txt" >&2 || true

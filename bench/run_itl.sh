@@ -12,6 +12,7 @@
 #   budget-fcfs, budget-rr     the step budget with --prefill-policy fcfs / round-robin
 #   budget-m1.5, budget-m2.5   the step budget with --step-decode-multiple 1.5 / 2.5
 #   budget-fixed, budget-aX    the step budget with --ttft-aging 0 (no TTFT guard) / X
+#   budget-fixed-mX            --ttft-aging 0 with --step-decode-multiple X
 #                              (these four at 1.5 req/s only: VARIANTS)
 #   static    the baseline server, the client batching statically (8 at a time)
 # First a calibration run (baseline at 1.5 req/s) gives the ITL SLO: 2 x its median ITL
@@ -55,6 +56,7 @@ flags_of() {
     budget-rr) echo "--step-budget --prefill-policy round-robin" ;;
     budget-m*) echo "--step-budget --step-decode-multiple ${1#budget-m}" ;;
     budget-fixed) echo "--step-budget --ttft-aging 0" ;;
+    budget-fixed-m*) echo "--step-budget --ttft-aging 0 --step-decode-multiple ${1#budget-fixed-m}" ;;
     budget-a*) echo "--step-budget --ttft-aging ${1#budget-a}" ;;
     *) echo "unknown policy $1" >&2; exit 2 ;;
   esac

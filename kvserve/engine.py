@@ -285,6 +285,7 @@ class LLMEngine:
                 "num_attention_pairs": sum(
                     chunk_pairs(r.start_pos, len(r.token_ids)) for r in sched.scheduled
                 ),
+                "num_prefill_chunks": sum(1 for r in sched.scheduled if len(r.token_ids) > 1),
                 "num_seqs": len(sched.scheduled),
                 "seconds": time.perf_counter() - t0,
                 # NOTE: seconds - schedule_seconds - execute_seconds is the engine's own

@@ -4,11 +4,11 @@
         [--threads 2] [--json PATH]
 
 For the model's projection shapes (qkv, o, gate/up, down, lm_head) and each M bucket
-(decode 1, 2-8, 9-32, 33-128; prefill chunks probed at 512 rows), each candidate runs as at
-start-up (``kvserve.runtime.kernel_select``, mode ``measure``: the cache is refreshed). One
-row per shape x bucket x candidate: best ms per call, weight GB/s, GFLOP/s and whether it
-was chosen. The last lines give the decode matmul time per dtype (M = 1, 8 and 32 summed,
-chosen kernels) and what ``--dtype auto`` would pick.
+(decode 1, 2-8, 9-32, 33-128; prefill chunks 129-256 and above, probed at 256 and 512
+rows), each candidate runs as at start-up (``kvserve.runtime.kernel_select``, mode
+``measure``: the cache is refreshed). One row per shape x bucket x candidate: best ms per
+call, weight GB/s, GFLOP/s and whether it was chosen. The last lines give the decode matmul
+time per dtype (M = 1, 8 and 32 summed, chosen kernels) and what ``--dtype auto`` would pick.
 """
 
 from __future__ import annotations
@@ -27,11 +27,13 @@ from kvserve.kernel_setup import (
     select_shapes,
 )
 from kvserve.models.loader import load_arch
-from kvserve.runtime.kernel_select import M_MAX, Selection, cpu_identity
+from kvserve.runtime.kernel_select import M_MAX, Selection, cpu_identity, m_buckets
 
 
 def _bucket(max_m: int) -> str:
-    return ">128" if max_m == M_MAX else f"<={max_m}"
+    if max_m != M_MAX:
+        return f"<={max_m}"
+    return f">{m_buckets()[-2][0]}"
 
 
 def table(sel: Selection, names: dict[tuple[int, int], str]) -> list[str]:

@@ -300,24 +300,26 @@ class LlamaDecoderLayer(nn.Module):
         ops = self.ops
         x = sv.norm  # [T, hidden]
         ops.add_rms_norm(hidden, None, self.input_layernorm, self.eps, x, ws)
-        self.qkv_proj(x, sv.qkv)
+        self.qkv_proj(x, sv.qkv, out_rows_free=True)
         ops.rope_(sv.rope, cos, sin)  # q and k, in place
         attn = self.attn_backend.forward(sv.q, sv.k, sv.v, kv_cache, meta)  # [T, H, d]
         # NOTE: project into the spent norm buffer, then add: bitwise equal to F.linear + add.
         # addmm_ into the residual rounds differently; on the embedded model it drifted to 3e-3
         # max |logit diff| vs transformers (9e-4 this way).
-        o = self.o_proj(attn.reshape(hidden.shape[0], self.q_size), x, out_is_hint=True)
+        o = self.o_proj(
+            attn.reshape(hidden.shape[0], self.q_size), x, out_is_hint=True, out_rows_free=True
+        )
         # hidden += o-projection, then x = norm(hidden)
         ops.add_rms_norm(hidden, o, self.post_attention_layernorm, self.eps, x, ws)
         # NOTE: a kernel that allocates its output (oneDNN) hands it over instead of copying
         # it into the workspace: at a 2048-token prefill chunk that copy was 12.6 MB a layer.
-        gate_up = self.gate_up_proj(x, sv.gate_up, out_is_hint=True)  # [T, 2 I]
+        gate_up = self.gate_up_proj(x, sv.gate_up, out_is_hint=True, out_rows_free=True)  # [T, 2 I]
         if gate_up is sv.gate_up:
             gate, up = sv.gate, sv.up
         else:
             gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
         act = ops.silu_mul(gate, up, gate_up, sv.act)  # [T, I]
-        hidden.add_(self.down_proj(act, x, out_is_hint=True))
+        hidden.add_(self.down_proj(act, x, out_is_hint=True, out_rows_free=True))
         return hidden
 
 

@@ -1,11 +1,12 @@
 """Kernel selection by measurement: which ``LinearMethod`` runs each projection, per M bucket.
 
 At start-up, for every distinct weight shape of the model (qkv, o, gate/up, down, lm_head)
-and every M bucket (decode sizes 1, 2-8, 9-32, 33-128, then prefill chunks, probed at 512
-rows), each candidate that the registered factories offer (see
+and every M bucket (decode sizes 1, 2-8, 9-32, 33-128, then prefill chunks of 129-256 and
+above, probed at 256 and 512 rows), each candidate that the registered factories offer (see
 ``kvserve.runtime.linear``) runs on random data of that shape: the candidates take turns
 (interleaved, so a burst of load on a shared machine hits all of them), each is timed for a
-few milliseconds, and its best time counts. The fastest per bucket is chosen; a candidate
+few milliseconds on weights cold in the caches (each call reads another copy, as each layer
+of the model does), and its best time counts. The fastest per bucket is chosen; a candidate
 that holds its own copy of the weight (prepacked) must beat the one that reads the model's
 weight by ``margin`` to be taken. A candidate that raises is skipped with the reason logged.
 
@@ -22,6 +23,7 @@ cache, else measure) and ``measure`` (always measure, then refresh the cache).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -47,9 +49,15 @@ log = logging.getLogger(__name__)
 
 SELECTION_MODES = ("auto", "measure", "off")
 CACHE_ENV = "KVSERVE_CACHE_DIR"
-CACHE_VERSION = 3  # bumped when the measurement changes: older choices are redone
+CACHE_VERSION = 4  # bumped when the measurement changes: older choices are redone
 DECODE_BOUNDS = (1, 8, 32, 128)
+PREFILL_BOUNDS = (256,)  # prefill chunks up to 256 rows, probed at 256 (then PREFILL_PROBE)
 PREFILL_PROBE = 512
+# NOTE: the weight bytes a timing rotates through: more than the last-level cache holds of
+# them (the AMX Xeon's VM: a 1.1 MB weight still ran hot at 32 MB of copies, cold from 128).
+COLD_BYTES = 128 << 20
+MAX_COPIES = 256
+_HOT_BYTES = 64 << 10  # below this, a call's fixed cost outweighs its read: one copy
 
 # A function that returns the seconds of one call of ``method`` on ``x`` into ``out``.
 Timer = Callable[[LinearMethod, torch.Tensor, torch.Tensor], float]
@@ -65,14 +73,17 @@ def check_mode(mode: str) -> str:
 
 
 def m_buckets() -> list[tuple[int, int]]:
-    """``(max_m, probe_m)`` per bucket: the decode sizes, then one for prefill chunks.
+    """``(max_m, probe_m)`` per bucket: the decode sizes, then two for prefill chunks.
 
     Each bucket is measured at its largest M (``probe_m``); the last one takes every M above
-    128 and is probed at ``PREFILL_PROBE`` rows (the default ``max_num_batched_tokens``).
+    256 and is probed at ``PREFILL_PROBE`` rows (the default ``max_num_batched_tokens``).
+    NOTE: a chunk beside running decodes is often 129-256 rows, where the ranking can differ
+    from 512 rows' (AMX Xeon, cold weights: oneDNN ahead at 132 rows, ``torch.mm`` at 512).
     NOTE: fixed, not derived from the engine's options: engines with other token budgets
     share one cached selection (and so run the same kernels for the same M).
     """
-    return [*((b, b) for b in DECODE_BOUNDS), (M_MAX, PREFILL_PROBE)]
+    bounds = (*DECODE_BOUNDS, *PREFILL_BOUNDS)
+    return [*((b, b) for b in bounds), (M_MAX, PREFILL_PROBE)]
 
 
 @dataclass(frozen=True)
@@ -178,8 +189,15 @@ def _wall_timer(method: LinearMethod, x: torch.Tensor, out: torch.Tensor) -> flo
     return time.perf_counter() - t
 
 
+def copies_for(nbytes: int, cold_bytes: int = COLD_BYTES, max_copies: int = MAX_COPIES) -> int:
+    """How many copies of a weight of ``nbytes`` the timing rotates through (see ``measure``)."""
+    if nbytes < _HOT_BYTES or cold_bytes <= 0:
+        return 1
+    return max(1, min(max_copies, -(-cold_bytes // nbytes)))
+
+
 def measure(
-    weights: Mapping[tuple[int, int], torch.Tensor],
+    weights: Mapping[tuple[int, int], object],
     *,
     act_dtype: torch.dtype,
     device: torch.device,
@@ -192,60 +210,80 @@ def measure(
     timer: Timer = _wall_timer,
     factories: Sequence[CandidateFactory] | None = None,
     skipped: dict[str, str] | None = None,
+    cold_bytes: int = COLD_BYTES,
 ) -> list[Timing]:
     """Time every candidate for every weight shape and bucket (see the module docstring).
 
+    ``weights``: a weight source per shape (a dense tensor or a quantized source).
     ``max_rows``: per shape, the largest M it ever runs with (the lm_head: the sampled rows);
     buckets probed above it are not measured. Each candidate runs about ``budget_s`` per
-    bucket and pass (at least ``min_calls`` timed calls, after one warm-up call).
+    bucket and pass (at least ``min_calls`` timed calls, after one warm-up call per copy).
+
+    NOTE: each call reads a different copy of the weight (``copies_for``: together about
+    ``cold_bytes``), so the weight comes from memory as in the model, whose step streams every
+    layer's weights through the caches. Timed on one weight, a candidate runs on weights hot
+    in the caches, and the ranking differs: on the AMX Xeon ``torch.mm`` in bf16 won hot at
+    M 9-32 but took 1.4x oneDNN's time on cold weights, which is what the step saw.
+    Shapes are measured one at a time, so only one shape's copies are held at once.
     """
     timings: list[Timing] = []
     gen = torch.Generator(device="cpu").manual_seed(0)
-    # (shape, max_m, rows, x, out, candidates that ran their warm-up call)
-    cells: list[tuple[tuple[int, int], int, int, torch.Tensor, torch.Tensor, list[LinearMethod]]]
-    cells = []
     for shape, weight in weights.items():
         out_f, in_f = shape
-        methods = candidate_methods(
-            weight, act_dtype=act_dtype, device=device, skipped=skipped, factories=factories
-        )
+        sources = [weight]
+        n_copies = copies_for(int(getattr(weight, "nbytes", 0)), cold_bytes)
+        sources += [copy.deepcopy(weight) for _ in range(n_copies - 1)]
+        # name -> the method built on each copy (the first copy's method names the candidate)
+        rotations: dict[str, list[LinearMethod]] = {}
+        for src in sources:
+            for m in candidate_methods(
+                src, act_dtype=act_dtype, device=device, skipped=skipped, factories=factories
+            ):
+                rotations.setdefault(m.name, []).append(m)
+        del sources
         limit = (max_rows or {}).get(shape, M_MAX)
+        # (max_m, rows, x, out, candidates that ran their warm-up calls)
+        cells: list[tuple[int, int, torch.Tensor, torch.Tensor, list[str]]] = []
         for max_m, probe_m in buckets:
             if probe_m > limit and max_m != buckets[0][0]:
                 continue
             rows = min(probe_m, limit)
             x = torch.randn(rows, in_f, generator=gen).to(device=device, dtype=act_dtype)
             out = torch.empty(rows, out_f, device=device, dtype=act_dtype)
-            alive: list[LinearMethod] = []
-            for m in methods:
+            alive: list[str] = []
+            for name, ms in rotations.items():
                 try:
-                    m.apply(x, out)  # warm-up (first-call setup, caches)
-                    alive.append(m)
+                    for m in ms:
+                        m.apply(x, out)  # warm-up (first-call setup, caches)
+                    alive.append(name)
                 except Exception as e:  # noqa: BLE001 - a failing candidate is skipped
                     reason = f"{type(e).__name__}: {e}"
-                    log.warning("kernel candidate %s skipped for %s: %s", m.name, shape, reason)
+                    log.warning("kernel candidate %s skipped for %s: %s", name, shape, reason)
                     if skipped is not None:
-                        skipped[m.name] = reason
-                    timings.append(_timing(shape, max_m, rows, m, None, reason))
-            cells.append((shape, max_m, rows, x, out, alive))
-    best: dict[tuple[int, int, str], float] = {}
-    # NOTE: every cell is measured in each of ``passes`` passes, some time apart, and the best
-    # call of all passes counts: a burst of load on a shared machine that spoils one pass of a
-    # slow kernel (a few calls only) rarely spoils the next.
-    for _ in range(passes):
-        for shape, max_m, _rows, x, out, alive in cells:
-            spent = {m.name: 0.0 for m in alive}
-            for round_ in range(max_rounds):
-                for m in alive:  # NOTE: interleaved: load bursts hit every candidate
-                    dt = timer(m, x, out)
-                    key = (*shape, max_m, m.name)
-                    best[key] = min(best.get(key, float("inf")), dt)  # type: ignore[index]
-                    spent[m.name] += dt
-                if round_ + 1 >= min_calls and all(v >= budget_s for v in spent.values()):
-                    break
-    for shape, max_m, rows, _x, _out, alive in cells:
-        for m in alive:
-            timings.append(_timing(shape, max_m, rows, m, best[(*shape, max_m, m.name)]))  # type: ignore[index]
+                        skipped[name] = reason
+                    timings.append(_timing(shape, max_m, rows, ms[0], None, reason))
+            cells.append((max_m, rows, x, out, alive))
+        best: dict[tuple[int, str], float] = {}
+        # NOTE: every cell is measured in each of ``passes`` passes and the best call of all
+        # passes counts: a burst of load on a shared machine that spoils one pass of a slow
+        # kernel (a few calls only) rarely spoils the next.
+        turn = 0
+        for _ in range(passes):
+            for max_m, _rows, x, out, alive in cells:
+                spent = dict.fromkeys(alive, 0.0)
+                for round_ in range(max_rounds):
+                    for name in alive:  # NOTE: interleaved: load bursts hit every candidate
+                        ms = rotations[name]
+                        dt = timer(ms[turn % len(ms)], x, out)
+                        best[(max_m, name)] = min(best.get((max_m, name), float("inf")), dt)
+                        spent[name] += dt
+                    turn += 1
+                    if round_ + 1 >= min_calls and all(v >= budget_s for v in spent.values()):
+                        break
+        for max_m, rows, _x, _out, alive in cells:
+            for name in alive:
+                timings.append(_timing(shape, max_m, rows, rotations[name][0], best[(max_m, name)]))
+        del rotations, cells
     return timings
 
 

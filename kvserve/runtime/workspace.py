@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from kvserve.runtime.linear import row_bucket
+
 
 class Workspace:
     """Reusable activation buffers for the forward pass, one per role, grown on demand.
@@ -38,7 +40,11 @@ class Workspace:
         numel = math.prod(shape)
         buf = self._buffers.get(name)
         if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
-            buf = torch.empty(numel, dtype=dtype, device=device)
+            # NOTE: room for the rows a padded kernel call reads and writes (``row_bucket``),
+            # so ``Linear`` pads in place instead of copying; zeros, so that those rows hold
+            # zeros or an earlier step's values, never arbitrary bits (denormals, NaN).
+            padded = row_bucket(shape[0]) * (numel // shape[0]) if shape and shape[0] else numel
+            buf = torch.zeros(max(numel, padded), dtype=dtype, device=device)
             self._buffers[name] = buf
         view = buf[:numel].view(shape)
         self._views[name] = (tuple(shape), dtype, device, view)

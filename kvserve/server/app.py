@@ -3,6 +3,7 @@ OpenAI-style errors (engine exceptions through ``errors.ENGINE_ERRORS``)."""
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -86,11 +87,23 @@ def build_app(
 
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-    """Start the step loop with the app; stop it (failing what is left) at shutdown."""
+    """Start the step loop with the app; stop it (failing what is left) at shutdown.
+
+    NOTE: the objects alive at start (model, tokenizer, libraries: ~380,000 tracked by the
+    garbage collector) are frozen for the app's life: a full collection walks every tracked
+    object, 140-150 ms on the AMX Xeon, a stall of every stream when it falls in the step
+    loop. Frozen, they are skipped (a full collection then took 0.0 ms); what serving
+    allocates is collected as before. Unfrozen at shutdown, so nothing stays uncollectable.
+    """
     async_engine: AsyncLLMEngine = app.state.async_engine
+    gc.collect()
+    gc.freeze()
     async_engine.start()
-    yield
-    await async_engine.shutdown()
+    try:
+        yield
+    finally:
+        await async_engine.shutdown()
+        gc.unfreeze()
 
 
 def _install_error_handlers(app: FastAPI) -> None:

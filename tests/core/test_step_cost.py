@@ -49,6 +49,23 @@ def test_fit_recovers_the_step_times_of_recorded_steps() -> None:
     assert d["step_cost_prefill_token_ms"] == pytest.approx(1.1, rel=0.1)
 
 
+def test_fit_separates_a_prefill_chunk_s_own_cost_from_its_tokens() -> None:
+    """A fixed cost per chunk (its attention call, the mixed step's extra work): small chunks
+    are predicted with it, not with a per-token cost inflated to cover it."""
+    rng = random.Random(8)
+    model = OnlineStepCostModel(window=256, refit_every=8)
+    for load in recorded_steps(400, seed=9):
+        t = true_seconds(load) + 0.008 * load.num_prefill_chunks
+        model.observe(load, t * rng.uniform(0.97, 1.03))
+    d = model.describe()
+    assert d["step_cost_prefill_chunk_ms"] == pytest.approx(8.0, rel=0.15)
+    assert d["step_cost_prefill_token_ms"] == pytest.approx(1.1, rel=0.1)
+    small = StepLoad.decodes([200] * 4).plus_chunk(0, 16)
+    assert model.predict(small) == pytest.approx(true_seconds(small) + 0.008, rel=0.05)
+    two = StepLoad.decodes([200] * 4).plus_chunk(0, 16).plus_chunk(0, 16)
+    assert two.num_prefill_chunks == 2 and StepLoad().plus_chunk(5, 0).num_prefill_chunks == 0
+
+
 def test_fit_follows_a_drifting_machine() -> None:
     model = OnlineStepCostModel(window=64, refit_every=4)
     for load in recorded_steps(200, seed=4):

@@ -96,10 +96,37 @@ def _select(tmp_path, **kw):  # type: ignore[no-untyped-def]
 def test_choice_is_the_fastest_per_bucket_and_deterministic(tmp_path) -> None:
     a = _select(tmp_path, mode="measure")
     b = _select(tmp_path, mode="measure")
-    expected = [(1, "small"), (8, "small"), (32, "big"), (128, "big"), (M_MAX, "big")]
+    expected = [(1, "small"), (8, "small"), (32, "big"), (128, "big"), (256, "big"), (M_MAX, "big")]
     assert a.plan == b.plan == {s: expected for s in SHAPES}
     assert a.source == "measured"
     assert "M<=8 small" in a.summary() and "M>=9 big" in a.summary()
+
+
+def test_each_timed_call_reads_another_copy_of_the_weight() -> None:
+    """Cold caches: calls rotate through copies (same values and layout, other storage)
+    that together hold about ``cold_bytes``; a weight too small to matter gets none."""
+    big = torch.randn(512, 64).t()  # [64, 512] view of [512, 64] storage: the model's layout
+    small = torch.randn(8, 8)
+    seen: dict[tuple[int, int], list[FakeMethod]] = {}
+
+    def timer(method: LinearMethod, x: torch.Tensor, out: torch.Tensor) -> float:
+        seen.setdefault(method.weight.shape, []).append(method)  # type: ignore[attr-defined]
+        return 1e-6
+
+    kernel_select.measure(
+        {(64, 512): big, (8, 8): small},
+        act_dtype=torch.float32,
+        device=CPU,
+        buckets=[(1, 1), (M_MAX, 4)],
+        timer=timer,
+        factories=[fake_factory],
+        cold_bytes=4 * big.nbytes,
+    )
+    copies = {id(m.weight): m.weight for m in seen[(64, 512)]}
+    assert kernel_select.copies_for(big.nbytes, 4 * big.nbytes) == 4
+    assert len({w.data_ptr() for w in copies.values()}) == 4  # "small" and "big": 4 each
+    assert all(torch.equal(w, big) and w.stride() == big.stride() for w in copies.values())
+    assert {id(m.weight) for m in seen[(8, 8)]} == {id(small)}
 
 
 def test_a_copying_candidate_must_win_by_the_margin() -> None:

@@ -69,10 +69,48 @@ def test_shape_cached_method_sees_only_bucket_sizes_and_results_are_exact(
         y = linear(x, out, out_is_hint=with_out == "hint")
         assert y.shape == (m, 24)
         torch.testing.assert_close(y, x @ weight.t() + bias, rtol=1e-5, atol=1e-5)
-        if with_out == "out" or (with_out == "hint" and not allocates):
+        padded = row_bucket(m) != m  # a hint is then left for the kernel's own tensor
+        if with_out == "out" or (with_out == "hint" and not allocates and not padded):
             assert y.data_ptr() == out.data_ptr()  # type: ignore[union-attr]
     assert method.seen == {row_bucket(m) for m in range(1, 300)}
     assert len(method.seen) == len({row_bucket(m) for m in range(1, 300)}) < 60
+
+
+class PointerRecordingMethod(ShapeRecordingMethod):
+    """Records the storage it read and wrote (to see copies that padding made)."""
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        self.read_ptr, self.wrote_ptr = x.data_ptr(), None if out is None else out.data_ptr()
+        return super().apply(x, out)
+
+
+@pytest.mark.parametrize("allocates", [False, True])
+@pytest.mark.parametrize("rows_free", [False, True])
+def test_padding_runs_in_place_where_the_storage_has_the_rows(
+    allocates: bool, rows_free: bool
+) -> None:
+    """Leading rows of bigger buffers (a Workspace's): x is read in place, pad rows and all;
+    the result goes into ``out`` directly only when its pad rows are declared free, and the
+    storage past ``out`` is never written otherwise. Results are exact either way."""
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(24, 16, generator=gen)  # [out, in]
+    method = PointerRecordingMethod(weight, shape_cached=True, allocates=allocates)
+    linear = Linear(weight, [(10**9, method)])
+    for m in (17, 33, 130, 300):
+        assert row_bucket(m) != m
+        xbuf = torch.randn(row_bucket(m), 16, generator=gen)  # [Mb, in]; rows >= m: garbage
+        obuf = torch.full((row_bucket(m), 24), 7.0)
+        x, out = xbuf[:m], obuf[:m]
+        y = linear(x, out, out_rows_free=rows_free)
+        assert y.data_ptr() == out.data_ptr()
+        torch.testing.assert_close(out, x @ weight.t(), rtol=1e-5, atol=1e-5)
+        assert method.read_ptr == xbuf.data_ptr()  # no copy of x
+        assert (method.wrote_ptr == obuf.data_ptr()) == rows_free
+        if not rows_free:
+            assert torch.equal(obuf[m:], torch.full_like(obuf[m:], 7.0))
+        exact = torch.randn(m, 16, generator=gen)  # a storage without the rows: copied
+        linear(exact)
+        assert method.read_ptr != exact.data_ptr()
 
 
 def test_a_method_that_is_not_shape_cached_runs_every_m_as_is() -> None:

@@ -7,7 +7,7 @@
 # (40 requests, outputs clipped to 128, seed 11) sent by `kvserve bench serve` at each rate:
 #   baseline  --no-step-budget                     main's behaviour: token budget 512
 #   off       --no-step-budget --max-num-batched-tokens 8192   (no effective chunking)
-#   fixed128  --no-step-budget --max-num-batched-tokens 128
+#   fixed128  --no-step-budget --max-num-batched-tokens 128 (fixedN: a token budget of N)
 #   budget    --step-budget (off by default): step-time budget, --prefill-policy shortest
 #   budget-fcfs, budget-rr     the step budget with --prefill-policy fcfs / round-robin
 #   budget-m1.5, budget-m2.5   the step budget with --step-decode-multiple 1.5 / 2.5
@@ -50,12 +50,13 @@ flags_of() {
   case "$1" in
     baseline | static) echo "--no-step-budget" ;;
     off) echo "--no-step-budget --max-num-batched-tokens 8192" ;;
-    fixed128) echo "--no-step-budget --max-num-batched-tokens 128" ;;
+    fixed[0-9]*) echo "--no-step-budget --max-num-batched-tokens ${1#fixed}" ;;
     budget) echo "--step-budget" ;;
     budget-fcfs) echo "--step-budget --prefill-policy fcfs" ;;
     budget-rr) echo "--step-budget --prefill-policy round-robin" ;;
     budget-m*) echo "--step-budget --step-decode-multiple ${1#budget-m}" ;;
     budget-fixed) echo "--step-budget --ttft-aging 0" ;;
+    budget-fixed-fcfs) echo "--step-budget --ttft-aging 0 --prefill-policy fcfs" ;;
     budget-fixed-m*) echo "--step-budget --ttft-aging 0 --step-decode-multiple ${1#budget-fixed-m}" ;;
     budget-a*) echo "--step-budget --ttft-aging ${1#budget-a}" ;;
     *) echo "unknown policy $1" >&2; exit 2 ;;

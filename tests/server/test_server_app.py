@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvserve.server.app import build_app
+from kvserve.server.app import build_app, lifespan
 from tests.server.fake_engine import FakeEngine
 
 Check = Callable[[httpx.AsyncClient, FakeEngine], Awaitable[None]]
@@ -244,3 +245,17 @@ def test_debug_integrity() -> None:
         _assert_error(await c.get("/debug/integrity"), 404)
 
     _with_client(hidden)
+
+
+def test_lifespan_freezes_start_up_objects_and_unfreezes_them_at_shutdown() -> None:
+    """A full GC pass over the start-up objects stalled the step loop; the app keeps them
+    out of the collector's walks while it runs, and hands them back when it stops."""
+
+    async def main() -> None:
+        app = build_app(FakeEngine(max_model_len=64))
+        gc.unfreeze()
+        async with lifespan(app):
+            assert gc.get_freeze_count() > 1000
+        assert gc.get_freeze_count() == 0
+
+    asyncio.run(asyncio.wait_for(main(), timeout=60))

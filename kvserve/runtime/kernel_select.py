@@ -54,9 +54,14 @@ DECODE_BOUNDS = (1, 8, 32, 128)
 PREFILL_BOUNDS = (256,)  # prefill chunks up to 256 rows, probed at 256 (then PREFILL_PROBE)
 PREFILL_PROBE = 512
 # NOTE: the weight bytes a timing rotates through: more than the last-level cache holds of
-# them (the AMX Xeon's VM: a 1.1 MB weight still ran hot at 32 MB of copies, cold from 128).
-COLD_BYTES = 128 << 20
+# them (the AMX Xeon's VM, qkv 960x576 at M=20, torch.mm / oneDNN us a call: one copy 61 / 45,
+# 32 MB of copies 66 / 50, 64 MB 94 / 57, 128 MB 109 / 80; 64 MB already ranks them as the
+# model's step does, at half the start-up time and memory of 128).
+COLD_BYTES = 64 << 20
 MAX_COPIES = 256
+# NOTE: what one shape's copies may hold, all candidates together: quantized sources carry
+# dense candidates 3-6x their size, and 256 copies of each made a 3.9 GB start-up peak.
+HELD_BYTES = 256 << 20
 _HOT_BYTES = 64 << 10  # below this, a call's fixed cost outweighs its read: one copy
 
 # A function that returns the seconds of one call of ``method`` on ``x`` into ``out``.
@@ -189,11 +194,21 @@ def _wall_timer(method: LinearMethod, x: torch.Tensor, out: torch.Tensor) -> flo
     return time.perf_counter() - t
 
 
-def copies_for(nbytes: int, cold_bytes: int = COLD_BYTES, max_copies: int = MAX_COPIES) -> int:
-    """How many copies of a weight of ``nbytes`` the timing rotates through (see ``measure``)."""
+def copies_for(
+    nbytes: int,
+    cold_bytes: int = COLD_BYTES,
+    max_copies: int = MAX_COPIES,
+    held_per_copy: int = 0,
+) -> int:
+    """How many copies of a weight of ``nbytes`` the timing rotates through (see ``measure``):
+    enough for ``cold_bytes``, at most ``max_copies`` and, when every copy's candidates hold
+    ``held_per_copy`` bytes, at most what fits in ``HELD_BYTES``."""
     if nbytes < _HOT_BYTES or cold_bytes <= 0:
         return 1
-    return max(1, min(max_copies, -(-cold_bytes // nbytes)))
+    n = min(max_copies, -(-cold_bytes // nbytes))
+    if held_per_copy > 0:
+        n = min(n, HELD_BYTES // held_per_copy)
+    return max(1, n)
 
 
 def measure(
@@ -217,10 +232,11 @@ def measure(
     ``weights``: a weight source per shape (a dense tensor or a quantized source).
     ``max_rows``: per shape, the largest M it ever runs with (the lm_head: the sampled rows);
     buckets probed above it are not measured. Each candidate runs about ``budget_s`` per
-    bucket and pass (at least ``min_calls`` timed calls, after one warm-up call per copy).
+    bucket and pass (at least ``min_calls`` timed calls, after one warm-up call).
 
     NOTE: each call reads a different copy of the weight (``copies_for``: together about
-    ``cold_bytes``), so the weight comes from memory as in the model, whose step streams every
+    ``cold_bytes``, all candidates' copies of a shape within ``HELD_BYTES``), so the weight
+    comes from memory as in the model, whose step streams every
     layer's weights through the caches. Timed on one weight, a candidate runs on weights hot
     in the caches, and the ranking differs: on the AMX Xeon ``torch.mm`` in bf16 won hot at
     M 9-32 but took 1.4x oneDNN's time on cold weights, which is what the step saw.
@@ -230,17 +246,20 @@ def measure(
     gen = torch.Generator(device="cpu").manual_seed(0)
     for shape, weight in weights.items():
         out_f, in_f = shape
-        sources = [weight]
-        n_copies = copies_for(int(getattr(weight, "nbytes", 0)), cold_bytes)
-        sources += [copy.deepcopy(weight) for _ in range(n_copies - 1)]
+        first = candidate_methods(
+            weight, act_dtype=act_dtype, device=device, skipped=skipped, factories=factories
+        )
+        src_bytes = int(getattr(weight, "nbytes", 0))
+        held = src_bytes + sum(m.nbytes for m in first if not m.shares_source)
+        n_copies = copies_for(src_bytes, cold_bytes, held_per_copy=held)
         # name -> the method built on each copy (the first copy's method names the candidate)
-        rotations: dict[str, list[LinearMethod]] = {}
-        for src in sources:
+        rotations: dict[str, list[LinearMethod]] = {m.name: [m] for m in first}
+        for _ in range(n_copies - 1):
             for m in candidate_methods(
-                src, act_dtype=act_dtype, device=device, skipped=skipped, factories=factories
+                copy.deepcopy(weight), act_dtype=act_dtype, device=device, factories=factories
             ):
-                rotations.setdefault(m.name, []).append(m)
-        del sources
+                if m.name in rotations:
+                    rotations[m.name].append(m)
         limit = (max_rows or {}).get(shape, M_MAX)
         # (max_m, rows, x, out, candidates that ran their warm-up calls)
         cells: list[tuple[int, int, torch.Tensor, torch.Tensor, list[str]]] = []
@@ -253,8 +272,9 @@ def measure(
             alive: list[str] = []
             for name, ms in rotations.items():
                 try:
-                    for m in ms:
-                        m.apply(x, out)  # warm-up (first-call setup, caches)
+                    # NOTE: one warm-up call (first-call setup: oneDNN builds a primitive per
+                    # shape, shared by every copy); the copies stay cold for the timing.
+                    ms[0].apply(x, out)
                     alive.append(name)
                 except Exception as e:  # noqa: BLE001 - a failing candidate is skipped
                     reason = f"{type(e).__name__}: {e}"

@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 SELECTION_MODES = ("auto", "measure", "off")
 CACHE_ENV = "KVSERVE_CACHE_DIR"
-CACHE_VERSION = 4  # bumped when the measurement changes: older choices are redone
+CACHE_VERSION = 5  # bumped when the measurement changes: older choices are redone
 DECODE_BOUNDS = (1, 8, 32, 128)
 PREFILL_BOUNDS = (256,)  # prefill chunks up to 256 rows, probed at 256 (then PREFILL_PROBE)
 PREFILL_PROBE = 512

@@ -276,7 +276,8 @@ class LLMEngine:
             if all(s.request.is_finished for s in group.samples):
                 self._finish_group(group)
         self.num_steps += 1
-        num_prefill = sum(len(r.token_ids) for r in sched.scheduled if len(r.token_ids) > 1)
+        prefills = [r for r in sched.scheduled if len(r.token_ids) > 1]
+        num_prefill = sum(len(r.token_ids) for r in prefills)
         self.step_records.append(
             {
                 "num_prefill_tokens": num_prefill,
@@ -285,7 +286,7 @@ class LLMEngine:
                 "num_attention_pairs": sum(
                     chunk_pairs(r.start_pos, len(r.token_ids)) for r in sched.scheduled
                 ),
-                "num_prefill_chunks": sum(1 for r in sched.scheduled if len(r.token_ids) > 1),
+                "num_prefill_chunks": len(prefills),
                 "num_seqs": len(sched.scheduled),
                 "seconds": time.perf_counter() - t0,
                 # NOTE: seconds - schedule_seconds - execute_seconds is the engine's own

@@ -427,17 +427,16 @@ class Linear:
             xp[:num_rows].copy_(x)
             xp[num_rows:].zero_()
         outp = rows_view(out, rows) if out is not None and out_rows_free else None
-        if outp is not None and not (out_is_hint and method.allocates):
+        in_place = outp is not None and not (out_is_hint and method.allocates)
+        if in_place:
             method.apply(xp, outp)
-            y = outp[:num_rows]
-            if self.bias is not None and not method.supports_bias:
-                y.add_(self.bias)
-            return out  # type: ignore[return-value]
-        y = method.apply(xp)[:num_rows]  # [M, out], the leading rows of [Mb, out]
+            y = out  # [M, out]: the leading rows of outp
+        else:
+            y = method.apply(xp)[:num_rows]  # [M, out], the leading rows of [Mb, out]
         if self.bias is not None and not method.supports_bias:
-            y.add_(self.bias)
-        if out is None or out_is_hint:
-            return y
+            y.add_(self.bias)  # type: ignore[union-attr]
+        if in_place or out is None or out_is_hint:
+            return y  # type: ignore[return-value]
         return out.copy_(y)
 
     def __repr__(self) -> str:

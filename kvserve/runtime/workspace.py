@@ -44,7 +44,7 @@ class Workspace:
             # so ``Linear`` pads in place instead of copying; zeros, so that those rows hold
             # zeros or an earlier step's values, never arbitrary bits (denormals, NaN).
             padded = row_bucket(shape[0]) * (numel // shape[0]) if shape and shape[0] else numel
-            buf = torch.zeros(max(numel, padded), dtype=dtype, device=device)
+            buf = torch.zeros(padded, dtype=dtype, device=device)
             self._buffers[name] = buf
         view = buf[:numel].view(shape)
         self._views[name] = (tuple(shape), dtype, device, view)

@@ -10,7 +10,9 @@
 # budget's counters and cost fit) at the end; `kvserve bench itl-report` -> OUT_DIR/report.md.
 #
 # Env: POLICIES ("baseline budget budget-fixed"), RATES ("1.5 3"), REPEATS (1),
-#      NUM_PROMPTS (40), THREADS (2), PORT (8130), SLO_ITL_MS (55), PY (.venv/bin/python).
+#      NUM_PROMPTS (40), THREADS (2), PORT (8130), SLO_ITL_MS (55), PY (.venv/bin/python),
+#      OLD_TREE (a checkout of an older commit, e.g. from `git worktree add`): a policy
+#      named old-P runs P's flags on that tree's code, so old and new code share a sitting.
 set -euo pipefail
 REPO_ROOT="${REPO_ROOT:-$(cd "$(dirname "$0")/.." && pwd)}"
 cd "$REPO_ROOT"
@@ -26,6 +28,7 @@ SLO_ITL_MS="${SLO_ITL_MS:-55}"
 export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS="$THREADS"
 KV=("$PY" -m kvserve.cli)
 mkdir -p "$OUT/sweep"
+OUT="$(cd "$OUT" && pwd)"  # absolute: old-P servers run in another directory
 log() { echo "[run_itl_ab $(date +%H:%M:%S)] $*" >&2; }
 
 W="$OUT/workload_sharegpt_${NUM_PROMPTS}.jsonl"
@@ -43,11 +46,14 @@ cleanup() { for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; wait "$
 trap cleanup EXIT
 port=$PORT
 for policy in $POLICIES; do
-  flags="$(bash bench/run_itl.sh --flags "$policy")"
-  log "server: $policy on :$port ($flags)"
+  flags="$(bash bench/run_itl.sh --flags "${policy#old-}")"
+  tree="$REPO_ROOT"
+  if [ "${policy#old-}" != "$policy" ]; then tree="${OLD_TREE:?old-$policy needs OLD_TREE}"; fi
+  log "server: $policy on :$port ($flags; code from $tree)"
+  # NOTE: run from the tree itself: python -m puts the working directory ahead of PYTHONPATH.
   # shellcheck disable=SC2086
-  "${KV[@]}" serve --port "$port" --num-threads "$THREADS" --quiet $flags \
-    > "$OUT/server_$policy.log" 2>&1 &
+  (cd "$tree" && PYTHONPATH="$tree" exec "${KV[@]}" serve --port "$port" --num-threads "$THREADS" \
+    --quiet $flags) > "$OUT/server_$policy.log" 2>&1 &
   PIDS+=("$!")
   URL_OF[$policy]="http://127.0.0.1:$port"
   port=$((port + 1))

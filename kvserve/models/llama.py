@@ -24,7 +24,10 @@ from kvserve.config import ModelArchConfig
 from kvserve.models.quant import QuantizedWeight
 from kvserve.models.quant_linear import embedding_lookup
 from kvserve.models.quant_model import attach_quantized
-from kvserve.runtime import native
+from kvserve.runtime import (
+    amx_linear,  # noqa: F401 - registers the AMX linear candidate
+    native,
+)
 from kvserve.runtime.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from kvserve.runtime.layer_ops import TORCH_OPS, LayerOps, RopeViews, layer_ops
 from kvserve.runtime.linear import Linear, LinearPlan, build_linear

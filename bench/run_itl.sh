@@ -14,6 +14,8 @@
 #   budget-fixed, budget-aX    the step budget with --ttft-aging 0 (no TTFT guard) / X
 #   budget-fixed-mX            --ttft-aging 0 with --step-decode-multiple X
 #                              (these four at 1.5 req/s only: VARIANTS)
+#   budget-msX                 --ttft-aging 0 with an absolute target --max-step-ms X
+#   budget-msX-aY              --max-step-ms X with --ttft-aging Y
 #   static    the baseline server, the client batching statically (8 at a time)
 # First a calibration run (baseline at 1.5 req/s) gives the ITL SLO: 2 x its median ITL
 # (or SLO_ITL_MS); every later run is scored against it (`--slo-itl`, on each request's p99
@@ -54,6 +56,8 @@ flags_of() {
     budget) echo "--step-budget" ;;
     budget-fcfs) echo "--step-budget --prefill-policy fcfs" ;;
     budget-rr) echo "--step-budget --prefill-policy round-robin" ;;
+    budget-ms*-a*) ms="${1#budget-ms}"; echo "--step-budget --max-step-ms ${ms%-a*} --ttft-aging ${1##*-a}" ;;
+    budget-ms*) echo "--step-budget --ttft-aging 0 --max-step-ms ${1#budget-ms}" ;;
     budget-m*) echo "--step-budget --step-decode-multiple ${1#budget-m}" ;;
     budget-fixed) echo "--step-budget --ttft-aging 0" ;;
     budget-fixed-fcfs) echo "--step-budget --ttft-aging 0 --prefill-policy fcfs" ;;

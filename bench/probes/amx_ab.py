@@ -25,19 +25,20 @@ SHAPES = [(960, 576), (3072, 576), (576, 1536)]  # qkv, gate/up, down
 ROWS = (8, 32, 64, 104, 128, 256, 512)
 
 
-def build_old(source: Path) -> object:
-    """``source`` as the op library ``amx_ab_old``; returns its ``amx_linear``."""
+def build_old(source: Path, name: str = "amx_ab_old") -> object:
+    """``source`` as the op library ``name`` (its ops renamed out of ``kvserve``); returns its
+    ``amx_linear``. Each source needs its own ``name``."""
     text = source.read_text()
-    text = text.replace("namespace kvserve {", "namespace kvserve_ab_old {", 1)
-    text = text.replace("TORCH_LIBRARY_FRAGMENT(kvserve, m)", "TORCH_LIBRARY(amx_ab_old, m)")
+    text = text.replace("namespace kvserve {", f"namespace {name}_ns {{", 1)
+    text = text.replace("TORCH_LIBRARY_FRAGMENT(kvserve, m)", f"TORCH_LIBRARY({name}, m)")
     text = text.replace(
-        "TORCH_LIBRARY_IMPL(kvserve, CPU, m)", "TORCH_LIBRARY_IMPL(amx_ab_old, CPU, m)"
+        "TORCH_LIBRARY_IMPL(kvserve, CPU, m)", f"TORCH_LIBRARY_IMPL({name}, CPU, m)"
     )
-    text = text.replace("}  // namespace kvserve", "}  // namespace kvserve_ab_old")
-    work = Path(tempfile.mkdtemp(prefix="amx_ab_"))
+    text = text.replace("}  // namespace kvserve", f"}}  // namespace {name}_ns")
+    work = Path(tempfile.mkdtemp(prefix=f"{name}_"))
     (work / "old.cpp").write_text(text)
-    native.build_extension("amx_ab_old", [work / "old.cpp"], work, "the old AMX kernel")
-    return torch.ops.amx_ab_old.amx_linear
+    native.build_extension(name, [work / "old.cpp"], work, f"the AMX kernel of {source}")
+    return getattr(torch.ops, name).amx_linear
 
 
 def main() -> None:

@@ -160,8 +160,8 @@ void amx_linear(Tensor out, Tensor x, Tensor packed) {
   // Whole 16-row blocks are read from x in place; only the last, partial block is copied (or
   // every row, when K is not a multiple of 32 or x's rows are not 64-byte aligned), into a
   // 64-byte aligned buffer, so that no tile row straddles two cache lines. Copying all of x
-  // whenever M % 16 != 0, as before, cost the model's projections at M = 36 / 52 / 68 12.8 /
-  // 14.3 / 19.0 ms a step against 11.7 / 13.6 / 17.7 now (session 10, same sitting).
+  // whenever M % 16 != 0, as before, made the model's projections 9-18 % slower at M = 36,
+  // 52 and 68 (bench/probes/amx_model_ab.py, bench/results/session10/amx_inplace_ab.txt).
   const bool aligned = reinterpret_cast<uintptr_t>(xs) % 64 == 0 && ldx % 32 == 0;
   const int64_t full = kpad == k && aligned ? m / 16 * 16 : 0;  // rows read in place
   thread_local std::vector<uint16_t> padded;

@@ -1,0 +1,73 @@
+"""Paged decode attention on cold K/V: the read rate it reaches against ``torch.sum``.
+
+    PYTHONPATH=. .venv/bin/python bench/probes/attn_cold.py [--threads 1 2] [--layers 48]
+
+A B=32 decode batch of the embedded model's attention shape (9 query heads, 3 kv heads,
+head_dim 64, bf16, block size 16), each sequence 464 tokens long (the ShareGPT trace's median
+context), over ``--layers`` layer caches (48: ~550 MB, more than this project's CPUs' L3
+holds, so every layer's K/V comes from DRAM, as in the model, where the weights stream
+between layers). Block tables either in random order (a long-running server's free list) or
+sequential. Printed: us per layer call and GB/s of K/V read, next to ``torch.sum`` over the
+same bytes. Hot (``--layers 1``), the kernel's compute alone shows: us per token per thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+
+from kvserve.runtime import native
+
+BATCH, LEN, BLOCK, KV_HEADS, HEAD_DIM, HEADS = 32, 464, 16, 3, 64, 9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--passes", type=int, default=5)
+    args = ap.parse_args()
+    if not native.available():
+        raise SystemExit(f"no native kernels: {native.reason()}")
+    ops = native.ops()
+    blocks = (LEN + BLOCK - 1) // BLOCK
+    shape = (2, BATCH * blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    caches = [torch.randn(shape).to(torch.bfloat16) for _ in range(args.layers)]
+    order = {
+        "random blocks": torch.randperm(BATCH * blocks).to(torch.int32),
+        "sequential blocks": torch.arange(BATCH * blocks, dtype=torch.int32),
+    }
+    lens = torch.full((BATCH,), LEN, dtype=torch.int32)
+    q = torch.randn(BATCH, HEADS, HEAD_DIM).to(torch.bfloat16)  # [B, H, d]
+    out = torch.empty_like(q)  # [B, H, d]
+    kv_bytes = BATCH * LEN * KV_HEADS * HEAD_DIM * 2 * 2  # K and V, bf16
+    flat = torch.ones(kv_bytes * args.layers // 4)  # float32, the same bytes as the caches
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for name, ids in order.items():
+            tables = ids.reshape(BATCH, blocks).contiguous()
+            best = float("inf")
+            for _ in range(args.passes):
+                t = time.perf_counter()
+                for cache in caches:
+                    ops.paged_decode_attention(
+                        out, q, cache, tables, lens, 1 / math.sqrt(HEAD_DIM), 0, 0
+                    )
+                best = min(best, (time.perf_counter() - t) / args.layers)
+            per_token = best / (BATCH * LEN) * threads * 1e9
+            print(
+                f"threads {threads}, {name}: {best * 1e6:.0f} us a layer, "
+                f"{kv_bytes / best / 1e9:.1f} GB/s, {per_token:.0f} ns a token per thread"
+            )
+        flat.sum()
+        t = time.perf_counter()
+        flat.sum()
+        rate = flat.nbytes / (time.perf_counter() - t) / 1e9
+        print(f"threads {threads}, torch.sum over {flat.nbytes / 1e6:.0f} MB: {rate:.1f} GB/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -39,6 +39,7 @@ from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_arch, load_model
 from kvserve.models.quant_model import quantization_summary, quantized_nbytes, summary_line
 from kvserve.models.quant_select import with_quantized_plan
+from kvserve.runtime.amx_linear import gather_into_huge_pages
 from kvserve.runtime.kernel_select import plan_of
 from kvserve.runtime.linear import warm_row_buckets
 from kvserve.runtime.memory_plan import ActivationPlan
@@ -112,6 +113,9 @@ def load_engine_model(config: EngineConfig, kernels: KernelChoice) -> EngineMode
     # NOTE: a parameter that only a prepacked copy reads is freed (the copy rebuilds it when
     # needed), so such weights are held once; under tensor parallelism the workers keep theirs.
     freed = model.release_packed_weights() if tp is None else 0
+    if torch.device(config.device).type == "cpu":
+        in_huge = gather_into_huge_pages(model.linears())
+        logger.debug("AMX-packed weights moved into huge pages: %.1f MiB", in_huge / (1 << 20))
     # NOTE: prepacked weight copies are held beside (or instead of) the parameters: counted
     # as weights.
     packed = sum(lin.extra_nbytes for lin in model.linears())

@@ -41,6 +41,7 @@ from kvserve.models.loader import load_model
 from kvserve.models.quant import QUANTIZATION_CHOICES
 from kvserve.models.quant_model import quantized_decode_bytes
 from kvserve.models.quant_select import with_quantized_plan
+from kvserve.runtime.amx_linear import gather_into_huge_pages
 from kvserve.runtime.kernel_select import plan_of
 from kvserve.runtime.model_runner import ModelRunner
 from kvserve.sampling_params import SamplingParams
@@ -300,6 +301,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     model.ensure_linears()
     model.release_packed_weights()  # as the engine does
+    if torch.device(args.device).type == "cpu":
+        gather_into_huge_pages(model.linears())
     weight_bytes = decode_weight_bytes(model) + quantized_decode_bytes(model)
     bound = bandwidth / weight_bytes
     print(f"loaded in {time.perf_counter() - t0:.1f}s; threads={torch.get_num_threads()}")

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.runtime.huge_pages import zeros_huge
+
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 INT8_MAX = 127.0
 FP8_E4M3_MAX = 448.0
@@ -157,9 +159,10 @@ class KVCache:
         pin = self.device.type == "cuda" and num_host_blocks > 0
         block_shape = (block_size, num_kv_heads, head_dim)
         # NOTE: zero-filled, so padded (masked) reads in attention only ever see finite values
-        # (a zero byte is 0 in int8 and in fp8 e4m3, and the zero scales are finite too).
-        self.device_cache = torch.zeros(
-            num_layers, 2, num_blocks, *block_shape, dtype=store, device=self.device
+        # (a zero byte is 0 in int8 and in fp8 e4m3, and the zero scales are finite too); on
+        # CPU in huge pages where the OS gives them (runtime/huge_pages.py).
+        self.device_cache = zeros_huge(
+            (num_layers, 2, num_blocks, *block_shape), store, self.device
         )  # [layers, 2, num_blocks, block_size, kvh, d]
         self.host_cache = torch.zeros(
             num_layers, 2, num_host_blocks, *block_shape, dtype=store, device="cpu", pin_memory=pin

@@ -17,6 +17,7 @@ from kvserve.runtime.amx_linear import (
     AmxBf16Method,
     amx_available,
     amx_candidates,
+    gather_into_huge_pages,
     pack_weight,
     unpack_weight,
 )
@@ -111,6 +112,26 @@ def test_linear_adds_the_bias_and_the_packed_copy_rebuilds_the_weight() -> None:
     _close(lin(x), x.float() @ w.float().t() + b.float())
     assert lin.can_free_source()
     assert torch.equal(lin.rebuild_source(), w)
+
+
+@needs_amx
+def test_gathering_into_huge_pages_moves_every_packed_weight_and_keeps_the_outputs() -> None:
+    ws = [torch.randn(n, 64).to(torch.bfloat16) for n in (96, 40, 96)]
+    shared = AmxBf16Method(ws[2])
+    lins = [
+        Linear(ws[0], [(M_MAX, AmxBf16Method(ws[0]))]),
+        Linear(ws[1], [(8, AmxBf16Method(ws[1])), (M_MAX, AmxBf16Method(ws[1]))]),
+        Linear(ws[2], [(8, shared), (M_MAX, shared)]),  # one method in two buckets: moved once
+    ]
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    before = [lin(x) for lin in lins]
+    methods = [m for lin in lins for m in lin.methods()]
+    for m in methods:
+        m.prepare()
+    assert gather_into_huge_pages(lins) == sum(m.packed.nbytes for m in methods)
+    assert len({m.packed.untyped_storage().data_ptr() for m in methods}) == 1
+    for lin, y in zip(lins, before, strict=True):
+        assert torch.equal(lin(x), y)
 
 
 @needs_amx

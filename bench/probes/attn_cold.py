@@ -7,8 +7,10 @@ head_dim 64, bf16, block size 16), each sequence 464 tokens long (the ShareGPT t
 context), over ``--layers`` layer caches (48: ~550 MB, more than this project's CPUs' L3
 holds, so every layer's K/V comes from DRAM, as in the model, where the weights stream
 between layers). Block tables either in random order (a long-running server's free list) or
-sequential. Printed: us per layer call and GB/s of K/V read, next to ``torch.sum`` over the
-same bytes. Hot (``--layers 1``), the kernel's compute alone shows: us per token per thread.
+sequential. With ``--huge-pages`` the caches are one buffer in transparent huge pages, as the
+engine's KV pool is (kvserve/runtime/huge_pages.py). Printed: us per layer call and GB/s of
+K/V read, next to ``torch.sum`` over the same bytes. Hot (``--layers 1``), the kernel's
+compute alone shows: us per token per thread.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 import torch
 
 from kvserve.runtime import native
+from kvserve.runtime.huge_pages import zeros_huge
 
 BATCH, LEN, BLOCK, KV_HEADS, HEAD_DIM, HEADS = 32, 464, 16, 3, 64, 9
 
@@ -29,13 +32,19 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--passes", type=int, default=5)
+    ap.add_argument("--huge-pages", action="store_true")
     args = ap.parse_args()
     if not native.available():
         raise SystemExit(f"no native kernels: {native.reason()}")
     ops = native.ops()
     blocks = (LEN + BLOCK - 1) // BLOCK
     shape = (2, BATCH * blocks, BLOCK, KV_HEADS, HEAD_DIM)
-    caches = [torch.randn(shape).to(torch.bfloat16) for _ in range(args.layers)]
+    pool = torch.empty((args.layers, *shape), dtype=torch.bfloat16)  # [layers, 2, blocks, ...]
+    if args.huge_pages:
+        pool = zeros_huge(tuple(pool.shape), torch.bfloat16, torch.device("cpu"))
+    caches = list(pool.unbind(0))
+    for cache in caches:
+        cache.copy_(torch.randn(shape))
     order = {
         "random blocks": torch.randperm(BATCH * blocks).to(torch.int32),
         "sequential blocks": torch.arange(BATCH * blocks, dtype=torch.int32),

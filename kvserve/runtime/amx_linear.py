@@ -108,7 +108,8 @@ def gather_into_huge_pages(linears: Iterable[Linear]) -> int:
 
     NOTE: why. A decode step streams every packed weight once; in 4 KiB pages that is a TLB
     miss every 4 KiB. The embedded model's projection sequence (30 layers x 4, AMX, 2 threads)
-    ran 8-9 % faster at M = 1, 8 and 32 with its weights in huge pages (session 10).
+    ran 13-23 % faster at M = 1-64 with its weights in one huge-page buffer
+    (``bench/probes/amx_model_ab.py --huge-pages``, session 10).
     """
     methods = {id(m): m for lin in linears for m in lin.methods()}.values()
     amx = [m for m in methods if isinstance(m, AmxBf16Method) and m.packed is not None]

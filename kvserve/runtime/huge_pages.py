@@ -1,12 +1,13 @@
-"""Transparent huge pages for large CPU buffers (the KV block pool).
+"""Transparent huge pages for large CPU buffers: the KV block pool and the packed weights.
 
 NOTE: why. Decode attention reads K/V blocks in the order the allocator gave them out, all
-over a pool of hundreds of MB: with 4 KiB pages nearly every block is a TLB miss. Asked for
-2 MiB pages (``madvise(MADV_HUGEPAGE)`` before the first touch; Linux's default THP mode is
-``madvise``, so nothing gets them unasked), the same attention over a 530 MB pool took
-705 instead of 765 us a layer (B=32, 464-token contexts, the AMX Xeon of session 10,
-bench/README.md "Decode attention"). Where the kernel does not give them (THP off, another
-OS, CUDA tensors), the buffer is an ordinary one.
+over a pool of hundreds of MB, and a decode step streams every weight once: with 4 KiB pages
+nearly every block, and every 4 KiB of weight, is a TLB miss. Asked for 2 MiB pages
+(``madvise(MADV_HUGEPAGE)`` before the first touch; Linux's default THP mode is ``madvise``,
+so nothing gets them unasked), attention over a 530 MB pool and the AMX projections both
+ran faster (README, "Kernels and dtype", session 10: ``bench/probes/attn_cold.py
+--huge-pages``, ``bench/probes/amx_model_ab.py --huge-pages``). Where the kernel does not
+give them (THP off, another OS, CUDA tensors), the buffer is an ordinary one.
 """
 
 from __future__ import annotations

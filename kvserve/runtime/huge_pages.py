@@ -78,7 +78,10 @@ def into_huge_pages(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     offsets, total = [], 0
     for t in tensors:
         if t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError(f"into_huge_pages takes contiguous CPU tensors, got {t.device}")
+            raise ValueError(
+                "into_huge_pages takes contiguous CPU tensors, got one on "
+                f"{t.device} (contiguous: {t.is_contiguous()})"
+            )
         offsets.append(total)
         total += -(-t.nbytes // 64) * 64
     arena = torch.empty(total, dtype=torch.uint8)

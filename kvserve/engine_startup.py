@@ -39,9 +39,8 @@ from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_arch, load_model
 from kvserve.models.quant_model import quantization_summary, quantized_nbytes, summary_line
 from kvserve.models.quant_select import with_quantized_plan
-from kvserve.runtime.amx_linear import gather_into_huge_pages
 from kvserve.runtime.kernel_select import plan_of
-from kvserve.runtime.linear import warm_row_buckets
+from kvserve.runtime.linear import gather_into_huge_pages, warm_row_buckets
 from kvserve.runtime.memory_plan import ActivationPlan
 from kvserve.runtime.model_runner import ModelRunner
 from kvserve.tokenizer import Tokenizer
@@ -115,7 +114,7 @@ def load_engine_model(config: EngineConfig, kernels: KernelChoice) -> EngineMode
     freed = model.release_packed_weights() if tp is None else 0
     if torch.device(config.device).type == "cpu":
         in_huge = gather_into_huge_pages(model.linears())
-        logger.debug("AMX-packed weights moved into huge pages: %.1f MiB", in_huge / (1 << 20))
+        logger.debug("weights moved into huge pages: %.1f MiB", in_huge / (1 << 20))
     # NOTE: prepacked weight copies are held beside (or instead of) the parameters: counted
     # as weights.
     packed = sum(lin.extra_nbytes for lin in model.linears())

@@ -41,8 +41,8 @@ from kvserve.models.loader import load_model
 from kvserve.models.quant import QUANTIZATION_CHOICES
 from kvserve.models.quant_model import quantized_decode_bytes
 from kvserve.models.quant_select import with_quantized_plan
-from kvserve.runtime.amx_linear import gather_into_huge_pages
 from kvserve.runtime.kernel_select import plan_of
+from kvserve.runtime.linear import gather_into_huge_pages
 from kvserve.runtime.model_runner import ModelRunner
 from kvserve.sampling_params import SamplingParams
 

@@ -161,6 +161,9 @@ class QuantKernelMethod(LinearMethod):
     def nbytes(self) -> int:
         return self.weight.nbytes
 
+    def streamed_tensors(self) -> list[torch.Tensor]:
+        return [self.weight.data]
+
     def apply(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if x.stride(-1) != 1:
             x = x.contiguous()
@@ -205,6 +208,9 @@ class DequantDenseMethod(DenseCopyMethod):
             # [in, out] contiguous: the layout MKL ran fastest for decode (see models/llama.py).
             self.weight_t = self.source.dequantize(self.act_dtype).t().contiguous()
 
+    def streamed_tensors(self) -> list[torch.Tensor]:
+        return [] if self.weight_t is None else [self.weight_t]
+
     def apply(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.weight_t is None:
             self.prepare()
@@ -239,6 +245,9 @@ class DequantPrepackedMethod(DenseCopyMethod):
         if self.packed is None:
             self.packed = self.dense_method(self.source.dequantize(self.act_dtype))
             self.packed.prepare()
+
+    def streamed_tensors(self) -> list[torch.Tensor]:
+        return [] if self.packed is None else self.packed.streamed_tensors()
 
     def apply(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed is None:

@@ -12,14 +12,12 @@ be freed.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from kvserve.runtime import native
-from kvserve.runtime.huge_pages import into_huge_pages
-from kvserve.runtime.linear import Linear, LinearMethod, register_candidates
+from kvserve.runtime.linear import LinearMethod, register_candidates
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +83,9 @@ class AmxBf16Method(LinearMethod):
         rows = -(-self.out_features // GROUP) * GROUP
         return rows * -(-self.in_features // KBLOCK) * KBLOCK * 2  # bf16, padded
 
+    def streamed_tensors(self) -> list[torch.Tensor]:
+        return [] if self.packed is None else [self.packed]
+
     def dense_weight(self) -> torch.Tensor:
         self.prepare()
         assert self.packed is not None
@@ -99,25 +100,6 @@ class AmxBf16Method(LinearMethod):
             out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)  # [M, out]
         torch.ops.kvserve.amx_linear(out, x, self.packed)
         return out
-
-
-def gather_into_huge_pages(linears: Iterable[Linear]) -> int:
-    """Move the packed weights of the prepared ``AmxBf16Method``s of ``linears`` (a model's
-    ``linears()``) into one buffer in huge pages (runtime/huge_pages.py); returns the bytes
-    moved.
-
-    NOTE: why. A decode step streams every packed weight once; in 4 KiB pages that is a TLB
-    miss every 4 KiB. The embedded model's projection sequence (30 layers x 4, AMX, 2 threads)
-    ran 13-23 % faster at M = 1-64 with its weights in one huge-page buffer
-    (``bench/probes/amx_model_ab.py --huge-pages``, session 10).
-    """
-    methods = {id(m): m for lin in linears for m in lin.methods()}.values()
-    amx = [m for m in methods if isinstance(m, AmxBf16Method) and m.packed is not None]
-    if not amx:
-        return 0
-    for m, moved in zip(amx, into_huge_pages([m.packed for m in amx]), strict=True):
-        m.packed = moved
-    return sum(m.packed.nbytes for m in amx)
 
 
 @register_candidates

@@ -17,11 +17,10 @@ from kvserve.runtime.amx_linear import (
     AmxBf16Method,
     amx_available,
     amx_candidates,
-    gather_into_huge_pages,
     pack_weight,
     unpack_weight,
 )
-from kvserve.runtime.linear import M_MAX, Linear
+from kvserve.runtime.linear import M_MAX, Linear, gather_into_huge_pages
 
 CPU = torch.device("cpu")
 needs_amx = pytest.mark.skipif(not amx_available(), reason="no AMX-BF16 on this CPU/build")
@@ -118,18 +117,18 @@ def test_linear_adds_the_bias_and_the_packed_copy_rebuilds_the_weight() -> None:
 def test_gathering_into_huge_pages_moves_every_packed_weight_and_keeps_the_outputs() -> None:
     ws = [torch.randn(n, 64).to(torch.bfloat16) for n in (96, 40, 96)]
     shared = AmxBf16Method(ws[2])
+    copy = DequantAmxMethod(quantize_dense(torch.randn(64, 64), "q8_0"), torch.bfloat16)
     lins = [
         Linear(ws[0], [(M_MAX, AmxBf16Method(ws[0]))]),
         Linear(ws[1], [(8, AmxBf16Method(ws[1])), (M_MAX, AmxBf16Method(ws[1]))]),
         Linear(ws[2], [(8, shared), (M_MAX, shared)]),  # one method in two buckets: moved once
+        Linear(copy.source, [(M_MAX, copy)]),  # the AMX tiles inside a quantized weight's copy
     ]
     x = torch.randn(5, 64).to(torch.bfloat16)
     before = [lin(x) for lin in lins]
-    methods = [m for lin in lins for m in lin.methods()]
-    for m in methods:
-        m.prepare()
-    assert gather_into_huge_pages(lins) == sum(m.packed.nbytes for m in methods)
-    assert len({m.packed.untyped_storage().data_ptr() for m in methods}) == 1
+    packed = [m.packed for lin in lins[:3] for m in lin.methods()] + [copy.packed.packed]
+    assert gather_into_huge_pages(lins) == sum(t.nbytes for t in packed)
+    assert len({t.untyped_storage().data_ptr() for t in packed}) == 1
     for lin, y in zip(lins, before, strict=True):
         assert torch.equal(lin(x), y)
 

@@ -5,8 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvserve.models.quant import quantize_dense
+from kvserve.models.quant_linear import DequantDenseMethod, QuantKernelMethod
 from kvserve.runtime import huge_pages
 from kvserve.runtime.huge_pages import HUGE_PAGE, advise_huge_pages, into_huge_pages, zeros_huge
+from kvserve.runtime.linear import M_MAX, DenseMmMethod, Linear, gather_into_huge_pages
+from kvserve.runtime.native import quant_ops
 
 
 def test_zeros_huge_is_zeros_of_the_shape_and_dtype() -> None:
@@ -81,3 +85,27 @@ def test_into_huge_pages_copies_exactly_and_aligned() -> None:
 def test_into_huge_pages_rejects_non_contiguous() -> None:
     with pytest.raises(ValueError, match="contiguous CPU tensors"):
         into_huge_pages([torch.randn(4, 4).t()])
+
+
+@pytest.mark.skipif(not quant_ops.load(), reason=f"no quantized kernels: {quant_ops.reason()}")
+def test_gathering_moves_the_quantized_blocks_and_dense_copies_in_place() -> None:
+    # NOTE: in place (``Tensor.set_``): the kernel and the dense copy of one weight share its
+    # ``QuantizedWeight``, and an embedding may hold it too; all of them must read the move.
+    q = quantize_dense(torch.randn(40, 64), "q4_1")
+    kernel, copy = QuantKernelMethod(q), DequantDenseMethod(q, torch.float32)
+    lins = [
+        Linear(q, [(4, kernel), (M_MAX, copy)]),
+        Linear(torch.randn(24, 64), [(M_MAX, DenseMmMethod(torch.randn(64, 24).t()))]),
+    ]
+    x = torch.randn(6, 64)
+    before = [lin(x) for lin in lins] + [lins[0](x[:3])]
+    assert kernel.streamed_tensors()[0] is q.data and lins[1].methods()[0].streamed_tensors() == []
+    moved = [q.data, copy.weight_t]
+    assert gather_into_huge_pages(lins) == sum(t.nbytes for t in moved)
+    assert kernel.weight.data is q.data  # the same tensor object, re-pointed
+    assert len({t.untyped_storage().data_ptr() for t in moved}) == 1
+    assert q.data.untyped_storage().data_ptr() == q.data.data_ptr()  # the buffer's first tensor
+    after = [lin(x) for lin in lins] + [lins[0](x[:3])]
+    for y, z in zip(before, after, strict=True):
+        assert torch.equal(y, z)
+    assert gather_into_huge_pages([]) == 0

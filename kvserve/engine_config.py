@@ -62,8 +62,9 @@ _HELP: dict[str, str] = {
     "run: mp (local processes) or ray (Ray actors)",
     "admission_headroom": "fraction of KV blocks kept free when admitting requests",
     "resume_watermark": "after a preemption, admit again only above this free fraction",
-    "quantization": "weight quantization (vLLM's flag): auto = a GGUF's quantized tensors run "
-    "as stored with the int8-dot kernels (an HF model stays dense); none = dequantize at "
+    "quantization": "weight quantization (vLLM's flag): auto (the default) = a GGUF's "
+    "quantized tensors run as stored with the int8-dot kernels, or a dense copy where the "
+    "start-up measurement finds it faster (an HF model stays dense); none = dequantize at "
     "load; q8_0 / q4_0 / q4_1 = quantize the weights at load to that GGML format",
     "step_budget": "size each step's prefill chunks so the step's predicted time (a cost model "
     "fitted online on the engine's own steps) stays within a target (off by default: on the "
@@ -120,7 +121,7 @@ class EngineConfig:
     num_threads: int | None = None
     admission_headroom: float = 0.02
     resume_watermark: float = 0.10
-    quantization: str = "none"
+    quantization: str = "auto"
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
     step_budget: bool = False

@@ -26,7 +26,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +83,11 @@ def parse_setting(text: str) -> Setting:
     """``auto`` | ``int8`` | ``fp8`` | ``w<W>s<S>`` (window W, S sinks) | ``int8-w<W>s<S>``,
     or a model dtype ``fp32`` | ``bf16`` | ``fp16`` (weights, activations and cache);
     ``weights-<q>`` (``q`` a ``--quantization`` value: auto, q8_0, q4_0, q4_1) runs the
-    weights quantized with a full-precision cache."""
+    weights quantized with a full-precision cache; ``<dtype>-weights-<q>`` (``bf16-weights-auto``)
+    both, the model dtype for the activations and the cache."""
+    head, sep, rest = text.partition("-weights-")
+    if sep and head in _MODEL_DTYPES:
+        return replace(parse_setting(f"weights-{rest}"), name=text, dtype=_MODEL_DTYPES[head])
     if text.startswith("weights-"):
         quantization = text.removeprefix("weights-")
         if quantization not in ("auto", "none", "q8_0", "q4_0", "q4_1"):

@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", default=None, help="write the figures to this JSON file")
     ap.add_argument(
         "--quantization",
-        default="none",
+        default="auto",
         choices=QUANTIZATION_CHOICES,
         help="weights as the engine's --quantization (auto: a GGUF runs as stored)",
     )

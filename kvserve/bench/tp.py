@@ -77,6 +77,9 @@ def run_engine(
 
     engine_kw.setdefault("num_threads", 1)
     engine_kw.setdefault("dtype", "float32")  # the comparison is stated in fp32
+    # NOTE: a TP group runs dense weights (engine_startup), so the one-process run it is
+    # compared with must too: the default `--quantization auto` keeps a GGUF quantized.
+    engine_kw.setdefault("quantization", "none")
     t0 = time.perf_counter()
     llm = LLM(model=model, tensor_parallel_size=tp, **engine_kw)
     startup = time.perf_counter() - t0

@@ -42,7 +42,7 @@ from kvserve.runtime.native import quant_ops
 
 log = logging.getLogger(__name__)
 # Bumped when the quantized candidates change (the cache then measures again).
-QUANT_CANDIDATES_VERSION = 3  # 2: dequant_tile_* added; 3: dequant_onednn_*
+QUANT_CANDIDATES_VERSION = 4  # 2: dequant_tile_*; 3: dequant_onednn_*; 4: *_x16_amx_bf16
 
 
 def quantized_shapes(model: Any) -> dict[tuple[int, int], str]:

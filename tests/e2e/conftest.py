@@ -28,6 +28,11 @@ def make_llm() -> Iterator[Callable[..., object]]:
         # NOTE: the engine's default is dtype="auto" (bf16 on CPUs with native bf16); the
         # e2e checks pin float32 unless a test asks for another dtype.
         kwargs.setdefault("dtype", "float32")
+        # NOTE: and the dense path (quantization="none"): the equivalence checks compare
+        # token for token, which only a batch-invariant numeric path gives; with the
+        # default "auto" a step's row count picks the int8-dot kernel or a dense copy (README,
+        # "Quantized weights"). tests/e2e/test_quant_equivalence.py asks for "auto".
+        kwargs.setdefault("quantization", "none")
         return LLM(**kwargs)  # type: ignore[arg-type]
 
     yield factory

@@ -142,7 +142,7 @@ _RUN = textwrap.dedent(
     budget = int(sys.argv[1])
     llm = LLM(memory_budget=budget, max_model_len=1024, max_num_seqs=8,
               max_num_batched_tokens=128, num_threads=2, dtype="float32",
-              kernel_selection="off")
+              kernel_selection="off", quantization="none")
     rep = llm.engine.memory_report
     prompts = [[100 + 7 * i + j for j in range(60 + 30 * i)] for i in range(8)]
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, ignore_eos=True, seed=1)
@@ -171,8 +171,9 @@ def _run_budgeted(budget: int) -> subprocess.CompletedProcess[str]:
     )
 
 
-# NOTE: float32 with torch.mm everywhere: the figures above (WEIGHTS) are that model's. A
-# prepacked kernel copy adds its bytes to the weights (MemoryReport.packed_weights_bytes).
+# NOTE: dense float32 (`quantization="none"`) with torch.mm everywhere: the figures above
+# (WEIGHTS) are that model's. A prepacked kernel copy adds its bytes to the weights
+# (MemoryReport.packed_weights_bytes).
 def test_peak_rss_stays_within_the_budget() -> None:
     budget = 3 * GiB // 2
     proc = _run_budgeted(budget)

@@ -229,6 +229,79 @@ def test_x16_embedding_gathers_dequantized_rows(qtype: str) -> None:
     torch.testing.assert_close(out, weight.dequantize()[ids], rtol=0, atol=0)
 
 
+# ---- amx_bf16_linear: x16 weights dequantized inside an AMX bf16 GEMM ----------------------
+
+needs_amx_bf16 = pytest.mark.skipif(
+    not (quant_ops.load() and quant_ops.amx_bf16_available()),
+    reason="no AMX-BF16 here (CPU, build or tile state)",
+)
+
+
+@needs_amx_bf16
+@settings(max_examples=40, deadline=None)
+@given(
+    qtype=st.sampled_from(sorted(KERNEL_QTYPES)),
+    m=st.integers(1, 70),
+    n=st.integers(1, 80),
+    k_blocks=st.integers(1, 9),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_amx_bf16_equals_the_dense_amx_copy_bit_for_bit(
+    qtype: str, m: int, n: int, k_blocks: int, seed: int
+) -> None:
+    """Each weight dequantized as the dense copy is (d q + m in fp32, RNE to bf16), then the
+    same tiles in the same k order: the outputs are the ``dequant_amx_bf16`` copy's exactly
+    (N below, at and above 16 and 32: x16 groups, plain tail rows, half column groups)."""
+    from kvserve.models.quant_linear import DequantAmxMethod
+
+    rng = np.random.default_rng(seed)
+    k = 32 * k_blocks
+    weight = quantize_dense(torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32)), qtype)
+    x16 = weight.interleaved()
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).to(torch.bfloat16)
+    dense = DequantAmxMethod(x16, torch.bfloat16)
+    dense.prepare()
+    assert torch.equal(quant_ops.amx_bf16_linear(x, x16.data, qtype), dense.apply(x))
+
+
+@needs_amx_bf16
+def test_amx_bf16_writes_a_column_slice_and_reads_strided_rows() -> None:
+    weight = quantize_dense(torch.randn(48, 64), "q4_1").interleaved()
+    base = torch.randn(20, 80).to(torch.bfloat16)
+    x = base[:, 8:72]  # rows 80 apart, not 64-byte aligned: copied before the tiles
+    wide = torch.full((20, 100), 7.0, dtype=torch.bfloat16)
+    quant_ops.amx_bf16_linear(x, weight.data, "q4_1", out=wide[:, 10:58])
+    ref = quant_ops.amx_bf16_linear(x.contiguous(), weight.data, "q4_1")
+    assert torch.equal(wide[:, 10:58], ref)
+    assert (wide[:, :10] == 7).all() and (wide[:, 58:] == 7).all()
+
+
+@needs_amx_bf16
+def test_amx_bf16_bad_input_is_rejected_and_the_candidate_rules() -> None:
+    from kvserve.models.quant_linear import QuantAmxBf16Method, quantized_candidates
+
+    weight = quantize_dense(torch.randn(32, 64), "q8_0")
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        quant_ops.amx_bf16_linear(torch.randn(2, 64), weight.interleaved().data, "q8_0")
+    with pytest.raises(RuntimeError, match="out must be"):
+        quant_ops.amx_bf16_linear(
+            torch.randn(2, 64).to(torch.bfloat16),
+            weight.interleaved().data,
+            "q8_0",
+            out=torch.empty(3, 32, dtype=torch.bfloat16),
+        )
+    with pytest.raises(ValueError, match="x16 layout only"):
+        QuantAmxBf16Method(weight)
+    cpu = torch.device("cpu")
+
+    def names(w: QuantizedWeight, dtype: torch.dtype) -> list[str]:
+        return [m.name for m in quantized_candidates(w, act_dtype=dtype, device=cpu)]
+
+    assert "q8_0_x16_amx_bf16" in names(weight.interleaved(), torch.bfloat16)
+    assert not any("amx_bf16" in x for x in names(weight.interleaved(), torch.float32))
+    assert not any(x.endswith("_x16_amx_bf16") for x in names(weight, torch.bfloat16))
+
+
 def test_x16_bad_input_is_rejected() -> None:
     weight = quantize_dense(torch.randn(32, 64), "q4_1").interleaved()
     for isa in ("avx_vnni", "avx2"):

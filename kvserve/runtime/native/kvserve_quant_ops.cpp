@@ -33,7 +33,8 @@
 // activation bytes advances 16 rows at once, and the scales of 16 rows are one load, so the
 // per-block scale arithmetic is shared by 16 rows instead of done per row (the AVX-512 GEMV
 // of the plain layout is compute bound at about half the read bandwidth). The last N % 16 rows
-// stay plain. Instruction sets for x16: avx512_vnni and scalar.
+// stay plain. Instruction sets for x16: avx512_vnni and scalar; on AMX CPUs `amx_bf16_linear`
+// (below) multiplies bf16 activations by x16 weights dequantized inside an AMX bf16 GEMM.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -47,6 +48,12 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define KVQ_HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace kvserve_quant {
 namespace {
@@ -62,6 +69,20 @@ constexpr int kIsaAuto = 0, kIsaScalar = 1, kIsaAvx2 = 2, kIsaAvxVnni = 3, kIsaA
 #define KVQ_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
 #define KVQ_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define KVQ_AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
+
+// Whether this build has the AMX kernel and the kernel granted this process the tile state
+// (arch_prctl ARCH_REQ_XCOMP_PERM; asked once, as kvserve_amx_linear.cpp does).
+bool amx_tiles_ready() {
+#if defined(KVQ_HAVE_AMX)
+  static const bool ok = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
 
 bool isa_supported(int isa) {
   __builtin_cpu_init();
@@ -585,6 +606,240 @@ void run_linear_x16(const QAct& act, int64_t m, const uint8_t* wp, int64_t n, in
   });
 }
 
+template <typename scalar_t>
+void dequant_row(const uint8_t* wp, int64_t row_bytes, int64_t n, int layout, int64_t row,
+                 int qtype, int64_t k, scalar_t* o);
+void check_weight(const Tensor& weight, int64_t qtype, int64_t k);
+
+// ---- amx_bf16_linear: the x16 weights dequantized to bf16 AMX tiles inside the GEMM ------
+//
+// out [M, N] = x [M, K] @ W^T in bf16, W read in the x16 layout and dequantized per group of
+// 32 output columns into the tile layout of kvserve_amx_linear.cpp, then multiplied exactly
+// as that kernel multiplies its packed copy (same tiles, same k order, fp32 accumulation, one
+// RNE rounding to bf16). Each weight is dequantized as the dense copy is (d * q + m in fp32,
+// rounded to bf16), so the output equals the `dequant_amx_bf16` copy's bit for bit.
+// NOTE: why: from ~16 rows a step is compute bound in the int8-dot kernels and the dense
+// bf16 copy won, streaming 3.6x the bytes of the Q4_1 weights and holding a second copy of
+// every one; dequantizing inside the GEMM costs the same work for any M, once per call.
+#if defined(KVQ_HAVE_AMX)
+#define KVQ_AMXBF16                                                                      \
+  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16," \
+                        "fma,f16c")))
+
+struct alignas(64) AmxTileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+KVQ_AMXBF16 void amx_bf16_config() {
+  AmxTileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// 16 bytes of values (rows 4i..4i+3 x 4 values each) -> bf16 weights, scaled by dq/mq (the
+// rows' d and m, each repeated 4 times).
+template <int QT>
+KVQ_AMXBF16 inline __m256i dequant16(__m128i bytes, __m512 dq, __m512 mq) {
+  const __m512i q = QT == kQ8_0 ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
+  const __m512 f = _mm512_cvtepi32_ps(q);
+  const __m512 w = QT == kQ8_0 ? _mm512_mul_ps(f, dq) : _mm512_fmadd_ps(f, dq, mq);
+  return (__m256i)_mm512_cvtneps_pbh(w);
+}
+
+// One chunk (64 bytes: 4 values of each of 16 rows, [row][4]) -> tile rows kp, kp + 1 (row
+// kp: the rows' first two values as bf16 pairs, kp + 1: the other two).
+template <int QT>
+KVQ_AMXBF16 inline void chunk_to_tile(__m512i chunk, const __m512* dq, const __m512* mq,
+                                      uint16_t* tile, int kp) {
+  __m256i h[4];
+  for (int i = 0; i < 4; ++i)
+    h[i] = dequant16<QT>(_mm512_extracti32x4_epi32(chunk, i), dq[i], mq[i]);
+  // 32-bit word 2c of z0:z1 is row c's first pair, word 2c + 1 its second.
+  const __m512i z0 = _mm512_inserti64x4(_mm512_castsi256_si512(h[0]), h[1], 1);
+  const __m512i z1 = _mm512_inserti64x4(_mm512_castsi256_si512(h[2]), h[3], 1);
+  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  _mm512_storeu_si512(tile + kp * 32, _mm512_permutex2var_epi32(z0, even, z1));
+  _mm512_storeu_si512(tile + (kp + 1) * 32, _mm512_permutex2var_epi32(z0, odd, z1));
+}
+
+// One x16 group-block (16 rows x 32 values) -> a B tile [16 kp][16 rows][2] bf16.
+template <int QT>
+KVQ_AMXBF16 void dequant_btile(const uint8_t* blk, uint16_t* tile) {
+  constexpr int64_t VO = x16_values_offset(QT);
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+  __m512 m = _mm512_setzero_ps();
+  if constexpr (QT == kQ4_1)
+    m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+  if constexpr (QT == kQ4_0) m = _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));  // d (q - 8), exact
+  // Lane j of dq[i] / mq[i] holds row 4i + j / 4's d / m.
+  const __m512i lane4 = _mm512_srli_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2);
+  __m512 dq[4], mq[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m512i rows = _mm512_add_epi32(_mm512_set1_epi32(4 * i), lane4);
+    dq[i] = _mm512_permutexvar_ps(rows, d);
+    mq[i] = _mm512_permutexvar_ps(rows, m);
+  }
+  const uint8_t* v = blk + VO;
+  if constexpr (QT == kQ8_0) {
+    for (int c = 0; c < 8; ++c)
+      chunk_to_tile<QT>(_mm512_loadu_si512(v + 64 * c), dq, mq, tile, 2 * c);
+  } else {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    for (int c = 0; c < 4; ++c) {
+      const __m512i wv = _mm512_loadu_si512(v + 64 * c);
+      chunk_to_tile<QT>(_mm512_and_si512(wv, low4), dq, mq, tile, 2 * c);
+      chunk_to_tile<QT>(_mm512_and_si512(_mm512_srli_epi16(wv, 4), low4), dq, mq, tile, 8 + 2 * c);
+    }
+  }
+}
+
+// Column group G (outputs 32G .. 32G + 31) for all k blocks -> bt [kblocks][2][16][32] bf16
+// (kvserve_amx_linear.cpp's packed layout); rows past N are zeros, plain tail rows take the
+// scalar dequantization.
+template <int QT>
+KVQ_AMXBF16 void dequant_group(const uint8_t* wp, int64_t row_bytes, int64_t n, int64_t k,
+                               int64_t G, uint16_t* bt, std::vector<float>& row_buf) {
+  constexpr int64_t GB = kGroup * kBlockBytes[QT];
+  const int64_t kblocks = k / kBlock, grouped = n / kGroup * kGroup;
+  for (int h = 0; h < 2; ++h) {
+    const int64_t r0 = G * 32 + h * 16;
+    if (r0 + 16 <= grouped) {
+      const uint8_t* g = wp + r0 * row_bytes;
+      for (int64_t kb = 0; kb < kblocks; ++kb)
+        dequant_btile<QT>(g + kb * GB, bt + kb * 1024 + h * 512);
+      continue;
+    }
+    for (int64_t kb = 0; kb < kblocks; ++kb)
+      std::fill(bt + kb * 1024 + h * 512, bt + kb * 1024 + h * 512 + 512, uint16_t{0});
+    row_buf.resize(static_cast<size_t>(k));
+    for (int c = 0; c < 16 && r0 + c < n; ++c) {
+      dequant_row<float>(wp, row_bytes, n, kGroup, r0 + c, QT, k, row_buf.data());
+      for (int64_t kk = 0; kk < k; ++kk) {
+        const c10::BFloat16 b(row_buf[kk]);  // RNE, as the dense copy's .to(bfloat16)
+        bt[(kk / 32) * 1024 + h * 512 + (kk % 32 / 2) * 32 + 2 * c + kk % 2] = b.x;
+      }
+    }
+  }
+}
+
+template <int QT>
+KVQ_AMXBF16 void run_amx_bf16(const uint16_t* xs, int64_t ldx, int64_t m, int64_t k,
+                              const uint8_t* wp, int64_t row_bytes, int64_t n, uint16_t* o,
+                              int64_t ldo) {
+  const int64_t mpad = (m + 15) / 16 * 16, kblocks = k / kBlock;
+  // NOTE: as kvserve_amx_linear.cpp: whole 16-row blocks read in place when 64-byte aligned,
+  // the rest copied zero-padded, so no tile row straddles two cache lines.
+  const bool aligned = reinterpret_cast<uintptr_t>(xs) % 64 == 0 && ldx % 32 == 0;
+  const int64_t full = aligned ? m / 16 * 16 : 0;
+  thread_local std::vector<uint16_t> padded;
+  uint16_t* tail = nullptr;
+  if (full < mpad) {
+    padded.resize((mpad - full) * k + 32);
+    tail = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(padded.data()) + 63) &
+                                       ~uintptr_t(63));
+    std::fill(tail, tail + (mpad - full) * k, uint16_t(0));
+    for (int64_t r = full; r < m; ++r) std::memcpy(tail + (r - full) * k, xs + r * ldx, k * 2);
+  }
+  auto block_rows = [&](int64_t r, int64_t& ld) -> const uint16_t* {
+    ld = r < full ? ldx : k;
+    return r < full ? xs + r * ldx : tail + (r - full) * k;
+  };
+  const int64_t groups = (n + 31) / 32;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    thread_local std::vector<uint16_t> bt_buf;
+    thread_local std::vector<float> row_buf;
+    bt_buf.resize(static_cast<size_t>(kblocks * 1024 + 32));
+    uint16_t* bt = reinterpret_cast<uint16_t*>(
+        (reinterpret_cast<uintptr_t>(bt_buf.data()) + 63) & ~uintptr_t(63));
+    amx_bf16_config();
+    alignas(64) float cbuf[32 * 32];
+    for (int64_t G = g0; G < g1; ++G) {
+      dequant_group<QT>(wp, row_bytes, n, k, G, bt, row_buf);
+      const int64_t cols = std::min<int64_t>(32, n - G * 32);
+      const __mmask32 keep = cols == 32 ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
+      for (int64_t r0 = 0; r0 < mpad; r0 += 32) {
+        const bool two = mpad - r0 >= 32;
+        int64_t ld0 = 0, ld1 = 0;
+        const uint16_t* x0 = block_rows(r0, ld0);
+        const uint16_t* x1 = two ? block_rows(r0 + 16, ld1) : x0;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kb = 0; kb < kblocks; ++kb) {
+          const uint16_t* b = bt + kb * 1024;
+          _tile_loadd(6, b, 64);
+          _tile_loadd(7, b + 512, 64);
+          _tile_loadd(4, x0 + kb * 32, ld0 * 2);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          if (two) {
+            _tile_loadd(5, x1 + kb * 32, ld1 * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        _tile_stored(0, cbuf, 128);
+        _tile_stored(1, cbuf + 16, 128);
+        if (two) {
+          _tile_stored(2, cbuf + 16 * 32, 128);
+          _tile_stored(3, cbuf + 16 * 32 + 16, 128);
+        }
+        const int64_t rows = std::min<int64_t>(32, m - r0);
+        for (int64_t r = 0; r < rows; ++r) {
+          const __m512 lo = _mm512_load_ps(cbuf + r * 32);
+          const __m512 hi = _mm512_load_ps(cbuf + r * 32 + 16);
+          _mm512_mask_storeu_epi16(o + (r0 + r) * ldo + G * 32, keep,
+                                   (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif  // KVQ_HAVE_AMX
+
+bool amx_bf16_ready() {
+#if defined(KVQ_HAVE_AMX)
+  return amx_tiles_ready() && isa_supported(kIsaAvx512Vnni);
+#else
+  return false;
+#endif
+}
+
+// out [M, N] (bf16, rows contiguous, any row stride) = x [M, K] (bf16) @ dequant(weight)^T,
+// weight in the x16 layout.
+void quant_amx_bf16_linear(Tensor out, const Tensor& x, const Tensor& weight, int64_t qtype) {
+  TORCH_CHECK(amx_bf16_ready(), "kvserve_quant: amx_bf16_linear needs AMX-BF16 (this build or "
+              "CPU has none, or the kernel refused the tile state)");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 &&
+                  x.scalar_type() == at::kBFloat16,
+              "kvserve_quant: amx_bf16_linear takes a 2-D bfloat16 CPU x with contiguous rows");
+  TORCH_CHECK(out.device().is_cpu() && out.dim() == 2 && out.stride(1) == 1 &&
+                  out.scalar_type() == at::kBFloat16,
+              "kvserve_quant: amx_bf16_linear writes a 2-D bfloat16 CPU out with contiguous rows");
+  check_weight(weight, qtype, x.size(1));
+  TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == weight.size(0),
+              "kvserve_quant: out must be [", x.size(0), ", ", weight.size(0), "], got ",
+              out.sizes());
+  if (x.size(0) == 0) return;
+#if defined(KVQ_HAVE_AMX)
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const uint8_t* wp = weight.data_ptr<uint8_t>();
+  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0), rb = weight.size(1);
+  if (qtype == kQ8_0) run_amx_bf16<kQ8_0>(xs, x.stride(0), m, k, wp, rb, n, o, out.stride(0));
+  if (qtype == kQ4_0) run_amx_bf16<kQ4_0>(xs, x.stride(0), m, k, wp, rb, n, o, out.stride(0));
+  if (qtype == kQ4_1) run_amx_bf16<kQ4_1>(xs, x.stride(0), m, k, wp, rb, n, o, out.stride(0));
+#endif
+}
+
 // ---- dispatch ----------------------------------------------------------------------------
 
 using TileFn = void (*)(const uint8_t*, int64_t, const QAct&, int64_t, float*);
@@ -791,6 +1046,8 @@ void quant_embedding(Tensor out, const Tensor& ids, const Tensor& weight, int64_
 
 bool quant_isa_supported(int64_t isa) { return isa_supported(static_cast<int>(isa)); }
 
+bool quant_amx_bf16_supported() { return amx_bf16_ready(); }
+
 int64_t quant_best_isa() { return best_isa(); }
 
 }  // namespace
@@ -801,6 +1058,8 @@ TORCH_LIBRARY(kvserve_quant, m) {
       "linear(Tensor(a!) out, Tensor x, Tensor weight, int qtype, Tensor? bias, int isa, "
       "int layout=0) -> ()");
   m.def("embedding(Tensor(a!) out, Tensor ids, Tensor weight, int qtype, int layout=0) -> ()");
+  m.def("amx_bf16_linear(Tensor(a!) out, Tensor x, Tensor weight, int qtype) -> ()");
+  m.def("amx_bf16_supported() -> bool", &kvserve_quant::quant_amx_bf16_supported);
   m.def("isa_supported(int isa) -> bool", &kvserve_quant::quant_isa_supported);
   m.def("best_isa() -> int", &kvserve_quant::quant_best_isa);
 }
@@ -808,4 +1067,5 @@ TORCH_LIBRARY(kvserve_quant, m) {
 TORCH_LIBRARY_IMPL(kvserve_quant, CPU, m) {
   m.impl("linear", &kvserve_quant::quant_linear);
   m.impl("embedding", &kvserve_quant::quant_embedding);
+  m.impl("amx_bf16_linear", &kvserve_quant::quant_amx_bf16_linear);
 }

@@ -7,7 +7,8 @@ says why (no compiler, ``KVSERVE_NATIVE=0``); quantized weights then run dequant
 
 Ops: ``linear(out, x, weight, qtype, bias, isa, layout)`` (y = x @ W^T + b over GGML blocks, int8
 activations, see the C++ header comment), ``embedding(out, ids, weight, qtype, layout)`` (gather and
-dequantize rows), ``isa_supported(isa)`` and ``best_isa()``.
+dequantize rows), ``amx_bf16_linear(out, x, weight, qtype)`` (bf16 x times an x16 weight
+dequantized inside an AMX bf16 GEMM), ``isa_supported(isa)`` and ``best_isa()``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ SOURCE = Path(__file__).with_name("kvserve_quant_ops.cpp")
 QTYPE_CODES: dict[str, int] = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
 # Instruction-set codes: "auto" picks the best one this CPU has.
 ISA_CODES: dict[str, int] = {"auto": 0, "scalar": 1, "avx2": 2, "avx_vnni": 3, "avx512_vnni": 4}
-# Weight byte layouts (kvserve/models/quant_layout.py): x16 runs on avx512_vnni and scalar.
+# Weight byte layouts (kvserve/models/quant_layout.py): x16 runs on avx512_vnni and scalar
+# (and, for bf16 activations on AMX CPUs, in ``amx_bf16_linear``).
 LAYOUT_CODES: dict[str, int] = {"plain": 0, "x16": 16}
 X16_ISAS = ("avx512_vnni", "scalar")
 
@@ -51,7 +53,7 @@ def build_dir() -> Path:
 
 
 def _register_fakes() -> None:
-    for op in ("linear", "embedding"):
+    for op in ("linear", "embedding", "amx_bf16_linear"):
         torch.library.register_fake(f"kvserve_quant::{op}")(lambda *args, **kwargs: None)
 
 
@@ -118,6 +120,27 @@ def linear(
     torch.ops.kvserve_quant.linear(
         out, x, weight, QTYPE_CODES[qtype], bias, ISA_CODES[isa], LAYOUT_CODES[layout]
     )
+    return out
+
+
+def amx_bf16_available() -> bool:
+    """Whether ``amx_bf16_linear`` runs here (the build has AMX-BF16 and the kernel grants the
+    tile state)."""
+    return available() and bool(torch.ops.kvserve_quant.amx_bf16_supported())
+
+
+def amx_bf16_linear(
+    x: torch.Tensor,  # bf16 [M, K]
+    weight: torch.Tensor,  # uint8 [N, row_bytes], x16 layout
+    qtype: str,
+    *,
+    out: torch.Tensor | None = None,  # bf16 [M, N], rows contiguous
+) -> torch.Tensor:
+    """``x @ dequant(weight)^T`` on AMX bf16 tiles, the weight dequantized inside the GEMM
+    (equal, bit for bit, to ``amx_linear`` on the dense bf16 copy); returns ``out``."""
+    if out is None:
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16)
+    torch.ops.kvserve_quant.amx_bf16_linear(out, x, weight, QTYPE_CODES[qtype])
     return out
 
 

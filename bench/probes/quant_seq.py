@@ -3,6 +3,7 @@ interleaved: what a step's projections cost per kernel, as a step runs them.
 
     PYTHONPATH=. .venv/bin/python bench/probes/quant_seq.py [--rows 1 8 32 128 512]
         [--qtype q4_1] [--dtype bfloat16] [--threads 2] [--passes 5] [--huge-pages]
+        [--only SUBSTRING]
 
 30 layers of qkv 960x576, o 576x576, gate/up 3072x576 and down 576x1536 in ``--qtype``
 (random weights, quantized and laid out as the engine lays them out on this CPU), each
@@ -14,6 +15,9 @@ shape at a time; this is the check that its choice holds over a whole step. The 
 drifts over minutes here: read candidates against each other within a run.
 ``--huge-pages``: every candidate's streamed tensors gathered into huge pages first, as the
 engine does at start-up (kvserve/runtime/linear.py, ``gather_into_huge_pages``).
+``--only``: the candidates whose name holds the substring (e.g. ``vnni``). To time two
+versions of the kernels against each other, run this file with ``PYTHONPATH`` at each
+checkout in turn (each builds its own kernels).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ LAYERS = 30
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def build(qtype: str, dtype: torch.dtype) -> dict[str, list[list[LinearMethod]]]:
+def build(qtype: str, dtype: torch.dtype, only: str) -> dict[str, list[list[LinearMethod]]]:
     """Candidate name -> [layer][projection] methods, prepared."""
     gen = torch.Generator().manual_seed(0)
     by_name: dict[str, list[list[LinearMethod]]] = {}
@@ -42,6 +46,8 @@ def build(qtype: str, dtype: torch.dtype) -> dict[str, list[list[LinearMethod]]]
         for n, k in SHAPES:
             weight = kernel_layout(quantize_dense(torch.randn(n, k, generator=gen) * 0.02, qtype))
             for method in quantized_candidates(weight, act_dtype=dtype, device=torch.device("cpu")):
+                if only not in method.name:
+                    continue
                 method.prepare()
                 row.setdefault(method.name.split(":")[0], []).append(method)
         for name, methods in row.items():
@@ -57,10 +63,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--passes", type=int, default=5)
     ap.add_argument("--huge-pages", action="store_true")
+    ap.add_argument("--only", default="")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
-    by_name = build(args.qtype, dtype)
+    by_name = build(args.qtype, dtype, args.only)
     if args.huge_pages:
         methods = [m for layers in by_name.values() for row in layers for m in row]
         # NOTE: the gather walks Linears; one stand-in holding every method is enough.

@@ -195,6 +195,35 @@ def test_x16_equals_plain_on_decode_shapes(qtype: str) -> None:
                 np.testing.assert_allclose(y.numpy(), plain.numpy(), rtol=1e-5, atol=1e-4)
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    qtype=st.sampled_from(sorted(KERNEL_QTYPES)),
+    m=st.integers(1, 40),
+    n=st.integers(1, 70),
+    seed=st.integers(0, 2**31 - 1),
+    isa=st.sampled_from(X16_ISAS or ["scalar"]),
+)
+def test_x16_bf16_out_is_the_fp32_result_rounded(
+    qtype: str, m: int, n: int, seed: int, isa: str
+) -> None:
+    """bf16 activations: the same int8 quantization as their fp32 values, so the bf16 output
+    (with bias, into a column slice of a wider buffer) is the fp32 output + bias rounded to
+    bf16, bit for bit, at every token count (the AVX-512 kernel's passes of 1-8 tokens and
+    its vector store)."""
+    rng = np.random.default_rng(seed)
+    k = 64
+    weight = quantize_dense(torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32)), qtype)
+    x16 = weight.interleaved()
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).to(torch.bfloat16)
+    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    ref = quant_ops.linear(x.float(), x16.data, qtype, bias=bias, isa=isa, layout="x16")
+    wide = torch.full((m, n + 7), 3.0, dtype=torch.bfloat16)
+    quant_ops.linear(x, x16.data, qtype, bias=bias, out=wide[:, 3 : 3 + n], isa=isa, layout="x16")
+    assert torch.equal(wide[:, 3 : 3 + n], ref.to(torch.bfloat16))
+    assert torch.equal(wide[:, :3], torch.full((m, 3), 3.0, dtype=torch.bfloat16))
+    assert torch.equal(wide[:, 3 + n :], torch.full((m, 4), 3.0, dtype=torch.bfloat16))
+
+
 @pytest.mark.parametrize("qtype", sorted(KERNEL_QTYPES))
 def test_x16_byte_order_and_round_trip(qtype: str) -> None:
     """The documented order: per group and block, the 16 d (q4_1: then the 16 m), then the

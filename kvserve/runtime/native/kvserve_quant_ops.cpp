@@ -478,10 +478,15 @@ float dot_row_scalar_x16(const uint8_t* w, int64_t row_bytes, int64_t grouped, i
 }
 
 // One group of 16 rows x T tokens: res[t][i] = row i . token t0 + t.
+// NOTE: up to 4 tokens each token's block dot runs as two chains (dot0 / dot1) so that
+// enough `vpdpbusd` are in flight; from 5 tokens the tokens alone give that many chains, and
+// one accumulator each leaves registers for 8 tokens (3 x 8 zmm would spill), so each
+// unpacked weight vector serves twice the tokens. Integer sums: the result is the same.
 template <int QT, int T>
 KVQ_AVX512 void group_avx512(const uint8_t* g, const QAct& a, int64_t t0, float* res) {
   constexpr int64_t GB = kGroup * kBlockBytes[QT];  // bytes of one group-block
   constexpr int64_t VO = x16_values_offset(QT);
+  constexpr bool kTwoChains = T <= 4;
   __m512 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F);
@@ -492,8 +497,10 @@ KVQ_AVX512 void group_avx512(const uint8_t* g, const QAct& a, int64_t t0, float*
     const uint8_t* blk = g + b * GB;
     _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * GB), _MM_HINT_T0);
     const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
-    __m512i dot0[T], dot1[T];
-    for (int t = 0; t < T; ++t) dot0[t] = dot1[t] = _mm512_setzero_si512();
+    __m512i dot0[T], dot1[kTwoChains ? T : 1];
+    for (int t = 0; t < T; ++t) dot0[t] = _mm512_setzero_si512();
+    if constexpr (kTwoChains)
+      for (int t = 0; t < T; ++t) dot1[t] = _mm512_setzero_si512();
     if constexpr (QT == kQ8_0) {
       // dot(x, w) = dot(x + 128, w) - 128 sum(w): x + 128 is the unsigned operand.
       __m512i wsum = _mm512_setzero_si512();
@@ -504,14 +511,16 @@ KVQ_AVX512 void group_avx512(const uint8_t* g, const QAct& a, int64_t t0, float*
           const __m512i xv =
               _mm512_set1_epi32(static_cast<int>(load_u32(reinterpret_cast<const uint8_t*>(
                                     xq[t] + b * kBlock + 4 * c)) ^ 0x80808080u));
-          if (c & 1)
-            dot1[t] = _mm512_dpbusd_epi32(dot1[t], xv, wv);
+          if (kTwoChains && (c & 1))
+            dot1[kTwoChains ? t : 0] = _mm512_dpbusd_epi32(dot1[kTwoChains ? t : 0], xv, wv);
           else
             dot0[t] = _mm512_dpbusd_epi32(dot0[t], xv, wv);
         }
       }
       for (int t = 0; t < T; ++t) {
-        const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(dot0[t], dot1[t]), wsum);
+        const __m512i both = kTwoChains ? _mm512_add_epi32(dot0[t], dot1[kTwoChains ? t : 0])
+                                        : dot0[t];
+        const __m512i dot = _mm512_sub_epi32(both, wsum);
         const __m512 scaled =
             _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(a.d[(t0 + t) * a.nb + b]));
         acc[t] = _mm512_fmadd_ps(scaled, dw, acc[t]);
@@ -523,9 +532,13 @@ KVQ_AVX512 void group_avx512(const uint8_t* g, const QAct& a, int64_t t0, float*
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low4);
         for (int t = 0; t < T; ++t) {
           const uint8_t* xb = reinterpret_cast<const uint8_t*>(xq[t] + b * kBlock + 4 * c);
-          dot0[t] = _mm512_dpbusd_epi32(dot0[t], lo, _mm512_set1_epi32(static_cast<int>(load_u32(xb))));
-          dot1[t] =
-              _mm512_dpbusd_epi32(dot1[t], hi, _mm512_set1_epi32(static_cast<int>(load_u32(xb + 16))));
+          const __m512i xlo = _mm512_set1_epi32(static_cast<int>(load_u32(xb)));
+          const __m512i xhi = _mm512_set1_epi32(static_cast<int>(load_u32(xb + 16)));
+          dot0[t] = _mm512_dpbusd_epi32(dot0[t], lo, xlo);
+          if constexpr (kTwoChains)
+            dot1[t] = _mm512_dpbusd_epi32(dot1[t], hi, xhi);
+          else
+            dot0[t] = _mm512_dpbusd_epi32(dot0[t], hi, xhi);
         }
       }
       __m512 mw;
@@ -533,7 +546,8 @@ KVQ_AVX512 void group_avx512(const uint8_t* g, const QAct& a, int64_t t0, float*
         mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
       for (int t = 0; t < T; ++t) {
         const int64_t xi = (t0 + t) * a.nb + b;
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(dot0[t], dot1[t]));
+        const __m512 dot = _mm512_cvtepi32_ps(
+            kTwoChains ? _mm512_add_epi32(dot0[t], dot1[kTwoChains ? t : 0]) : dot0[t]);
         if constexpr (QT == kQ4_0) {
           // d_w (d_x dot - 8 s_x)
           const __m512 v =
@@ -551,12 +565,45 @@ KVQ_AVX512 void group_avx512(const uint8_t* g, const QAct& a, int64_t t0, float*
 
 using GroupFn = void (*)(const uint8_t*, const QAct&, int64_t, float*);
 
+constexpr int kGroupTokens = 8;  // tokens per pass over a group's blocks
+
 template <int QT>
-void group_table(GroupFn fns[4]) {
+void group_table(GroupFn fns[kGroupTokens]) {
   fns[0] = &group_avx512<QT, 1>;
   fns[1] = &group_avx512<QT, 2>;
   fns[2] = &group_avx512<QT, 3>;
   fns[3] = &group_avx512<QT, 4>;
+  fns[4] = &group_avx512<QT, 5>;
+  fns[5] = &group_avx512<QT, 6>;
+  fns[6] = &group_avx512<QT, 7>;
+  fns[7] = &group_avx512<QT, 8>;
+}
+
+// res [tokens][16] (+ bias [16]) -> out rows t, columns row0 .. row0 + 15, rounded as
+// static_cast<scalar_t> rounds (bf16: to nearest even, NaN -> 0x7FC0). float or bf16 only.
+template <typename scalar_t>
+constexpr bool kVectorStore =
+    std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>;
+
+template <typename scalar_t>
+KVQ_AVX512 void store_group_avx512(const float* res, int tokens, const float* bias,
+                                   scalar_t* op, int64_t out_stride) {
+  const __m512 b = bias != nullptr ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  for (int t = 0; t < tokens; ++t) {
+    const __m512 v = _mm512_add_ps(_mm512_loadu_ps(res + t * kGroup), b);
+    scalar_t* o = op + t * out_stride;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      _mm512_storeu_ps(o, v);
+    } else {
+      const __m512i bits = _mm512_castps_si512(v);
+      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+      const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+      const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      const __m512i r = _mm512_mask_blend_epi32(nan, _mm512_srli_epi32(up, 16),
+                                                _mm512_set1_epi32(0x7FC0));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(r));
+    }
+  }
 }
 
 // The x16 layout's rows (see the header): groups on the AVX-512 kernel or the scalar one,
@@ -565,7 +612,7 @@ template <typename scalar_t>
 void run_linear_x16(const QAct& act, int64_t m, const uint8_t* wp, int64_t n, int64_t row_bytes,
                     int qtype, const float* bias, scalar_t* op, int64_t out_stride, int isa) {
   const int64_t groups = n / kGroup, grouped = groups * kGroup;
-  GroupFn fns[4] = {};
+  GroupFn fns[kGroupTokens] = {};
   if (isa == kIsaAvx512Vnni) {
     if (qtype == kQ8_0) group_table<kQ8_0>(fns);
     if (qtype == kQ4_0) group_table<kQ4_0>(fns);
@@ -583,7 +630,7 @@ void run_linear_x16(const QAct& act, int64_t m, const uint8_t* wp, int64_t n, in
   const int64_t grain =
       std::max<int64_t>(1, 32768 / (kGroup * row_bytes * std::max<int64_t>(m, 1)));
   at::parallel_for(0, groups + (n > grouped ? 1 : 0), grain, [&](int64_t begin, int64_t end) {
-    float res[kGroup * 4];
+    float res[kGroup * kGroupTokens];
     for (int64_t g = begin; g < end; ++g) {
       if (g == groups) {  // the plain tail rows
         for (int64_t row = grouped; row < n; ++row)
@@ -591,10 +638,16 @@ void run_linear_x16(const QAct& act, int64_t m, const uint8_t* wp, int64_t n, in
         continue;
       }
       const uint8_t* gp = wp + g * kGroup * row_bytes;
-      for (int64_t t0 = 0; t0 < m; t0 += 4) {
-        const int tokens = static_cast<int>(std::min<int64_t>(4, m - t0));
+      const int step = isa == kIsaAvx512Vnni ? kGroupTokens : 4;
+      for (int64_t t0 = 0; t0 < m; t0 += step) {
+        const int tokens = static_cast<int>(std::min<int64_t>(step, m - t0));
         if (isa == kIsaAvx512Vnni) {
           fns[tokens - 1](gp, act, t0, res);
+          if constexpr (kVectorStore<scalar_t>) {
+            store_group_avx512<scalar_t>(res, tokens, bias != nullptr ? bias + g * kGroup : nullptr,
+                                         op + t0 * out_stride + g * kGroup, out_stride);
+            continue;
+          }
         } else {
           for (int t = 0; t < tokens; ++t)
             for (int i = 0; i < kGroup; ++i) res[t * kGroup + i] = scalar_dot(g * kGroup + i, t0 + t);

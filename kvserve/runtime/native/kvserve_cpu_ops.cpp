@@ -288,16 +288,20 @@ inline Visible visible_ranges(int64_t seq_len, int64_t window, int64_t sinks) {
 // (the next rows follow at a stride of kvh * d). With `prefetch_to` != 0, each run's rows
 // `prefetch_to` elements further on (the other plane) and the next run's rows are
 // prefetched while f works on this one.
-// NOTE: a run is at most one block (12 KB of K for the embedded model), in whatever order
-// the allocator gave out blocks: too short for the hardware prefetcher to ramp up on. At
-// B=32 the K/V of a layer come cold from DRAM (the weight stream evicted them).
+// NOTE: a run is at most one block (12 KB of K for the embedded model in fp32, 6 in bf16),
+// in whatever order the allocator gave out blocks: too short for the hardware prefetcher to
+// ramp up on. At B=32 the K/V of a layer come cold from DRAM (the weight stream evicted
+// them). The prefetches go to L2 (prefetcht1), not L1: a block's 200 lines at once overflow
+// L1's miss buffers. Zen 4, bench/probes/attn_cold.py --threads 2 --huge-pages, alternating:
+// 884-894 -> 729-746 us a layer on random blocks, 771-773 -> 649-667 on sequential ones; two
+// blocks ahead instead of one was slower (755).
 template <typename scalar_t, typename F>
 inline void for_each_visible_run(const scalar_t* plane, const int32_t* table, int64_t block_size,
                                  int64_t row_elems, Visible vis, int64_t seq_len,
                                  int64_t prefetch_to, F&& f) {
   constexpr int64_t kLine = 64 / sizeof(scalar_t);  // elements per cache line
   auto prefetch = [&](const scalar_t* from, int64_t n) {
-    for (int64_t e = 0; e < n * row_elems; e += kLine) __builtin_prefetch(from + e);
+    for (int64_t e = 0; e < n * row_elems; e += kLine) __builtin_prefetch(from + e, 0, 2);
   };
   int64_t j = 0;
   for (const auto [lo, hi] : {std::pair<int64_t, int64_t>{0, vis.r1_end},

@@ -263,14 +263,17 @@ def test_decode_attention_every_group_of_the_avx512_kernels(group, head_dim, dty
         torch.testing.assert_close(out.float(), expected, **_decode_tolerance(dtype))
 
 
+# The second batch is long-tailed: one sequence holds most of the work.
+@pytest.mark.parametrize("lens", [[70, 5, 33, 16, 1, 64, 20, 48], [300, 1, 2, 3, 4, 5, 6, 7, 2]])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [12, 64, 80])
 @pytest.mark.parametrize("window", [None, 24])
-def test_decode_attention_does_not_depend_on_the_batch_or_threads(head_dim, dtype, window) -> None:
+def test_decode_attention_does_not_depend_on_the_batch_or_threads(
+    head_dim, dtype, window, lens
+) -> None:
     """Each sequence's output bit for bit, alone or in a batch, with 1 or 2 threads (a task is
     one KV head of a sequence or a whole sequence): the engine's equivalence tests rely on it.
     head_dim 64, 80 and 12 take the three kinds of kernels (see above)."""
-    lens = [70, 5, 33, 16, 1, 64, 20, 48]
     q, cache, tables, seq_lens, _ = _decode_case(lens, 16, 9, 3, head_dim, window, 2, dtype, 3)
     reference = _decode(q, cache, tables, seq_lens, window, 2, threads=1)
     for threads in (1, 2):

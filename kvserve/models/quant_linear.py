@@ -37,7 +37,7 @@ from kvserve.runtime.linear import (
     LinearMethod,
     OneDnnPrepackedMethod,
     dtype_tag,
-    onednn_available,
+    onednn_supports,
     register_candidates,
 )
 from kvserve.runtime.native import quant_ops
@@ -411,8 +411,7 @@ def quantized_candidates(
         else:
             methods.append(QuantSplitMethod(source, act_dtype))  # type: ignore[arg-type]
     methods.append(DequantDenseMethod(source, act_dtype))  # type: ignore[arg-type]
-    prepackable = act_dtype in (torch.float32, torch.bfloat16)
-    if device.type == "cpu" and prepackable and onednn_available():
+    if device.type == "cpu" and onednn_supports(act_dtype):
         methods.append(DequantPrepackedMethod(source, act_dtype))  # type: ignore[arg-type]
     if device.type == "cpu" and act_dtype == torch.bfloat16 and amx_available():
         methods.append(DequantAmxMethod(source, act_dtype))  # type: ignore[arg-type]

@@ -249,6 +249,18 @@ def onednn_available() -> bool:
     )
 
 
+def onednn_supports(act_dtype: torch.dtype) -> bool:
+    """Whether oneDNN can prepack and run a linear in ``act_dtype`` on this CPU.
+
+    NOTE: oneDNN's bf16 linear needs AVX512BW/VL/DQ or AVX-NE-CONVERT; on an AVX2-only CPU
+    ``_reorder_linear_weight`` raises for bf16, so the candidate is left out up front instead
+    of failing at build time (and taking the other dense methods down with it).
+    """
+    if act_dtype not in (torch.float32, torch.bfloat16) or not onednn_available():
+        return False
+    return act_dtype == torch.float32 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 @register_candidates
 def dense_candidates(
     source: Any, *, act_dtype: torch.dtype, device: torch.device
@@ -259,10 +271,14 @@ def dense_candidates(
     weight = source if source.dtype == act_dtype else source.to(act_dtype)
     methods: list[LinearMethod] = [DenseMmMethod(weight)]
     if device.type == "cpu" and act_dtype in (torch.float32, torch.bfloat16):
-        if onednn_available():
+        if onednn_supports(act_dtype):
             methods.append(OneDnnPrepackedMethod(weight))
         else:
-            log.info("linear candidate onednn_prepacked skipped: oneDNN unavailable in torch")
+            log.info(
+                "linear candidate onednn_prepacked_%s skipped: oneDNN %s linear unavailable",
+                dtype_tag(act_dtype),
+                act_dtype,
+            )
     return methods
 
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from kvserve.engine_config import EngineConfig
-from kvserve.kernel_setup import native_bf16
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_model
 from kvserve.models.quant import QuantizedWeight
@@ -28,7 +27,7 @@ from kvserve.models.quant_linear import (
 from kvserve.models.quant_model import quantization_summary, quantized_nbytes, summary_line
 from kvserve.runtime.amx_linear import amx_available
 from kvserve.runtime.attention import SeqSpec, build_attention_metadata
-from kvserve.runtime.linear import onednn_available
+from kvserve.runtime.linear import onednn_available, onednn_supports
 from kvserve.runtime.native import quant_ops
 from tests.tiny_models import make_tiny_gguf, make_tiny_model
 
@@ -171,7 +170,7 @@ def test_candidates_kernel_first_then_dense_copy_with_its_cost() -> None:
     )
     methods = quantized_candidates(weight, act_dtype=torch.bfloat16, device=CPU)
     want_types = [QuantKernelMethod, DequantTileMethod, DequantDenseMethod]
-    if onednn_available():
+    if onednn_supports(torch.bfloat16):
         want_types.append(DequantPrepackedMethod)
     if amx_available():
         want_types.append(DequantAmxMethod)
@@ -198,10 +197,10 @@ def test_candidates_kernel_first_then_dense_copy_with_its_cost() -> None:
 def test_prepacked_dense_copy_matches_the_dense_copy(dtype: torch.dtype) -> None:
     """``dequant_onednn_*``: the dense copy in oneDNN's layout, made on first use, with its
     memory counted; same product as ``dequant_*`` (bias included) up to summation order."""
-    if dtype == torch.bfloat16 and not native_bf16():
+    if not onednn_supports(dtype):
         # NOTE: torch's bf16 reorder raises there (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT);
-        # the selection skips such a candidate with its reason (test_kernel_select).
-        pytest.skip("oneDNN's bf16 path needs a CPU with native bf16")
+        # the candidate lists leave it out (onednn_supports).
+        pytest.skip(f"oneDNN has no {dtype} linear on this CPU")
     weight = quantize(torch.randn(48, 64))
     bias = torch.randn(48, dtype=dtype)
     packed = DequantPrepackedMethod(weight, dtype)

@@ -22,6 +22,9 @@ that diverges at its first token loses all 24; the x16 case above keeps 96 of 14
 
 from __future__ import annotations
 
+import functools
+import itertools
+
 import pytest
 import torch
 
@@ -67,16 +70,36 @@ def assert_agrees(got: list[list[int]], expected: list[list[int]]) -> None:
 
 
 def test_linear_is_batch_invariant() -> None:
-    """A token's output does not depend on the other rows of its batch (bitwise)."""
+    """A token's output does not depend on the other rows of its batch (bitwise), on every
+    instruction set this CPU runs, in both weight layouts and both activation dtypes.
+
+    NOTE: every ISA, not only ``auto``: CI on an AVX2-only CPU caught the AVX2 Q4_1 kernel
+    varying with the batch (GCC contracted the min term into an fma for some token counts
+    only); on an AVX-512 machine only forcing ``avx2`` / ``avx_vnni`` runs that code.
+    """
     assert quant_ops.load(), quant_ops.reason()
     gen = torch.Generator().manual_seed(0)
-    for qtype in ("q4_1", "q8_0"):
-        weight = quantize_dense(torch.randn(100, 576, generator=gen), qtype)
-        x = torch.randn(9, 576, generator=gen)
-        full = quant_ops.linear(x, weight.data, qtype)
-        for i in range(9):
-            one = quant_ops.linear(x[i : i + 1], weight.data, qtype)
-            assert torch.equal(full[i : i + 1], one)
+    checked = 0
+    for qtype in ("q4_0", "q4_1", "q8_0"):
+        plain = quantize_dense(torch.randn(100, 576, generator=gen), qtype)
+        for weight in (plain, plain.interleaved()):
+            isas = [
+                isa
+                for isa in quant_ops.supported_isas()
+                if weight.layout == "plain" or isa in quant_ops.X16_ISAS
+            ]
+            for isa, dtype in itertools.product(isas, (torch.float32, torch.bfloat16)):
+                x = torch.randn(9, 576, generator=gen).to(dtype)
+                run = functools.partial(
+                    quant_ops.linear, weight=weight.data, qtype=qtype, isa=isa, layout=weight.layout
+                )
+                full = run(x)
+                for i in range(9):
+                    where = f"{qtype} {weight.layout} {isa} {dtype} row {i}"
+                    assert torch.equal(full[i : i + 1], run(x[i : i + 1])), where
+                assert torch.equal(full[2:7], run(x[2:7])), f"{qtype} {weight.layout} {isa}"
+                checked += 1
+    assert checked >= 12  # 3 qtypes x 2 layouts x 2 dtypes with at least the scalar path
 
 
 def test_prefix_cache_off(make_llm, reference) -> None:

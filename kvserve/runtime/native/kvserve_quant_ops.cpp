@@ -286,6 +286,8 @@ KVQ_AVX2 inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// NOTE: the Q4_1 min term uses an explicit fma: left as `macc += mw * xs`, GCC contracted it
+// in some token counts T and not in others, so a token's output changed with its batch.
 #define KVQ_TILE256_BODY(DOT)                                                                 \
   __m256 acc[R][T];                                                                          \
   float macc[R][T];                                                                          \
@@ -325,7 +327,7 @@ KVQ_AVX2 inline float hsum256(__m256 v) {
           const __m256i dot = DOT(qw, xv[t]);                                                \
           acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * xd[t]),   \
                                       acc[r][t]);                                            \
-          macc[r][t] += mw * xs[t];                                                          \
+          macc[r][t] = std::fma(mw, xs[t], macc[r][t]);                                      \
         }                                                                                    \
       }                                                                                      \
     }                                                                                        \

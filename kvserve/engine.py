@@ -83,6 +83,8 @@ class LLMEngine:
         self.kernels = choose_kernels(config)
         self.config = config = config.replace(dtype=self.kernels.dtype_name)
         loaded = load_engine_model(config, self.kernels)
+        self.kernels = loaded.kernels  # NOTE: quantized projections may revise an auto dtype
+        self.config = config = config.replace(dtype=self.kernels.dtype_name)
         self.model_path, self.arch, self.tokenizer = loaded.path, loaded.arch, loaded.tokenizer
         self.packed_weights_bytes = loaded.packed_weights_bytes
         self.quantization = loaded.quantization

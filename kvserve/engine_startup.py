@@ -5,7 +5,8 @@ Order (``LLMEngine.__init__`` runs them in this order; the order matters):
 0. ``choose_kernels``: the dtype (for "auto") and each projection's kernel per M bucket,
    measured on the model's shapes (or read from the cache) before any weight is read.
 1. ``load_engine_model``: weights -> model on its device and dtype with the chosen kernels,
-   tokenizer, weight bytes (prepacked copies included).
+   tokenizer, weight bytes (prepacked copies included). A model with quantized projections
+   has an ``auto`` dtype weighed again on them (``EngineModel.kernels``: the final choice).
 2. ``resolve_max_model_len``: the context length served (config vs the model's).
 3. ``plan_step_activations`` (``memory_budget``): the largest step's activation arena.
 4. ``measure_gemm_scratch``: the GEMM library's own buffers for the planned steps' shapes.
@@ -38,7 +39,7 @@ from kvserve.memory_budget import MemoryReport, measure_kernel_scratch, plan_kv_
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_arch, load_model
 from kvserve.models.quant_model import quantization_summary, quantized_nbytes, summary_line
-from kvserve.models.quant_select import with_quantized_plan
+from kvserve.models.quant_select import quantized_formats, with_quantized_plan
 from kvserve.runtime.kernel_select import plan_of
 from kvserve.runtime.linear import gather_into_huge_pages, warm_row_buckets
 from kvserve.runtime.memory_plan import ActivationPlan
@@ -66,6 +67,7 @@ class EngineModel:
     # This process's shapes: the model's, or rank 0's heads under tensor parallelism.
     runner_arch: ModelArchConfig
     tp: TensorParallelExecutor | None  # the tensor-parallel executor when size > 1
+    kernels: KernelChoice  # the dtype and kernels in force (phase 0's, or weighed again)
 
 
 def choose_kernels(config: EngineConfig) -> KernelChoice:
@@ -86,7 +88,13 @@ def load_engine_model(config: EngineConfig, kernels: KernelChoice) -> EngineMode
     on_cpu = torch.device(config.device).type == "cpu"
     tp_size = config.tensor_parallel_size
     quantization = config.quantization if on_cpu and tp_size == 1 else "none"
-    loaded = load_model(config.model, dtype=dtype, quantization=quantization)
+    # NOTE: an "auto" dtype weighed on dense shapes is weighed again once the model's
+    # quantized projections are known (they run their own kernels, which may favour the
+    # other dtype): such a model loads in float32 and is cast after the decision.
+    redecide = kernels.weighed and quantization != "none"
+    loaded = load_model(
+        config.model, dtype=torch.float32 if redecide else dtype, quantization=quantization
+    )
     tokenizer = Tokenizer.from_loaded(loaded.tokenizer_dir, loaded.gguf_file)
     tp = None
     runner_arch = loaded.arch
@@ -99,6 +107,10 @@ def load_engine_model(config: EngineConfig, kernels: KernelChoice) -> EngineMode
     else:
         model = LlamaForCausalLM(loaded.arch)
         model.load_weights(loaded.state_dict)
+        formats = quantized_formats(model) if redecide else {}
+        if formats:
+            kernels = choose_dtype_and_kernels(config.replace(dtype="auto"), loaded.arch, formats)
+            dtype = kernels.dtype
         model = model.to(device=config.device, dtype=dtype).eval()
     # NOTE: quantized projections choose between the int8-dot kernel and a dense copy.
     plan = with_quantized_plan(
@@ -145,6 +157,7 @@ def load_engine_model(config: EngineConfig, kernels: KernelChoice) -> EngineMode
         summary,
         runner_arch,
         tp,
+        kernels,
     )
 
 

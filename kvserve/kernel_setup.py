@@ -13,11 +13,13 @@ measured slowdown.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -40,6 +42,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DTYPE_CHOICES = ("auto", *DTYPES)
 # The decode buckets whose matmul time decides ``auto`` (B=1 .. 32 decoding).
 _DECIDING_BOUNDS = (1, 8, 32)
+# The context (tokens a sequence) at which the decision times decode attention: the middle
+# of the 128+128 benchmark trace's contexts, below the ShareGPT-like trace's median (444).
+DECIDING_CONTEXT = 256
 
 
 def projection_shapes(arch: ModelArchConfig) -> dict[tuple[int, int], int]:
@@ -73,6 +78,9 @@ class KernelChoice:
     dtype: torch.dtype
     selection: Selection
     reason: str
+    # True when ``auto`` weighed float32 against bfloat16 on this CPU: the decision that
+    # ``choose_dtype_and_kernels`` makes again once the model's quantized projections are known.
+    weighed: bool = False
 
     @property
     def dtype_name(self) -> str:
@@ -107,8 +115,17 @@ def decode_matmul_seconds(sel: Selection, arch: ModelArchConfig) -> float:
     return sel.total_seconds(_DECIDING_BOUNDS, projection_shapes(arch))
 
 
-def choose_dtype_and_kernels(config: EngineConfig, arch: ModelArchConfig) -> KernelChoice:
-    """Resolve ``config.dtype`` (see the module docstring) and select the kernels for it."""
+def choose_dtype_and_kernels(
+    config: EngineConfig,
+    arch: ModelArchConfig,
+    quantized: Mapping[tuple[int, int], tuple[str, str]] | None = None,
+) -> KernelChoice:
+    """Resolve ``config.dtype`` (see the module docstring) and select the kernels for it.
+
+    ``quantized``: the projections the model holds quantized, (out, in) -> (format, layout)
+    (``quant_select.quantized_formats``). ``auto`` then times them as they run (their own
+    kernel selection per dtype) instead of dense weights of their shapes.
+    """
     device = torch.device(config.device)
     mode = config.kernel_selection
     if config.dtype != "auto":
@@ -119,7 +136,7 @@ def choose_dtype_and_kernels(config: EngineConfig, arch: ModelArchConfig) -> Ker
             slow = 1.0 / dtype_speedup(arch, fp32, bf16, device=device, mode=mode)
             log.warning(
                 "dtype bfloat16 on a CPU without native bf16 (no AMX / AVX512_BF16): decode "
-                "matmuls measured %.2fx the time of float32",
+                "matmuls and attention measured %.2fx the time of float32",
                 slow,
             )
         return KernelChoice(dtype, select_shapes(config, arch, dtype, mode), "requested")
@@ -135,12 +152,44 @@ def choose_dtype_and_kernels(config: EngineConfig, arch: ModelArchConfig) -> Ker
     probe = "auto" if mode == "off" else mode
     fp32 = select_shapes(config, arch, torch.float32, probe)
     bf16 = select_shapes(config, arch, torch.bfloat16, probe)
-    ratio = dtype_speedup(arch, fp32, bf16, device=device, mode=probe)
+    ratio = dtype_speedup(
+        arch,
+        _with_quantized(fp32, quantized, arch, device, probe),
+        _with_quantized(bf16, quantized, arch, device, probe),
+        device=device,
+        mode=probe,
+        quantized=quantized,
+    )
     dtype, sel = (torch.bfloat16, bf16) if ratio > 1.0 else (torch.float32, fp32)
     if mode == "off":
         sel = select_shapes(config, arch, dtype, "off")
-    reason = f"auto: native bf16, decode matmuls bf16 {ratio:.2f}x fp32 speed"
-    return KernelChoice(dtype, sel, reason)
+    what = "quantized matmuls" if quantized else "matmuls"
+    reason = f"auto: native bf16, decode {what} + attention bf16 {ratio:.2f}x fp32 speed"
+    return KernelChoice(dtype, sel, reason, weighed=True)
+
+
+def _with_quantized(
+    sel: Selection,
+    quantized: Mapping[tuple[int, int], tuple[str, str]] | None,
+    arch: ModelArchConfig,
+    device: torch.device,
+    mode: str,
+) -> Selection:
+    """``sel`` with the quantized projections' own choices (their selection at ``sel``'s
+    dtype) in place of the dense ones; ``sel`` itself when nothing is quantized."""
+    if not quantized:
+        return sel
+    from kvserve.models.quant_select import select_quantized_formats
+
+    head = (arch.vocab_size, arch.hidden_size)
+    plan = select_quantized_formats(
+        dict(quantized),
+        head_shape=head if head in quantized else None,
+        act_dtype=sel.dtype,
+        device=device,
+        mode=mode,
+    )
+    return replace(sel, plan={**sel.plan, **plan})
 
 
 def dtype_speedup(
@@ -150,27 +199,46 @@ def dtype_speedup(
     *,
     device: torch.device,
     mode: str = "auto",
+    quantized: Mapping[tuple[int, int], tuple[str, str]] | None = None,
     timer: Callable[[Linear, torch.Tensor, torch.Tensor], float] | None = None,
+    attention_timer: Callable[[torch.dtype, int], float] | None = None,
     budget_s: float = 0.010,
     passes: int = 2,
 ) -> float:
-    """fp32 time / bf16 time of a decode step's matmuls (M = 1, 8, 32; each dtype with its
-    chosen kernels), cached like the selections (``mode`` "measure": measured again).
+    """fp32 time / bf16 time of a decode step's matmuls and attention (M = 1, 8, 32; each
+    dtype with its chosen kernels), cached like the selections (``mode`` "measure": measured
+    again).
+
+    ``quantized`` shapes run random weights of their format and layout through the plan's
+    quantized methods (the selections then hold those choices), the others dense weights.
+    The attention term is one layer's paged decode attention over ``M`` sequences of
+    ``DECIDING_CONTEXT`` tokens, times the layers (``attention_timer(dtype, M)``: seconds a
+    call; default ``DecodeAttentionProbe``, present where the native kernels load).
 
     NOTE: the two dtypes are timed in alternation in one run, never taken from two selections
     measured at different times: on a shared machine those can be minutes and loads apart.
+    NOTE: why attention counts. With quantized weights the int8-dot kernels take either dtype
+    at the same speed, so matmuls alone leave the choice to noise, while a bf16 cache halves
+    the bytes attention reads: on a Xeon without AMX (AVX512_BF16, session 14) B=32 decode
+    attention at 256 tokens took 24 ms a step in fp32 and 14.5 in bf16, against 19 ms of
+    quantized matmuls, and dense bf16 matmuls there ran 0.96x fp32, so fp32 was chosen.
     """
+    if attention_timer is None and device.type == "cpu":
+        attention_timer = DecodeAttentionProbe.if_available(arch)
     counts = projection_shapes(arch)
+    formats = dict(quantized or {})
     model, flags = cpu_identity()
     key = {
         "what": "dtype_speedup",
-        "version": 1,
+        "version": 2,  # 2: attention term, quantized shapes
         "cpu": model,
         "cpu_flags": flags,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "device": device.type,
         "shapes": sorted([*s, n] for s, n in counts.items()),
+        "quantized": sorted([*s, *f] for s, f in formats.items()),
+        "attention": DECIDING_CONTEXT if attention_timer is not None else None,
         "plans": [repr(sorted(fp32.plan.items())), repr(sorted(bf16.plan.items()))],
     }
     path = cache_path(key).with_name("dtype_" + cache_path(key).name)
@@ -182,37 +250,18 @@ def dtype_speedup(
                 return float(record["speedup"])
         except (OSError, ValueError, KeyError, TypeError) as e:
             log.warning("dtype cache %s is corrupt (%s): measuring again", path, e)
-    time_call = timer or _time_linear
-    gen = torch.Generator().manual_seed(2)
-    cells = []  # (count, [(linear, x, out) for fp32, bf16])
-    for shape, n in counts.items():
-        w = torch.randn(shape[1], shape[0], generator=gen).t() * 0.02  # the model's layout
-        pair = []
-        for dt, sel in ((torch.float32, fp32), (torch.bfloat16, bf16)):
-            choice = sel.plan.get(shape) if sel.source != "off" else None
-            pair.append(build_linear(w.to(dt), act_dtype=dt, device=device, choice=choice))
+    cells = _decode_cells(arch, fp32, bf16, formats, device, timer or _time_linear)
+    if attention_timer is not None:
         for m in _DECIDING_BOUNDS:
-            x = torch.randn(m, shape[1], generator=gen)
-            cells.append(
-                (
-                    n,
-                    [
-                        (
-                            lin,
-                            x.to(lin.source.dtype),
-                            x.new_empty(m, shape[0], dtype=lin.source.dtype),
-                        )
-                        for lin in pair
-                    ],
-                )
-            )
+            calls = [functools.partial(attention_timer, dt, m) for dt in (fp32.dtype, bf16.dtype)]
+            cells.append((arch.num_hidden_layers, calls))
     best = [[float("inf"), float("inf")] for _ in cells]
     for _ in range(passes):
-        for i, (_n, items) in enumerate(cells):
+        for i, (_n, calls) in enumerate(cells):
             spent = [0.0, 0.0]
             for round_ in range(200):
-                for j, (lin, x, out) in enumerate(items):
-                    dt = time_call(lin, x, out)
+                for j, call in enumerate(calls):
+                    dt = call()
                     best[i][j] = min(best[i][j], dt)
                     spent[j] += dt
                 if round_ >= 4 and min(spent) >= budget_s:
@@ -226,6 +275,108 @@ def dtype_speedup(
     except OSError as e:
         log.warning("dtype cache %s not written: %s", path, e)
     return speedup
+
+
+def _decode_cells(
+    arch: ModelArchConfig,
+    fp32: Selection,
+    bf16: Selection,
+    formats: Mapping[tuple[int, int], tuple[str, str]],
+    device: torch.device,
+    time_call: Callable[[Linear, torch.Tensor, torch.Tensor], float],
+) -> list[tuple[int, list[Callable[[], float]]]]:
+    """(count, [fp32 call, bf16 call]) per projection shape and deciding M: each call times
+    one product of the shape's ``Linear`` in that dtype (seconds)."""
+    gen = torch.Generator().manual_seed(2)
+    cells: list[tuple[int, list[Callable[[], float]]]] = []
+    for shape, n in projection_shapes(arch).items():
+        w = torch.randn(shape[1], shape[0], generator=gen).t() * 0.02  # the model's layout
+        source: object = w
+        if shape in formats:
+            from kvserve.models.quant import quantize_dense
+            from kvserve.models.quant_linear import kernel_layout
+
+            qtype, layout = formats[shape]
+            source = kernel_layout(quantize_dense(w.contiguous(), qtype), layout)
+        pair = []
+        for sel in (fp32, bf16):
+            choice = sel.plan.get(shape) if sel.source != "off" else None
+            weight = w.to(sel.dtype) if isinstance(source, torch.Tensor) else source
+            pair.append(build_linear(weight, act_dtype=sel.dtype, device=device, choice=choice))
+        for m in _DECIDING_BOUNDS:
+            x = torch.randn(m, shape[1], generator=gen)
+            calls: list[Callable[[], float]] = [
+                functools.partial(
+                    time_call, lin, x.to(sel.dtype), x.new_empty(m, shape[0], dtype=sel.dtype)
+                )
+                for sel, lin in zip((fp32, bf16), pair, strict=True)
+            ]
+            cells.append((n, calls))
+    return cells
+
+
+@dataclass(slots=True)
+class _AttentionCase:
+    caches: list[torch.Tensor]  # copies of [2, num_blocks, block_size, kvh, d]
+    q: torch.Tensor  # [B, H, d]
+    out: torch.Tensor  # [B, H, d]
+    tables: torch.Tensor  # int32 [B, blocks a sequence]
+    lens: torch.Tensor  # int32 [B]
+    next_copy: int = 0
+
+
+class DecodeAttentionProbe:
+    """Times one layer's paged decode attention (the native kernel) per dtype and batch.
+
+    ``probe(dtype, batch)``: seconds of one call over ``batch`` sequences of ``context``
+    tokens. Each call reads another copy of the cache (at least 32 MiB of copies, at most
+    16), so the K/V come from memory as after a step's weight stream.
+    """
+
+    MIN_COPY_BYTES = 32 << 20
+
+    def __init__(
+        self, arch: ModelArchConfig, context: int = DECIDING_CONTEXT, block_size: int = 16
+    ) -> None:
+        self.arch, self.context, self.block_size = arch, context, block_size
+        self._cases: dict[tuple[torch.dtype, int], _AttentionCase] = {}
+
+    @staticmethod
+    def if_available(arch: ModelArchConfig) -> DecodeAttentionProbe | None:
+        """A probe where the native kernels load (the model's decode path), else None."""
+        from kvserve.runtime import native
+
+        return DecodeAttentionProbe(arch) if native.available() else None
+
+    def _case(self, dtype: torch.dtype, batch: int) -> _AttentionCase:
+        a, bs = self.arch, self.block_size
+        per_seq = -(-self.context // bs)
+        shape = (2, batch * per_seq, bs, a.num_key_value_heads, a.head_dim)
+        nbytes = math.prod(shape) * dtype.itemsize
+        copies = max(1, min(16, -(-self.MIN_COPY_BYTES // nbytes)))
+        q = torch.randn(batch, a.num_attention_heads, a.head_dim).to(dtype)
+        return _AttentionCase(
+            caches=[torch.empty(shape, dtype=dtype).uniform_(-1, 1) for _ in range(copies)],
+            q=q,
+            out=torch.empty_like(q),
+            tables=torch.arange(batch * per_seq, dtype=torch.int32).view(batch, per_seq),
+            lens=torch.full((batch,), self.context, dtype=torch.int32),
+        )
+
+    def __call__(self, dtype: torch.dtype, batch: int) -> float:
+        from kvserve.runtime import native
+
+        case = self._cases.get((dtype, batch))
+        if case is None:
+            case = self._cases[(dtype, batch)] = self._case(dtype, batch)
+        cache = case.caches[case.next_copy]
+        case.next_copy = (case.next_copy + 1) % len(case.caches)
+        scale = 1.0 / math.sqrt(case.q.shape[-1])
+        t = time.perf_counter()
+        native.ops().paged_decode_attention(
+            case.out, case.q, cache, case.tables, case.lens, scale, 0, 0
+        )
+        return time.perf_counter() - t
 
 
 def _time_linear(lin: Linear, x: torch.Tensor, out: torch.Tensor) -> float:

@@ -40,7 +40,7 @@ from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_model
 from kvserve.models.quant import QUANTIZATION_CHOICES
 from kvserve.models.quant_model import quantized_decode_bytes
-from kvserve.models.quant_select import with_quantized_plan
+from kvserve.models.quant_select import quantized_formats, with_quantized_plan
 from kvserve.runtime.kernel_select import plan_of
 from kvserve.runtime.linear import gather_into_huge_pages
 from kvserve.runtime.model_runner import ModelRunner
@@ -279,6 +279,7 @@ def main(argv: list[str] | None = None) -> None:
             max_num_batched_tokens=args.max_batched_tokens,
         ),
         model.arch,
+        quantized_formats(model),
     )
     print(kernels.summary())
     blocks_per_seq = -(-(args.prompt_len + args.steps) // args.block_size)

@@ -96,12 +96,37 @@ def select_quantized_kernels(
     """The chosen quantized method per shape and M bucket (empty when ``mode`` is "off" or
     the model holds no quantized projection); from the cache under ``mode="auto"`` (see the
     module docstring; ``directory`` overrides the cache directory)."""
-    formats = quantized_formats(model)
+    head = model.quantized.get("lm_head")
+    return select_quantized_formats(
+        quantized_formats(model),
+        head_shape=head.shape if head is not None else None,
+        act_dtype=act_dtype,
+        device=device,
+        mode=mode,
+        margin=margin,
+        budget_s=budget_s,
+        directory=directory,
+    )
+
+
+def select_quantized_formats(
+    formats: dict[tuple[int, int], tuple[str, str]],
+    *,
+    head_shape: tuple[int, int] | None,
+    act_dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    mode: str = "auto",
+    margin: float = 0.05,
+    budget_s: float = 0.010,
+    directory: Path | None = None,
+) -> LinearPlan:
+    """``select_quantized_kernels`` for projections given by their (out, in) -> (format,
+    layout) (``quantized_formats``) rather than by a model; ``head_shape`` is the lm_head's,
+    measured up to the decode sizes only."""
     if mode == "off" or not formats:
         return {}
     device = torch.device(device)
-    head = model.quantized.get("lm_head")
-    max_rows = {head.shape: DECODE_BOUNDS[-1]} if head is not None else None
+    max_rows = {head_shape: DECODE_BOUNDS[-1]} if head_shape is not None else None
     key = quantized_cache_key(formats, act_dtype=act_dtype, device=device, max_rows=max_rows)
     path = cache_path(key, directory)
     load = machine_load()

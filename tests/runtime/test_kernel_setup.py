@@ -130,23 +130,115 @@ def test_dtype_speedup_times_both_dtypes_together_and_is_cached(
 ) -> None:
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
     calls: list[torch.dtype] = []
+    attention: list[tuple[torch.dtype, int]] = []
 
     def timer(lin, x, out):  # type: ignore[no-untyped-def]
         calls.append(x.dtype)
         return 1e-6 if x.dtype == torch.bfloat16 else 3e-6
 
+    def attention_timer(dtype: torch.dtype, batch: int) -> float:
+        attention.append((dtype, batch))
+        return 1e-6 if dtype == torch.bfloat16 else 3e-6
+
     fp32 = Selection(torch.float32, {}, source="off")
     bf16 = Selection(torch.bfloat16, {}, source="off")
     cpu = torch.device("cpu")
-    speedup = kernel_setup.dtype_speedup(ARCH, fp32, bf16, device=cpu, timer=timer)
+    kw = {"device": cpu, "timer": timer, "attention_timer": attention_timer}
+    speedup = kernel_setup.dtype_speedup(ARCH, fp32, bf16, **kw)
     assert speedup == pytest.approx(3.0)
     assert calls[:2] == [torch.float32, torch.bfloat16]  # alternating
+    assert attention[:2] == [(torch.float32, 1), (torch.bfloat16, 1)]
+    assert {b for _, b in attention} == {1, 8, 32}
     n = len(calls)
-    assert kernel_setup.dtype_speedup(ARCH, fp32, bf16, device=cpu, timer=timer) == speedup
+    assert kernel_setup.dtype_speedup(ARCH, fp32, bf16, **kw) == speedup
     assert len(calls) == n  # from the cache
     (path,) = tmp_path.rglob("dtype_*.json")
     path.write_text("garbage")
     with caplog.at_level(logging.WARNING, logger="kvserve"):
-        again = kernel_setup.dtype_speedup(ARCH, fp32, bf16, device=cpu, timer=timer)
+        again = kernel_setup.dtype_speedup(ARCH, fp32, bf16, **kw)
     assert again == pytest.approx(3.0) and len(calls) > n
     assert any("corrupt" in r.getMessage() for r in caplog.records)
+
+
+def test_dtype_speedup_counts_attention_once_per_layer(tmp_path, monkeypatch) -> None:
+    """Matmuls at parity, attention 2x faster in bf16: the layers' attention decides."""
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    fp32 = Selection(torch.float32, {}, source="off")
+    bf16 = Selection(torch.bfloat16, {}, source="off")
+    matmul = 1e-6  # per call, either dtype: sum over shapes x counts x 3 buckets
+    attn = {torch.float32: 4e-6, torch.bfloat16: 2e-6}
+    speedup = kernel_setup.dtype_speedup(
+        ARCH,
+        fp32,
+        bf16,
+        device=torch.device("cpu"),
+        timer=lambda lin, x, out: matmul,
+        attention_timer=lambda dtype, batch: attn[dtype],
+    )
+    matmuls = 3 * matmul * sum(projection_shapes(ARCH).values())
+    layers = ARCH.num_hidden_layers
+    expected = (matmuls + 3 * layers * attn[torch.float32]) / (
+        matmuls + 3 * layers * attn[torch.bfloat16]
+    )
+    assert speedup == pytest.approx(expected)
+
+
+def test_quantized_shapes_are_timed_as_they_run(tmp_path, monkeypatch) -> None:
+    """A shape given as quantized runs a weight of its format and layout through the
+    quantized kernels in both dtypes; the cache key tells the formats apart."""
+    from kvserve.models.quant import QuantizedWeight
+    from kvserve.runtime import native
+    from kvserve.runtime.native import quant_ops
+
+    native.load()  # NOTE: before the cache moves: the kernels are built (or found) where they are
+    if not quant_ops.load():
+        pytest.skip(f"quantized kernels unavailable: {quant_ops.reason()}")
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    arch = ModelArchConfig(
+        architecture="llama",
+        max_position_embeddings=128,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
+    gate_up = (128, 32)
+    sources: dict[tuple[int, int], set[str]] = {}
+
+    def timer(lin, x, out):  # type: ignore[no-untyped-def]
+        what = lin.source.qtype if isinstance(lin.source, QuantizedWeight) else "dense"
+        sources.setdefault(lin.source.shape, set()).add(f"{what} {x.dtype}")
+        return 1e-6
+
+    fp32 = Selection(torch.float32, {}, source="off")
+    bf16 = Selection(torch.bfloat16, {}, source="off")
+    kw = {"device": torch.device("cpu"), "timer": timer, "attention_timer": lambda d, b: 1e-6}
+    kernel_setup.dtype_speedup(arch, fp32, bf16, quantized={gate_up: ("q8_0", "plain")}, **kw)
+    assert sources[gate_up] == {"q8_0 torch.float32", "q8_0 torch.bfloat16"}
+    assert sources[(32, 64)] == {"dense torch.float32", "dense torch.bfloat16"}
+    kernel_setup.dtype_speedup(arch, fp32, bf16, **kw)  # dense: another cache entry
+    assert len(list(tmp_path.rglob("dtype_*.json"))) == 2
+
+
+def test_auto_weighs_quantized_projections_again_at_load(monkeypatch, fake_select) -> None:
+    """The embedded GGUF holds quantized projections: phase 0 weighs dense shapes, loading
+    weighs the model's quantized ones, and the engine runs the second decision."""
+    from kvserve.engine import LLMEngine
+
+    monkeypatch.setattr(kernel_setup, "native_bf16", lambda: True)
+    seen: list[object] = []
+
+    def speedup(arch, fp32, bf16, *, quantized=None, **kw):  # type: ignore[no-untyped-def]
+        seen.append(dict(quantized or {}))
+        return 2.0 if quantized else 0.5  # dense: fp32 faster; quantized: bf16 faster
+
+    monkeypatch.setattr(kernel_setup, "dtype_speedup", speedup)
+    engine = LLMEngine(dtype="auto", kernel_selection="off", num_kv_blocks=16)
+    assert seen[0] == {} and seen[1], seen  # phase 0 dense, then the model's formats
+    assert {q for q, _ in seen[1].values()} >= {"q4_1", "q8_0"}  # type: ignore[union-attr]
+    assert engine.kernels.dtype == torch.bfloat16 and engine.config.dtype == "bfloat16"
+    assert "quantized" in engine.kernels.reason
+    assert engine.runner.model.norm.dtype == torch.bfloat16

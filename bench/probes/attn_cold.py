@@ -1,16 +1,19 @@
 """Paged decode attention on cold K/V: the read rate it reaches against ``torch.sum``.
 
     PYTHONPATH=. .venv/bin/python bench/probes/attn_cold.py [--threads 1 2] [--layers 48]
+        [--dtype bfloat16 float32] [--batch 32] [--len 464]
 
 A B=32 decode batch of the embedded model's attention shape (9 query heads, 3 kv heads,
-head_dim 64, bf16, block size 16), each sequence 464 tokens long (the ShareGPT trace's median
-context), over ``--layers`` layer caches (48: ~550 MB, more than this project's CPUs' L3
-holds, so every layer's K/V comes from DRAM, as in the model, where the weights stream
-between layers). Block tables either in random order (a long-running server's free list) or
-sequential. With ``--huge-pages`` the caches are one buffer in transparent huge pages, as the
-engine's KV pool is (kvserve/runtime/huge_pages.py). Printed: us per layer call and GB/s of
-K/V read, next to ``torch.sum`` over the same bytes. Hot (``--layers 1``), the kernel's
-compute alone shows: us per token per thread.
+head_dim 64, bf16, block size 16), each sequence 464 tokens long (the ShareGPT trace's
+median context; ``--dtype``, ``--batch`` and ``--len`` change these, each dtype in turn),
+over ``--layers`` layer caches (48: ~550 MB in bf16, more than the L3 of any of this
+project's CPUs, the Xeons' 480 MB and 260 MB included, so every layer's K/V comes from DRAM,
+as in the model, where the weights stream between layers). Block tables either in random order
+(a long-running server's free list) or sequential. With ``--huge-pages`` the caches are one
+buffer in transparent huge pages, as the engine's KV pool is
+(kvserve/runtime/huge_pages.py). Printed: us per layer call and GB/s of K/V read, next to
+``torch.sum`` over the same bytes. Hot (``--layers 1``), the kernel's compute alone shows:
+us per token per thread.
 """
 
 from __future__ import annotations
@@ -33,31 +36,41 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--passes", type=int, default=5)
     ap.add_argument("--huge-pages", action="store_true")
+    ap.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=["bfloat16", "float32"])
+    ap.add_argument("--batch", type=int, default=BATCH)
+    ap.add_argument("--len", type=int, default=LEN)
     args = ap.parse_args()
     if not native.available():
         raise SystemExit(f"no native kernels: {native.reason()}")
+    for dtype in args.dtype:
+        print(f"== {dtype}, B={args.batch}, {args.len} tokens")
+        run(args, getattr(torch, dtype), args.batch, args.len)
+
+
+def run(args: argparse.Namespace, dtype: torch.dtype, batch: int, length: int) -> None:
+    """Time the kernel over ``args.layers`` caches of ``batch`` sequences of ``length``."""
     ops = native.ops()
-    blocks = (LEN + BLOCK - 1) // BLOCK
-    shape = (2, BATCH * blocks, BLOCK, KV_HEADS, HEAD_DIM)
-    pool = torch.empty((args.layers, *shape), dtype=torch.bfloat16)  # [layers, 2, blocks, ...]
+    blocks = (length + BLOCK - 1) // BLOCK
+    shape = (2, batch * blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    pool = torch.empty((args.layers, *shape), dtype=dtype)  # [layers, 2, blocks, ...]
     if args.huge_pages:
-        pool = zeros_huge(tuple(pool.shape), torch.bfloat16, torch.device("cpu"))
+        pool = zeros_huge(tuple(pool.shape), dtype, torch.device("cpu"))
     caches = list(pool.unbind(0))
     for cache in caches:
         cache.copy_(torch.randn(shape))
     order = {
-        "random blocks": torch.randperm(BATCH * blocks).to(torch.int32),
-        "sequential blocks": torch.arange(BATCH * blocks, dtype=torch.int32),
+        "random blocks": torch.randperm(batch * blocks).to(torch.int32),
+        "sequential blocks": torch.arange(batch * blocks, dtype=torch.int32),
     }
-    lens = torch.full((BATCH,), LEN, dtype=torch.int32)
-    q = torch.randn(BATCH, HEADS, HEAD_DIM).to(torch.bfloat16)  # [B, H, d]
+    lens = torch.full((batch,), length, dtype=torch.int32)
+    q = torch.randn(batch, HEADS, HEAD_DIM).to(dtype)  # [B, H, d]
     out = torch.empty_like(q)  # [B, H, d]
-    kv_bytes = BATCH * LEN * KV_HEADS * HEAD_DIM * 2 * 2  # K and V, bf16
+    kv_bytes = batch * length * KV_HEADS * HEAD_DIM * 2 * dtype.itemsize  # K and V
     flat = torch.ones(kv_bytes * args.layers // 4)  # float32, the same bytes as the caches
     for threads in args.threads:
         torch.set_num_threads(threads)
         for name, ids in order.items():
-            tables = ids.reshape(BATCH, blocks).contiguous()
+            tables = ids.reshape(batch, blocks).contiguous()
             best = float("inf")
             for _ in range(args.passes):
                 t = time.perf_counter()
@@ -66,7 +79,7 @@ def main() -> None:
                         out, q, cache, tables, lens, 1 / math.sqrt(HEAD_DIM), 0, 0
                     )
                 best = min(best, (time.perf_counter() - t) / args.layers)
-            per_token = best / (BATCH * LEN) * threads * 1e9
+            per_token = best / (batch * length) * threads * 1e9
             print(
                 f"threads {threads}, {name}: {best * 1e6:.0f} us a layer, "
                 f"{kv_bytes / best / 1e9:.1f} GB/s, {per_token:.0f} ns a token per thread"

@@ -8,7 +8,8 @@ For the model's projection shapes (qkv, o, gate/up, down, lm_head) and each M bu
 rows), each candidate runs as at start-up (``kvserve.runtime.kernel_select``, mode
 ``measure``: the cache is refreshed). One row per shape x bucket x candidate: best ms per
 call, weight GB/s, GFLOP/s and whether it was chosen. The last lines give the decode matmul
-time per dtype (M = 1, 8 and 32 summed, chosen kernels) and what ``--dtype auto`` would pick.
+time per dtype (M = 1, 8 and 32 summed, chosen kernels) and what ``--dtype auto`` would pick
+(``kernel_setup.dtype_speedup``: those matmuls and decode attention, dense weights).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kvserve.engine_config import EngineConfig
 from kvserve.kernel_setup import (
     DTYPES,
     decode_matmul_seconds,
+    dtype_speedup,
     native_bf16,
     projection_shapes,
     select_shapes,
@@ -87,8 +89,9 @@ def main(argv: list[str] | None = None) -> None:
         "dtypes": {},
     }
     totals: dict[str, float] = {}
+    sels: dict[str, Selection] = {}
     for name in args.dtype:
-        sel = select_shapes(config, arch, DTYPES[name], "measure")
+        sel = sels[name] = select_shapes(config, arch, DTYPES[name], "measure")
         print(f"\n== {name}: {sel.summary()}")
         print("\n".join(table(sel, names)))
         totals[name] = decode_matmul_seconds(sel, arch)
@@ -105,12 +108,20 @@ def main(argv: list[str] | None = None) -> None:
     print()
     for name, total in totals.items():
         print(f"decode matmuls (M=1+8+32, chosen kernels), {name}: {total * 1e3:.2f} ms")
-    if {"float32", "bfloat16"} <= set(totals):
-        faster = totals["bfloat16"] < totals["float32"]
-        pick = "bfloat16" if native_bf16() and faster else "float32"
+    if {"float32", "bfloat16"} <= set(sels):
+        # NOTE: the start-up rule itself (matmuls and decode attention, in alternation).
+        ratio = dtype_speedup(
+            arch,
+            sels["float32"],
+            sels["bfloat16"],
+            device=torch.device(args.device),
+            mode="measure",
+        )
+        pick = "bfloat16" if native_bf16() and ratio > 1.0 else "float32"
         print(
-            f"--dtype auto would choose {pick} (bf16 {totals['float32'] / totals['bfloat16']:.2f}x "
-            "fp32 speed)"
+            f"--dtype auto would choose {pick} (decode matmuls + attention: bf16 {ratio:.2f}x "
+            "fp32 speed; dense weights: a model with quantized projections is weighed again on "
+            "them at load)"
         )
     if args.json:
         with open(args.json, "w") as f:

@@ -3,6 +3,7 @@ explicit bf16 without native support; the ops object and its fallback."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -194,17 +195,7 @@ def test_quantized_shapes_are_timed_as_they_run(tmp_path, monkeypatch) -> None:
     if not quant_ops.load():
         pytest.skip(f"quantized kernels unavailable: {quant_ops.reason()}")
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
-    arch = ModelArchConfig(
-        architecture="llama",
-        max_position_embeddings=128,
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-    )
+    arch = dataclasses.replace(ARCH, hidden_size=32, intermediate_size=64, head_dim=8)
     gate_up = (128, 32)
     sources: dict[tuple[int, int], set[str]] = {}
 

@@ -146,8 +146,12 @@ for policy in $VARIANTS; do
 done
 stop_server
 
-"${KV[@]}" bench itl-report "$OUT/sweep" "$OUT"/variants_1.5/budget-*.json \
-  "$OUT"/static_1.5/static_*.json | tee "$OUT/report.md"
+# NOTE: nullglob: with VARIANTS empty (or no static run) the patterns match nothing and must
+# drop out, not reach the report as literal paths.
+shopt -s nullglob
+extra=("$OUT"/variants_1.5/budget-*.json "$OUT"/static_1.5/static_*.json)
+shopt -u nullglob
+"${KV[@]}" bench itl-report "$OUT/sweep" "${extra[@]}" | tee "$OUT/report.md"
 for group in cdf_1.5 variants_1.5 static_1.5 sweep; do
   [ -d "$OUT/$group" ] && "${KV[@]}" bench plot "$OUT/$group" --out-dir "$OUT/$group" > /dev/null
 done

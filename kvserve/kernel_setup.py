@@ -14,7 +14,6 @@ measured slowdown.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
 import time
@@ -32,7 +31,9 @@ from kvserve.runtime.kernel_select import (
     cpu_flags,
     cpu_identity,
     machine_load,
+    read_cached_value,
     select_kernels,
+    write_cached_value,
 )
 from kvserve.runtime.linear import Linear, build_linear
 
@@ -244,13 +245,9 @@ def dtype_speedup(
     }
     path = cache_path(key).with_name("dtype_" + cache_path(key).name)
     load = machine_load()
-    if mode != "measure" and path.exists():
-        try:
-            record = json.loads(path.read_text())
-            if record["key"] == key and not (record["load"] > 1.0 and load < record["load"] / 2):
-                return float(record["speedup"])
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            log.warning("dtype cache %s is corrupt (%s): measuring again", path, e)
+    cached = read_cached_value(path, key, "speedup", "dtype") if mode != "measure" else None
+    if cached is not None:
+        return float(cached)
     cells = _decode_cells(arch, fp32, bf16, formats, device, timer or _time_linear)
     if attention_timer is not None:
         for m in _DECIDING_BOUNDS:
@@ -270,11 +267,7 @@ def dtype_speedup(
     t32 = sum(n * b[0] for (n, _), b in zip(cells, best, strict=True))
     t16 = sum(n * b[1] for (n, _), b in zip(cells, best, strict=True))
     speedup = t32 / t16 if t16 > 0 else float("inf")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"key": key, "speedup": speedup, "load": load}))
-    except OSError as e:
-        log.warning("dtype cache %s not written: %s", path, e)
+    write_cached_value(path, key, "speedup", speedup, load, "dtype")
     return speedup
 
 

@@ -119,6 +119,7 @@ class AttentionMetadata:
     # layer): a step pays only for the one its backend reads.
     _decode_groups: list[DecodeGroup] | None = None
     _decode_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+    _query_tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def decode_groups(self) -> list[DecodeGroup]:
@@ -157,6 +158,28 @@ class AttentionMetadata:
                 torch.tensor([s.seq_len for s in dec], dtype=torch.int32, device=device),
             )
         return self._decode_tables
+
+    @property
+    def query_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per query row: ``[num_tokens, max_blocks]`` int32 block tables (each row its
+        sequence's, padded with 0) and ``[num_tokens]`` int32 lengths (a row at position p
+        sees ``p + 1`` tokens, causal): every row as a decode query of
+        ``paged_decode_attention``, chunk rows included."""
+        if self._query_tables is None:
+            bs = self.block_size
+            width = max((-(-s.seq_len // bs) for s in self.seqs), default=0)
+            table: list[list[int]] = []
+            lens: list[int] = []
+            for s in self.seqs:
+                row = s.block_ids[:width] + [0] * (width - len(s.block_ids[:width]))
+                table.extend([row] * s.num_query_tokens)
+                lens.extend(range(s.start_pos + 1, s.seq_len + 1))
+            device = self.slot_mapping.device
+            self._query_tables = (
+                torch.tensor(table, dtype=torch.int32, device=device).view(len(lens), width),
+                torch.tensor(lens, dtype=torch.int32, device=device),
+            )
+        return self._query_tables
 
 
 def _slots_for(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -463,6 +464,35 @@ def load_cached(path: Path, key: Mapping[str, object]) -> dict | None:
         "skipped": dict(record.get("skipped", {})),
         "load": float(record.get("load", 0.0)),
     }
+
+
+def read_cached_value(path: Path, key: Mapping[str, object], field: str, what: str) -> Any:
+    """``record[field]`` of the JSON record for ``key`` at ``path``; None when absent, written
+    for another key, corrupt (warned, naming ``what``) or measured under load on a machine
+    that is quieter now (measured again, like the selections)."""
+    if not path.exists():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        if record["key"] != json.loads(json.dumps(key)):
+            return None
+        if record["load"] > 1.0 and machine_load() < record["load"] / 2:
+            return None
+        return record[field]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("%s cache %s is corrupt (%s): measuring again", what, path, e)
+        return None
+
+
+def write_cached_value(
+    path: Path, key: Mapping[str, object], field: str, value: object, load: float, what: str
+) -> None:
+    """Write ``{key, field: value, load}`` to ``path`` (a failure is warned, not raised)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"key": key, field: value, "load": load}))
+    except OSError as e:
+        log.warning("%s cache %s not written: %s", what, path, e)
 
 
 def machine_load() -> float:

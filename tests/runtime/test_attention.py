@@ -112,14 +112,21 @@ def test_backends_match_dense_attention(
         ]
     )
     caches = {}
-    for backend in (TorchReferenceBackend(), TorchSDPABackend(), NativeCPUBackend()):
+    for name, backend in [
+        ("torch_ref", TorchReferenceBackend()),
+        ("torch_sdpa", TorchSDPABackend()),
+        ("native", NativeCPUBackend()),
+        # chunks of up to 8 rows through the decode kernel, longer ones through SDPA
+        ("native_chunks_8", NativeCPUBackend(chunk_kernel_max_tokens=8)),
+        ("native_chunks_all", NativeCPUBackend(chunk_kernel_max_tokens=10**6)),
+    ]:
         cache = cache0.clone()
         out = backend.forward(data["q"], data["k"], data["v"], cache, meta)
-        torch.testing.assert_close(out, expected, atol=ATOL, rtol=0, msg=backend.name)
-        caches[backend.name] = cache
-    # Both wrote exactly the same cache, and every token sits at its block-table slot.
-    assert torch.equal(caches["torch_ref"], caches["torch_sdpa"])
-    assert torch.equal(caches["torch_ref"], caches["native"])
+        torch.testing.assert_close(out, expected, atol=ATOL, rtol=0, msg=name)
+        caches[name] = cache
+    # All wrote exactly the same cache, and every token sits at its block-table slot.
+    for name in caches:
+        assert torch.equal(caches["torch_ref"], caches[name]), name
     for s, (keys, values) in zip(seqs, data["full"], strict=True):
         for p in range(s.seq_len):
             blk, off = s.block_ids[p // BLOCK_SIZE], p % BLOCK_SIZE
@@ -128,7 +135,13 @@ def test_backends_match_dense_attention(
 
 
 @pytest.mark.parametrize(
-    "backend", [TorchReferenceBackend(), TorchSDPABackend(), NativeCPUBackend()]
+    "backend",
+    [
+        TorchReferenceBackend(),
+        TorchSDPABackend(),
+        NativeCPUBackend(),
+        NativeCPUBackend(chunk_kernel_max_tokens=10**6),
+    ],
 )
 def test_block_written_this_step_is_readable_by_another_sequence(backend) -> None:
     """Sequence B's context block is filled by sequence A in the same step (prefix hit on
@@ -197,7 +210,11 @@ def test_one_metadata_serves_caches_of_different_sizes() -> None:
     big[:, :NUM_BLOCKS] = cache0
     outs = [
         backend.forward(data["q"], data["k"], data["v"], cache, meta)
-        for backend in (TorchSDPABackend(), NativeCPUBackend())
+        for backend in (
+            TorchSDPABackend(),
+            NativeCPUBackend(),
+            NativeCPUBackend(chunk_kernel_max_tokens=10**6),
+        )
         for cache in (cache0.clone(), big.clone(), cache0.clone())
     ]
     expected = TorchReferenceBackend().forward(

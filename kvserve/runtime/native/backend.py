@@ -4,8 +4,11 @@ Decodes (one query token each) attend straight from the cache blocks with
 ``kvserve::paged_decode_attention``: no gathered copy of the context, no mask tensor, one
 call for the whole batch, split across threads by sequence (by sequence and KV head when
 there are fewer than two sequences per thread). New K/V go in with
-``kvserve::write_kv``, before any read (the backend invariant). Multi-token chunks attend
-as in ``TorchSDPABackend`` (one SDPA call each): a prefill is bound by its weight matmuls.
+``kvserve::write_kv``, before any read (the backend invariant). A multi-token chunk of at
+most ``chunk_kernel_max_tokens`` rows runs through the same kernel, each row a decode query
+of its own causal length (``AttentionMetadata.query_tables``); a longer one attends as in
+``TorchSDPABackend`` (one SDPA call). The engine sets the limit at start-up where the kernel
+measured faster (``chunk_limit.chunk_attention_limit``).
 
 Where the kernels cannot serve (not loaded, a CUDA cache, a quantized cache) every call
 takes ``TorchSDPABackend``'s path, so the backend is safe to select anywhere.
@@ -23,9 +26,18 @@ from kvserve.runtime.kv_cache import QuantizedLayerCache
 
 
 class NativeCPUBackend(TorchSDPABackend):
-    """Native decode attention on CPU; ``TorchSDPABackend`` for chunks and elsewhere."""
+    """Native decode (and short-chunk) attention on CPU; ``TorchSDPABackend`` elsewhere."""
 
     name = "native"
+
+    def __init__(self, chunk_kernel_max_tokens: int = 0) -> None:
+        """``chunk_kernel_max_tokens``: a chunk of at most this many query tokens attends
+        through the decode kernel, one query row at a time (its context read in place, no
+        gathered copy, no mask), a longer one through SDPA (``chunk_attention_limit``
+        measures where the kernel stops being the faster on this CPU)."""
+        if chunk_kernel_max_tokens < 0:
+            raise ValueError(f"chunk_kernel_max_tokens must be >= 0, got {chunk_kernel_max_tokens}")
+        self.chunk_kernel_max_tokens = chunk_kernel_max_tokens
 
     def forward(
         self,
@@ -44,20 +56,35 @@ class NativeCPUBackend(TorchSDPABackend):
         ops = native.ops()
         ops.write_kv(kv_cache, k, v, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, d]
-        nd = meta.num_decode_seqs
-        if nd:
-            tables, lens = meta.decode_tables
+        window, sinks = meta.sliding_window or 0, meta.num_sink_tokens
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        # NOTE: rows [0, end) run as decode queries in one call: the decodes and then every
+        # chunk up to the first one too long for the kernel (chunk_kernel_max_tokens).
+        end = meta.num_decode_seqs
+        rest = meta.chunks
+        for i, c in enumerate(meta.chunks):
+            if c.num_query_tokens > self.chunk_kernel_max_tokens:
+                rest = meta.chunks[i:]
+                break
+            end = c.token_offset + c.num_query_tokens
+        else:
+            rest = []
+        if end:
+            if end == meta.num_decode_seqs:
+                tables, lens = meta.decode_tables
+            else:
+                tables, lens = meta.query_tables
+                tables, lens = tables[:end], lens[:end]
             ops.paged_decode_attention(
-                out[:nd],
-                q[:nd],
-                kv_cache,
-                tables,
-                lens,
-                1.0 / math.sqrt(q.shape[-1]),
-                meta.sliding_window or 0,
-                meta.num_sink_tokens,
+                out[:end], q[:end], kv_cache, tables, lens, scale, window, sinks
             )
-        for c in meta.chunks:
+        for c in rest:
             rows = slice(c.token_offset, c.token_offset + c.num_query_tokens)
-            out[rows] = self._chunk(q[rows], k[rows], v[rows], kv_cache, c)
+            if c.num_query_tokens <= self.chunk_kernel_max_tokens:
+                tables, lens = meta.query_tables
+                ops.paged_decode_attention(
+                    out[rows], q[rows], kv_cache, tables[rows], lens[rows], scale, window, sinks
+                )
+            else:
+                out[rows] = self._chunk(q[rows], k[rows], v[rows], kv_cache, c)
         return out

@@ -168,13 +168,14 @@ def load_engine_model(config: EngineConfig, kernels: KernelChoice) -> EngineMode
 def set_chunk_attention(
     model: LlamaForCausalLM, arch: ModelArchConfig, dtype: torch.dtype, config: EngineConfig
 ) -> None:
-    """Give the native attention backend its measured chunk limit (``chunk_limit``): the
-    prefill chunks short enough to attend through the decode kernel."""
+    """Give the native attention backend its measured chunk choice (``chunk_limit``): the
+    prefill chunks short enough for the decode kernel, and the dtype of SDPA for the rest."""
     backend = model.attn_backend
     if isinstance(backend, NativeCPUBackend) and torch.device(config.device).type == "cpu":
-        backend.chunk_kernel_max_tokens = chunk_attention_limit(
+        choice = chunk_attention_limit(
             arch, dtype, config.max_num_batched_tokens, mode=config.kernel_selection
         )
+        choice.apply(backend)
 
 
 def resolve_max_model_len(config: EngineConfig, arch: ModelArchConfig) -> int:

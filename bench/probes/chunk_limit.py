@@ -3,9 +3,10 @@
     PYTHONPATH=. .venv/bin/python bench/probes/chunk_limit.py [--dtype bfloat16 float32]
         [--max-tokens 2048]
 
-For the embedded model's heads: us a layer of the decode kernel vs SDPA on chunks of 16 ..
-``--max-tokens`` rows, and the limit the engine would take (kvserve/runtime/native/
-chunk_limit.py; it stops timing at the first size the kernel loses).
+For the embedded model's heads: us a layer of the decode kernel vs SDPA (for bf16 also
+SDPA in float32) on chunks of 16 .. ``--max-tokens`` rows, and the choice the engine would
+take (kvserve/runtime/native/chunk_limit.py; timing stops at the first size the kernel
+loses).
 """
 
 from __future__ import annotations
@@ -30,5 +31,5 @@ if __name__ == "__main__":
     torch.set_num_threads(args.threads)
     arch = load_arch(EngineConfig().model)
     for name in args.dtype:
-        limit = chunk_attention_limit(arch, getattr(torch, name), args.max_tokens, mode="measure")
-        print(f"{name}: limit {limit}")
+        choice = chunk_attention_limit(arch, getattr(torch, name), args.max_tokens, mode="measure")
+        print(f"{name}: {choice.summary()}")

@@ -1,5 +1,6 @@
-"""Run a kvserve command with every prefill chunk attending through SDPA (the path before
-the start-up chunk limit, kvserve/runtime/native/chunk_limit.py): the A side of an A/B.
+"""Run a kvserve command with every prefill chunk attending through SDPA in the model's
+dtype (the path before the start-up chunk choice, kvserve/runtime/native/chunk_limit.py):
+the A side of an A/B.
 
     PYTHONPATH=. .venv/bin/python bench/probes/no_chunk_kernel.py -m kvserve.cli \\
         bench throughput ...
@@ -14,10 +15,11 @@ import sys
 
 import kvserve.bench.runtime_speed as runtime_speed
 import kvserve.engine_startup as engine_startup
+from kvserve.runtime.native.chunk_limit import ChunkAttention
 
 
-def _no_limit(*args: object, **kwargs: object) -> int:
-    return 0
+def _no_limit(*args: object, **kwargs: object) -> ChunkAttention:
+    return ChunkAttention()
 
 
 if __name__ == "__main__":

@@ -304,9 +304,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     model.ensure_linears()
     if isinstance(model.attn_backend, NativeCPUBackend) and args.device == "cpu":
-        model.attn_backend.chunk_kernel_max_tokens = chunk_attention_limit(
+        chunk_attention_limit(
             model.arch, kernels.dtype, args.max_batched_tokens, mode=args.kernel_selection
-        )
+        ).apply(model.attn_backend)
     model.release_packed_weights()  # as the engine does
     if torch.device(args.device).type == "cpu":
         gather_into_huge_pages(model.linears())

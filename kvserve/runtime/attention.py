@@ -596,22 +596,30 @@ class TorchSDPABackend(AttentionBackend):
         v: torch.Tensor,  # [n, kvh, d]
         kv_cache: LayerCache,
         c: ChunkMeta,
+        compute_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
+        """SDPA of one chunk; with ``compute_dtype`` (e.g. float32 for a bf16 model) the
+        inputs are converted to it and the output back to ``q``'s dtype."""
         if c.ctx_block_ids is None:
             keys, values = k, v  # the chunk is the whole context so far
         else:
             rows = _gather_rows(c.ctx_block_ids, kv_cache.shape[1], c.gather_rows)
             kv = _gather_blocks(kv_cache, rows, q.dtype)  # [2, ctx_len, kvh, d]
             keys, values = kv[0], kv[1]  # [ctx_len, kvh, d]
+        mask = c.mask
+        dtype = q.dtype
+        if compute_dtype is not None and compute_dtype != dtype:
+            q, keys, values = q.to(compute_dtype), keys.to(compute_dtype), values.to(compute_dtype)
+            mask = mask.to(compute_dtype) if mask is not None else None
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),  # [1, H, n, d]
             keys.transpose(0, 1).unsqueeze(0),  # [1, kvh, L, d]
             values.transpose(0, 1).unsqueeze(0),
-            attn_mask=c.mask,
-            is_causal=c.mask is None,
+            attn_mask=mask,
+            is_causal=mask is None,
             enable_gqa=True,
         )
-        return o[0].transpose(0, 1)  # [n, H, d]
+        return o[0].transpose(0, 1).to(dtype)  # [n, H, d]
 
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {

@@ -17,8 +17,9 @@ from kvserve.runtime.attention import SeqSpec, build_attention_metadata
 from kvserve.runtime.native import chunk_limit
 from kvserve.runtime.native.backend import NativeCPUBackend
 from kvserve.runtime.native.chunk_limit import (
+    ChunkAttention,
+    choice_from_timings,
     chunk_attention_limit,
-    limit_from_timings,
     probe_rows,
 )
 
@@ -56,67 +57,102 @@ def test_probe_rows_stop_at_the_token_budget() -> None:
     assert probe_rows(0) == []
 
 
-def test_limit_is_the_last_size_before_the_kernel_loses() -> None:
-    t = {16: (1.0, 2.0), 32: (2.0, 2.5), 64: (5.0, 4.0), 128: (1.0, 9.0)}
-    assert limit_from_timings(t, 512) == 32  # 128 does not count: 64 lost first
-    assert limit_from_timings({16: (3.0, 2.0)}, 512) == 0
-    assert limit_from_timings({16: (1.0, 2.0), 32: (1.0, 1.0)}, 512) == 512  # never slower
-    assert limit_from_timings({}, 512) == 0
+def test_choice_is_the_last_size_before_the_kernel_loses() -> None:
+    def t(kernel: float, sdpa: float, f32: float | None = None) -> dict[str, float]:
+        return {"kernel": kernel, "sdpa": sdpa} | ({} if f32 is None else {"sdpa_float32": f32})
+
+    timings = {16: t(1, 2), 32: t(2, 2.5), 64: t(5, 4), 128: t(1, 9)}
+    assert choice_from_timings(timings, 512) == ChunkAttention(32, False)  # 64 lost first
+    # the kernel loses to SDPA in float32 only: float32 serves the longer chunks
+    assert choice_from_timings({16: t(1, 2, 3), 32: t(3, 4, 2)}, 512) == ChunkAttention(16, True)
+    assert choice_from_timings({16: t(3, 2, 2.5)}, 512) == ChunkAttention(0, False)
+    assert choice_from_timings({16: t(1, 2, 1.5), 32: t(1, 1, 1)}, 512) == ChunkAttention(512)
+    assert choice_from_timings({}, 512) == ChunkAttention(0, False)
 
 
-def test_limit_is_measured_once_then_cached(tmp_path, monkeypatch, caplog) -> None:
+def test_choice_is_measured_once_then_cached(tmp_path, monkeypatch, caplog) -> None:
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
-    calls: list[tuple[int, bool]] = []
+    calls: list[tuple[int, str]] = []
 
-    def timer(n: int, kernel: bool) -> float:  # the kernel loses from 128 rows on
-        calls.append((n, kernel))
-        return (n * n if n >= 128 else n) * 1e-6 if kernel else n * 4e-6
+    def timer(n: int, way: str) -> float:  # the kernel loses from 128 rows on
+        calls.append((n, way))
+        if way == "kernel":
+            return (n * n if n >= 128 else n) * 1e-6
+        return n * (4e-6 if way == "sdpa" else 3e-6)
 
     with caplog.at_level(logging.INFO, logger="kvserve"):
-        assert chunk_attention_limit(ARCH, torch.float32, 512, timer=timer) == 64
-    assert "the decode kernel up to 64 rows" in caplog.text
+        choice = chunk_attention_limit(ARCH, torch.bfloat16, 512, timer=timer)
+    assert choice == ChunkAttention(64, True)
+    assert "the decode kernel up to 64 rows, SDPA in float32 above" in caplog.text
     assert {n for n, _ in calls} == {16, 32, 64, 128}  # stops at the first loss
-    assert {k for _, k in calls} == {True, False}  # both ways timed
+    assert {w for _, w in calls} == {"kernel", "sdpa", "sdpa_float32"}
     calls.clear()
-    assert chunk_attention_limit(ARCH, torch.float32, 512, timer=timer) == 64
+    assert chunk_attention_limit(ARCH, torch.bfloat16, 512, timer=timer) == choice
     assert calls == []  # from the cache
-    # another dtype or budget is another key; "measure" measures again; "off" is 0
-    assert chunk_attention_limit(ARCH, torch.bfloat16, 512, timer=timer) == 64 and calls
+    # a float32 model has no float32 SDPA to try; another dtype or budget is another key
+    assert chunk_attention_limit(ARCH, torch.float32, 512, timer=timer) == ChunkAttention(64)
+    assert {w for _, w in calls} == {"kernel", "sdpa"}
     calls.clear()
-    assert chunk_attention_limit(ARCH, torch.float32, 512, timer=timer, mode="measure") == 64
+    assert chunk_attention_limit(ARCH, torch.bfloat16, 512, timer=timer, mode="measure") == choice
     assert calls
-    assert chunk_attention_limit(ARCH, torch.float32, 512, timer=timer, mode="off") == 0
+    off = chunk_attention_limit(ARCH, torch.bfloat16, 512, timer=timer, mode="off")
+    assert off == ChunkAttention(0, False)
 
 
 def test_corrupt_cache_is_measured_again(tmp_path, monkeypatch, caplog) -> None:
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
-    assert chunk_attention_limit(ARCH, torch.float32, 32, timer=lambda n, k: 1.0 if k else 2.0)
+
+    def kernel_wins(n: int, way: str) -> float:
+        return 1.0 if way == "kernel" else 2.0
+
+    assert chunk_attention_limit(ARCH, torch.float32, 32, timer=kernel_wins).max_kernel_tokens
     (path,) = tmp_path.rglob("chunkattn_*.json")
     path.write_text("{not json")
     with caplog.at_level(logging.WARNING, logger="kvserve"):
-        assert (
-            chunk_attention_limit(ARCH, torch.float32, 32, timer=lambda n, k: 2.0 if k else 1.0)
-            == 0
+        again = chunk_attention_limit(
+            ARCH, torch.float32, 32, timer=lambda n, w: 3.0 - kernel_wins(n, w)
         )
+    assert again == ChunkAttention(0, False)
     assert "is corrupt" in caplog.text
+
+
+def test_sdpa_in_float32_matches_the_half_precision_path() -> None:
+    """A bf16 chunk through SDPA in float32 agrees with bf16 SDPA within bf16 rounding."""
+    gen = torch.Generator().manual_seed(3)
+    n, start, bs = 24, 40, 16
+    blocks = list(range(-(-(start + n) // bs)))
+    meta = build_attention_metadata(
+        [SeqSpec(0, n, start, blocks)],
+        block_size=bs,
+        device=torch.device("cpu"),
+        dtype=torch.bfloat16,
+    )
+    cache = torch.randn(2, len(blocks), bs, 2, 8, generator=gen).to(torch.bfloat16)
+    qkv = torch.randn(n, 8, 8, generator=gen).to(torch.bfloat16)
+    q, k, v = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]
+    half = NativeCPUBackend().forward(q, k, v, cache.clone(), meta)
+    f32 = NativeCPUBackend(chunk_sdpa_float32=True).forward(q, k, v, cache.clone(), meta)
+    assert f32.dtype == torch.bfloat16
+    torch.testing.assert_close(f32.float(), half.float(), atol=2e-2, rtol=0)
 
 
 @pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
 def test_real_probe_runs_both_paths(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
-    probe = chunk_limit.ChunkAttentionProbe(ARCH, torch.float32)
-    assert probe(16, True) > 0 and probe(16, False) > 0
-    limit = chunk_attention_limit(ARCH, torch.float32, 64, mode="measure", budget_s=0.0)
-    assert limit in (0, 16, 32, 64)
+    for dtype in (torch.float32, torch.bfloat16):
+        probe = chunk_limit.ChunkAttentionProbe(ARCH, dtype)
+        assert all(probe(16, way) > 0 for way in chunk_limit.WAYS)
+        choice = chunk_attention_limit(ARCH, dtype, 64, mode="measure", budget_s=0.0)
+        assert choice.max_kernel_tokens in (0, 16, 32, 64)
 
 
 @pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
 def test_engine_gives_its_backend_the_measured_limit(monkeypatch) -> None:
     asked = []
 
-    def limit(arch: ModelArchConfig, dtype: torch.dtype, budget: int, mode: str) -> int:
+    def limit(arch: ModelArchConfig, dtype: torch.dtype, budget: int, mode: str) -> ChunkAttention:
         asked.append((dtype, budget, mode))
-        return 48
+        return ChunkAttention(48, True)
 
     monkeypatch.setattr("kvserve.engine_startup.chunk_attention_limit", limit)
     engine = LLMEngine(
@@ -125,3 +161,4 @@ def test_engine_gives_its_backend_the_measured_limit(monkeypatch) -> None:
     assert asked == [(torch.float32, 64, "auto")]
     backend = engine.runner.model.attn_backend
     assert isinstance(backend, NativeCPUBackend) and backend.chunk_kernel_max_tokens == 48
+    assert backend.chunk_sdpa_float32

@@ -30,14 +30,16 @@ class NativeCPUBackend(TorchSDPABackend):
 
     name = "native"
 
-    def __init__(self, chunk_kernel_max_tokens: int = 0) -> None:
+    def __init__(self, chunk_kernel_max_tokens: int = 0, chunk_sdpa_float32: bool = False) -> None:
         """``chunk_kernel_max_tokens``: a chunk of at most this many query tokens attends
         through the decode kernel, one query row at a time (its context read in place, no
-        gathered copy, no mask), a longer one through SDPA (``chunk_attention_limit``
-        measures where the kernel stops being the faster on this CPU)."""
+        gathered copy, no mask), a longer one through SDPA; ``chunk_sdpa_float32``: that SDPA
+        runs in float32 for a half-precision model (``chunk_limit.chunk_attention_limit``
+        measures both choices on this CPU)."""
         if chunk_kernel_max_tokens < 0:
             raise ValueError(f"chunk_kernel_max_tokens must be >= 0, got {chunk_kernel_max_tokens}")
         self.chunk_kernel_max_tokens = chunk_kernel_max_tokens
+        self.chunk_sdpa_float32 = chunk_sdpa_float32
 
     def forward(
         self,
@@ -86,5 +88,6 @@ class NativeCPUBackend(TorchSDPABackend):
                     out[rows], q[rows], kv_cache, tables[rows], lens[rows], scale, window, sinks
                 )
             else:
-                out[rows] = self._chunk(q[rows], k[rows], v[rows], kv_cache, c)
+                compute = torch.float32 if self.chunk_sdpa_float32 else None
+                out[rows] = self._chunk(q[rows], k[rows], v[rows], kv_cache, c, compute)
         return out

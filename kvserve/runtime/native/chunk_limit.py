@@ -7,8 +7,12 @@ query row as a decode query over the paged cache (``NativeCPUBackend``,
 per-call set-up, so it wins on short chunks; SDPA's blocked matmuls may win on long ones,
 by how much depends on the CPU and dtype. ``chunk_attention_limit`` times both on chunks of
 16 .. ``max_tokens`` rows (each after an earlier chunk of its size, so with a context of
-2n) and returns the longest chunk up to which the kernel was never the slower; the answer
-is cached like the kernel selections (``kvserve.runtime.kernel_select``).
+2n) and returns the longest chunk up to which the kernel was never the slower. For a
+half-precision model SDPA is also timed in float32 (inputs converted, output converted
+back): on a CPU without AMX its float32 kernels beat its bf16 ones (session 15's Xeon,
+256-row chunk: 1.93-2.08 vs 2.32-2.45 ms), on others the reverse may hold; the faster
+one at the size where the kernel lost serves the longer chunks. The answer is cached like
+the kernel selections (``kvserve.runtime.kernel_select``).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -28,15 +33,35 @@ from kvserve.runtime.kernel_select import (
     read_cached_value,
     write_cached_value,
 )
+from kvserve.runtime.native.backend import NativeCPUBackend
 
 log = logging.getLogger("kvserve")
 
 PROBE_ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 BLOCK_SIZE = 16
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: SDPA in float32 as a third way
+WAYS = ("kernel", "sdpa", "sdpa_float32")
 
-# timer(n, kernel) -> seconds of one layer's attention over a chunk of n rows.
-ChunkTimer = Callable[[int, bool], float]
+# timer(n, way) -> seconds of one layer's attention over a chunk of n rows, way in WAYS.
+ChunkTimer = Callable[[int, str], float]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkAttention:
+    """How prefill chunks attend: ``NativeCPUBackend``'s two settings."""
+
+    max_kernel_tokens: int = 0  # chunks up to this many rows: the decode kernel
+    sdpa_float32: bool = False  # longer ones: SDPA in float32 (half-precision models)
+
+    def apply(self, backend: NativeCPUBackend) -> None:
+        """Set ``backend``'s chunk limit and SDPA dtype to this choice."""
+        backend.chunk_kernel_max_tokens = self.max_kernel_tokens
+        backend.chunk_sdpa_float32 = self.sdpa_float32
+
+    def summary(self) -> str:
+        """One log line's worth."""
+        sdpa = "SDPA in float32" if self.sdpa_float32 else "SDPA"
+        return f"the decode kernel up to {self.max_kernel_tokens} rows, {sdpa} above"
 
 
 def probe_rows(max_tokens: int) -> list[int]:
@@ -48,28 +73,32 @@ def probe_rows(max_tokens: int) -> list[int]:
     return rows
 
 
-def limit_from_timings(timings: dict[int, tuple[float, float]], max_tokens: int) -> int:
-    """The longest chunk the kernel takes: rows up to the first probe at which it was slower
-    than SDPA (``timings[n] = (kernel s, sdpa s)``); ``max_tokens`` when it never was."""
+def choice_from_timings(timings: dict[int, dict[str, float]], max_tokens: int) -> ChunkAttention:
+    """The kernel up to the first probe at which it was slower than the faster SDPA way
+    (``timings[n][way]`` seconds; all probes: ``max_tokens``); SDPA in float32 when it was
+    timed and faster at that probe."""
     limit = 0
     for n in sorted(timings):
-        kernel, sdpa = timings[n]
-        if kernel > sdpa:
-            return limit
+        t = timings[n]
+        sdpa = min(t.get("sdpa", float("inf")), t.get("sdpa_float32", float("inf")))
+        if t["kernel"] > sdpa:
+            float32 = t.get("sdpa_float32", float("inf")) < t.get("sdpa", float("inf"))
+            return ChunkAttention(limit, float32)
         limit = n
-    return max_tokens if timings else 0
+    return ChunkAttention(max_tokens if timings else 0, False)
 
 
 class ChunkAttentionProbe:
-    """Times one layer's attention over a chunk of n rows at position n (context 2n), via
-    the kernel or via SDPA, in ``dtype`` with ``arch``'s heads."""
+    """Times one layer's attention over a chunk of n rows at position n (context 2n), one of
+    ``WAYS``, in ``dtype`` with ``arch``'s heads."""
 
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype) -> None:
-        from kvserve.runtime.native.backend import NativeCPUBackend
-
         self.arch, self.dtype = arch, dtype
-        self.kernel = NativeCPUBackend(chunk_kernel_max_tokens=PROBE_ROWS[-1])
-        self.sdpa = NativeCPUBackend(chunk_kernel_max_tokens=0)
+        self.backends = {
+            "kernel": NativeCPUBackend(chunk_kernel_max_tokens=PROBE_ROWS[-1]),
+            "sdpa": NativeCPUBackend(),
+            "sdpa_float32": NativeCPUBackend(chunk_sdpa_float32=True),
+        }
         # n -> (metadata, cache [2, blocks, block_size, kvh, d], qkv [n, H + 2 kvh, d])
         self._cases: dict[int, tuple[AttentionMetadata, torch.Tensor, torch.Tensor]] = {}
 
@@ -92,11 +121,11 @@ class ChunkAttentionProbe:
             )
         return self._cases[n]
 
-    def __call__(self, n: int, kernel: bool) -> float:
+    def __call__(self, n: int, way: str) -> float:
         meta, cache, qkv = self._case(n)
         h, kvh = self.arch.num_attention_heads, self.arch.num_key_value_heads
         q, k, v = qkv[:, :h], qkv[:, h : h + kvh], qkv[:, h + kvh :]
-        backend = self.kernel if kernel else self.sdpa
+        backend = self.backends[way]
         t = time.perf_counter()
         backend.forward(q, k, v, cache, meta)
         return time.perf_counter() - t
@@ -110,16 +139,16 @@ def chunk_attention_limit(
     mode: str = "auto",
     timer: ChunkTimer | None = None,
     budget_s: float = 0.005,
-) -> int:
-    """The ``chunk_kernel_max_tokens`` for ``NativeCPUBackend`` on this CPU (see module doc).
+) -> ChunkAttention:
+    """How chunks attend on this CPU, for ``NativeCPUBackend`` (see module doc).
 
-    ``mode``: "off" -> 0 (every chunk through SDPA, the path before this choice existed);
-    "auto" -> the cached answer, else measured; "measure" -> measured again. Each size is
-    timed kernel and SDPA in alternation until each has had ``budget_s`` (at least 3 calls),
-    best call kept.
+    ``mode``: "off" -> every chunk through SDPA in the model's dtype (the path before this
+    choice existed); "auto" -> the cached answer, else measured; "measure" -> measured
+    again. Each size is timed every way in turn until each has had ``budget_s`` (at least 3
+    calls), best call kept; timing stops at the first size where the kernel loses.
     """
     if mode == "off" or max_tokens < 1:
-        return 0
+        return ChunkAttention()
     rows = probe_rows(max_tokens)
     model, flags = cpu_identity()
     key = {
@@ -135,29 +164,34 @@ def chunk_attention_limit(
     }
     path = cache_path(key).with_name("chunkattn_" + cache_path(key).name)
     load = machine_load()
-    cached = None if mode == "measure" else read_cached_value(path, key, "limit", "chunk attn")
+    cached = None if mode == "measure" else read_cached_value(path, key, "choice", "chunk attn")
     if cached is not None:
-        return int(cached)
+        return ChunkAttention(int(cached[0]), bool(cached[1]))
     timer = timer or ChunkAttentionProbe(arch, dtype)
-    timings: dict[int, tuple[float, float]] = {}
+    ways = WAYS if dtype != torch.float32 else WAYS[:2]
+    timings: dict[int, dict[str, float]] = {}
     for n in rows:
-        best = [float("inf"), float("inf")]
-        spent = [0.0, 0.0]
+        best = dict.fromkeys(ways, float("inf"))
+        spent = dict.fromkeys(ways, 0.0)
         for round_ in range(100):
-            for j, kernel in enumerate((True, False)):
-                dt = timer(n, kernel)
-                best[j] = min(best[j], dt)
-                spent[j] += dt
-            if round_ >= 2 and min(spent) >= budget_s:
+            for way in ways:
+                dt = timer(n, way)
+                best[way] = min(best[way], dt)
+                spent[way] += dt
+            if round_ >= 2 and min(spent.values()) >= budget_s:
                 break
-        timings[n] = (best[0], best[1])
-        if best[0] > best[1]:
+        timings[n] = best
+        if best["kernel"] > min(v for w, v in best.items() if w != "kernel"):
             break  # the limit is found: longer chunks are not timed
-    limit = limit_from_timings(timings, max_tokens)
+    choice = choice_from_timings(timings, max_tokens)
     log.info(
-        "chunk attention: the decode kernel up to %d rows, SDPA above (%s)",
-        limit,
-        ", ".join(f"{n}: {k * 1e6:.0f} vs {s * 1e6:.0f} us" for n, (k, s) in timings.items()),
+        "chunk attention: %s (us a layer by rows, %s: %s)",
+        choice.summary(),
+        " / ".join(ways),
+        ", ".join(
+            f"{n}: " + " / ".join(f"{t[w] * 1e6:.0f}" for w in ways) for n, t in timings.items()
+        ),
     )
-    write_cached_value(path, key, "limit", limit, load, "chunk attn")
-    return limit
+    value = [choice.max_kernel_tokens, choice.sdpa_float32]
+    write_cached_value(path, key, "choice", value, load, "chunk attn")
+    return choice

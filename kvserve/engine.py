@@ -31,6 +31,7 @@ from kvserve.memory_budget import MemoryReport, plan_step_activations
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.runtime.kv_cache import kv_bytes_per_token
+from kvserve.runtime.native.chunk_limit import ChunkAttention
 from kvserve.sampling_params import SamplingParams
 from kvserve.step_guard import StepFault, execute_isolated
 from kvserve.structured.manager import StructuredOutputManager
@@ -99,7 +100,12 @@ class LLMEngine:
             kv_cache_dtype=config.kv_cache_dtype,
             dtype=loaded.dtype,
         )
-        activation_plan = plan_step_activations(config, arch, max_model_len=self.max_model_len)
+        activation_plan = plan_step_activations(
+            config,
+            arch,
+            max_model_len=self.max_model_len,
+            chunk_attention=ChunkAttention.of(getattr(loaded.model, "attn_backend", None)),
+        )
         kernel_scratch = measure_gemm_scratch(config, activation_plan, loaded.model)
         self.memory_report: MemoryReport = size_kv_pool(
             config,

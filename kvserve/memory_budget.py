@@ -29,6 +29,7 @@ from kvserve.engine_config import EngineConfig, GiB, available_memory_bytes
 from kvserve.runtime.kernel_scratch import GemmShape, measure_gemm_scratch
 from kvserve.runtime.kv_cache import kv_bytes_per_token
 from kvserve.runtime.memory_plan import ActivationPlan, plan_activations
+from kvserve.runtime.native.chunk_limit import ChunkAttention
 
 MiB = 1 << 20
 
@@ -167,13 +168,15 @@ def plan_step_activations(
     *,
     max_model_len: int,
     max_layers: int | None = TRACE_LAYERS,
+    chunk_attention: ChunkAttention | None = None,
 ) -> ActivationPlan:
     """Plan the activations of the largest step ``config``'s scheduler may issue.
 
     Traces (on fake tensors: nothing of the model's size is allocated) the worst-case
     prefill, decode and mixed steps under max_num_batched_tokens / max_num_seqs /
     max_model_len (or the pool's size, see ``max_sequence_tokens``), with ``max_layers``
-    layers of the model (None = all).
+    layers of the model (None = all), with the native backend's ``chunk_attention`` choice
+    (the engine's; None: the backend's defaults).
     """
     from kvserve.models.llama import LlamaForCausalLM
 
@@ -188,6 +191,7 @@ def plan_step_activations(
         max_layers=max_layers,
         num_threads=config.num_threads,
         model_factory=LlamaForCausalLM,
+        chunk_attention=chunk_attention,
     )
 
 

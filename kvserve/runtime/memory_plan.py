@@ -49,6 +49,8 @@ from kvserve.runtime.kernel_scratch import (
     native_decode_scratch_bytes,
     sdpa_cpu_flash_scratch_bytes,
 )
+from kvserve.runtime.native.backend import NativeCPUBackend
+from kvserve.runtime.native.chunk_limit import ChunkAttention
 from kvserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 ARENA_ALIGNMENT = 64  # bytes; every offset and size in a plan is a multiple of it
@@ -522,6 +524,7 @@ def plan_activations(
     max_layers: int | None = None,
     num_threads: int | None = None,
     model_factory: Callable[..., torch.nn.Module],
+    chunk_attention: ChunkAttention | None = None,
 ) -> ActivationPlan:
     """Trace the worst-case steps (see ``worst_case_steps``) and plan the most demanding one.
 
@@ -531,8 +534,10 @@ def plan_activations(
     Nothing of the model's size is allocated: weights and KV cache are fake tensors.
     ``max_layers`` traces only that many decoder layers (None: all); ``steps`` restricts the
     candidates by name; ``num_threads`` sizes per-thread kernel scratch (None: torch's
-    current count). Results are cached per argument set (engines built with the same
-    options trace once).
+    current count). ``chunk_attention``: the native backend's chunk choice, as the engine
+    applies it (chunks through the decode kernel hold no gathered copy; chunks through
+    float32 SDPA hold float32 copies). Results are cached per argument set (engines built
+    with the same options trace once).
     """
     if max_layers is not None:
         if max_layers < 1:
@@ -551,6 +556,7 @@ def plan_activations(
         alignment,
         num_threads if num_threads is not None else torch.get_num_threads(),
         model_factory,
+        chunk_attention,
     )
 
 
@@ -568,6 +574,7 @@ def _plan_cached(
     alignment: int,
     num_threads: int,
     model_factory: Callable[..., torch.nn.Module],
+    chunk_attention: ChunkAttention | None,
 ) -> ActivationPlan:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -586,6 +593,9 @@ def _plan_cached(
     fake_mode = FakeTensorMode()
     with fake_mode:
         model = model_factory(arch, dtype=dtype, device=device, attn_backend=attn_backend)
+        backend = getattr(model, "attn_backend", None)
+        if chunk_attention is not None and isinstance(backend, NativeCPUBackend):
+            chunk_attention.apply(backend)
         kv_caches = [
             torch.empty(
                 2,

@@ -13,7 +13,7 @@ from kvserve.config import ModelArchConfig
 from kvserve.engine import LLMEngine
 from kvserve.models.loader import default_model_path
 from kvserve.runtime import native
-from kvserve.runtime.attention import SeqSpec, build_attention_metadata
+from kvserve.runtime.attention import SeqSpec, TorchSDPABackend, build_attention_metadata
 from kvserve.runtime.native import chunk_limit
 from kvserve.runtime.native.backend import NativeCPUBackend
 from kvserve.runtime.native.chunk_limit import (
@@ -162,3 +162,14 @@ def test_engine_gives_its_backend_the_measured_limit(monkeypatch) -> None:
     backend = engine.runner.model.attn_backend
     assert isinstance(backend, NativeCPUBackend) and backend.chunk_kernel_max_tokens == 48
     assert backend.chunk_sdpa_float32
+
+
+def test_choice_read_back_from_a_backend_and_applied_to_another() -> None:
+    choice = ChunkAttention.of(NativeCPUBackend(5, chunk_sdpa_float32=True))
+    assert choice == ChunkAttention(5, True)
+    assert ChunkAttention.of(TorchSDPABackend()) is None
+    other = NativeCPUBackend()
+    choice.apply(other)
+    assert (other.chunk_kernel_max_tokens, other.chunk_sdpa_float32) == (5, True)
+    with pytest.raises(ValueError, match="chunk_kernel_max_tokens must be >= 0"):
+        NativeCPUBackend(-1)

@@ -53,6 +53,13 @@ class ChunkAttention:
     max_kernel_tokens: int = 0  # chunks up to this many rows: the decode kernel
     sdpa_float32: bool = False  # longer ones: SDPA in float32 (half-precision models)
 
+    @classmethod
+    def of(cls, backend: object) -> ChunkAttention | None:
+        """The choice ``backend`` holds (None when it is not a ``NativeCPUBackend``)."""
+        if not isinstance(backend, NativeCPUBackend):
+            return None
+        return cls(backend.chunk_kernel_max_tokens, backend.chunk_sdpa_float32)
+
     def apply(self, backend: NativeCPUBackend) -> None:
         """Set ``backend``'s chunk limit and SDPA dtype to this choice."""
         backend.chunk_kernel_max_tokens = self.max_kernel_tokens

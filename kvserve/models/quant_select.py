@@ -35,6 +35,7 @@ from kvserve.runtime.kernel_select import (
     m_buckets,
     machine_load,
     measure,
+    measured_under_load,
     save_cached,
 )
 from kvserve.runtime.linear import LinearPlan
@@ -132,7 +133,7 @@ def select_quantized_formats(
     load = machine_load()
     if mode == "auto":
         cached = load_cached(path, key)
-        if cached is not None and not (cached["load"] > 1.0 and load < cached["load"] / 2):
+        if cached is not None and not measured_under_load(cached["load"], load):
             log.info("quantized kernels from cache %s", path)
             return cached["plan"]
     t0 = time.perf_counter()

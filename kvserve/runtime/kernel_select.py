@@ -476,7 +476,7 @@ def read_cached_value(path: Path, key: Mapping[str, object], field: str, what: s
         record = json.loads(path.read_text())
         if record["key"] != json.loads(json.dumps(key)):
             return None
-        if record["load"] > 1.0 and machine_load() < record["load"] / 2:
+        if measured_under_load(record["load"], machine_load()):
             return None
         return record[field]
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -493,6 +493,13 @@ def write_cached_value(
         path.write_text(json.dumps({"key": key, field: value, "load": load}))
     except OSError as e:
         log.warning("%s cache %s not written: %s", what, path, e)
+
+
+def measured_under_load(cached_load: float, load: float) -> bool:
+    """Whether a cached measurement taken at ``cached_load`` (per CPU) is to be taken again
+    now, at ``load``: it was taken on a busy machine (above 1 per CPU) and this one is at
+    least twice as quiet, so a noisy choice does not stick."""
+    return cached_load > 1.0 and load < cached_load / 2
 
 
 def machine_load() -> float:
@@ -562,9 +569,7 @@ def select_kernels(
     load = machine_load()
     if mode == "auto":
         cached = load_cached(path, key)
-        # NOTE: timings taken on a busy machine (load above 1 per CPU) are provisional: a
-        # later start-up on a quieter machine measures again, so a noisy choice does not stick.
-        if cached is not None and cached["load"] > 1.0 and load < cached["load"] / 2:
+        if cached is not None and measured_under_load(cached["load"], load):
             log.info(
                 "kernel selection cache %s was measured at load %.1f per CPU (now %.1f): "
                 "measuring again",

@@ -62,15 +62,13 @@ class NativeCPUBackend(TorchSDPABackend):
         scale = 1.0 / math.sqrt(q.shape[-1])
         # NOTE: rows [0, end) run as decode queries in one call: the decodes and then every
         # chunk up to the first one too long for the kernel (chunk_kernel_max_tokens).
-        end = meta.num_decode_seqs
-        rest = meta.chunks
-        for i, c in enumerate(meta.chunks):
-            if c.num_query_tokens > self.chunk_kernel_max_tokens:
-                rest = meta.chunks[i:]
-                break
-            end = c.token_offset + c.num_query_tokens
-        else:
-            rest = []
+        end, lead = meta.num_decode_seqs, 0
+        while lead < len(meta.chunks) and (
+            meta.chunks[lead].num_query_tokens <= self.chunk_kernel_max_tokens
+        ):
+            end = meta.chunks[lead].token_offset + meta.chunks[lead].num_query_tokens
+            lead += 1
+        rest = meta.chunks[lead:]
         if end:
             if end == meta.num_decode_seqs:
                 tables, lens = meta.decode_tables

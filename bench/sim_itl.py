@@ -1,22 +1,28 @@
 """Issue 21 in the simulator: step-budget target rules on the real Scheduler, virtual clock.
 
-    PYTHONPATH=. python bench/sim_itl.py [--rates 1.5 3 5] [--seeds 5] [--policies ...]
+    PYTHONPATH=. python bench/sim_itl.py [--rates 1.5 3 5] [--seeds 5] [--policies ...] \
+        [--machine-trace STEPS.json [--noise-sigma S]]
 
-The machine is a linear step cost with the idle box's measured figures (see ``Machine``)
-times seeded lognormal noise; the engine's online cost model must learn it from the steps it
-sees, as on the real engine. Each policy gets its own scheduler
-(token budget 512, 64 seats), a warm-up (6 random requests, like ``bench/run_itl.sh``) so its
-online fit starts from the same place as a served engine's, then the issue's ShareGPT-like
-trace (40 requests, outputs clipped to 128) with Poisson arrivals at each rate, for each
-workload seed. ITL = the gaps between a request's tokens (step ends), TTFT from arrival.
-Prints one Markdown table: the mean over seeds of each figure.
+The machine is a linear step cost times seeded noise (``MachineModel``): by default the idle
+Zen 4 box's figures with lognormal noise; with ``--machine-trace``, fitted to a served run's
+step records (``bench/probes/itl_trace.sh``) with that run's measured step-to-step noise
+resampled (``--noise-sigma``: lognormal noise instead, a quieter twin of the same machine).
+The engine's online cost model must learn it from the steps it sees, as on the real engine.
+Each policy gets its own scheduler (token budget 512, 64 seats), a warm-up (6 random
+requests, like ``bench/run_itl.sh``) so its online fit starts from the same place as a
+served engine's, then the issue's ShareGPT-like trace (40 requests, outputs clipped to 128)
+with Poisson arrivals at each rate, for each workload seed. ITL = the gaps between a
+request's tokens (step ends), TTFT from arrival. Prints one Markdown table: the mean over
+seeds of each figure.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 
@@ -43,6 +49,21 @@ POLICIES: dict[str, StepBudgetConfig | None] = {
     "budget-s2": StepBudgetConfig(ttft_aging=0.25, ttft_slack=2.0),
     "budget-fixed-s1.5": StepBudgetConfig(ttft_aging=0.0, ttft_slack=1.5),
     "budget-fixed-s2": StepBudgetConfig(ttft_aging=0.0, ttft_slack=2.0),
+    "budget-fixed-m1.5": StepBudgetConfig(ttft_aging=0.0, decode_multiple=1.5),
+    # Prefill at one token a step beside decodes: no stall at all, the noise's own tail.
+    "budget-no-stall": StepBudgetConfig(ttft_aging=0.0, decode_multiple=1.0, min_prefill_chunk=1),
+    # The ITL tail allowance (share of decodes an uncapped step may stall) on a fixed target.
+    "tail0.5-m1.5": StepBudgetConfig(ttft_aging=0.0, decode_multiple=1.5, tail_fraction=0.005),
+    "tail0.8-m1.5": StepBudgetConfig(ttft_aging=0.0, decode_multiple=1.5, tail_fraction=0.008),
+    "tail0.8-m1.75": StepBudgetConfig(ttft_aging=0.0, tail_fraction=0.008),
+    "tail0.8-aging": StepBudgetConfig(tail_fraction=0.008),  # aging 1 lifts the target anyway
+    "tail1.2-m1.5": StepBudgetConfig(ttft_aging=0.0, decode_multiple=1.5, tail_fraction=0.012),
+    "tail1.2-m1.5-l150": StepBudgetConfig(
+        ttft_aging=0.0, decode_multiple=1.5, tail_fraction=0.012, tail_min_tokens=150
+    ),
+    "tail1.5-m1.5-l150": StepBudgetConfig(
+        ttft_aging=0.0, decode_multiple=1.5, tail_fraction=0.015, tail_min_tokens=150
+    ),
 }
 
 
@@ -60,30 +81,91 @@ PAIR_S = 5e-9  # attention: ~0.5 ms for a 450-token prompt's pairs
 NOISE_SIGMA = 0.1  # lognormal step-to-step noise
 
 
-class Machine:
-    """Step seconds: a linear step cost with the idle box's figures, times lognormal noise."""
+@dataclass(frozen=True)
+class MachineModel:
+    """A linear step cost (seconds) and the step-to-step noise: lognormal, or measured ratios."""
 
-    def __init__(self, seed: int) -> None:
+    overhead_s: float = OVERHEAD_S
+    decode_token_s: float = DECODE_TOKEN_S
+    prefill_token_s: float = PREFILL_TOKEN_S
+    pair_s: float = PAIR_S
+    noise_sigma: float = NOISE_SIGMA
+    noise_ratios: tuple[float, ...] = ()  # measured step / fitted step; resampled if given
+
+    @classmethod
+    def from_trace(cls, path: str) -> MachineModel:
+        """Fit a served run's step records (``bench/probes/serve_trace.py`` output).
+
+        Non-negative least squares on overhead, decode tokens, prefill tokens and attention
+        pairs; the noise is the measured / fitted ratio of every step, resampled.
+        """
+        records = json.loads(Path(path).read_text())
+        t = np.array([r["t1"] - r["t0"] for r in records])
+        x = np.array(
+            [
+                [1.0, r["num_decode_tokens"], r["num_prefill_tokens"], r["num_attention_pairs"]]
+                for r in records
+            ]
+        )
+        coef = nnls(x, t)
+        ratios = t / (x @ coef)
+        return cls(*(float(c) for c in coef), noise_ratios=tuple(float(r) for r in ratios))
+
+    def describe(self) -> str:
+        """One line: the fitted figures and the noise."""
+        noise = (
+            f"measured ratios p50/p90/p99 {np.percentile(self.noise_ratios, [50, 90, 99]).round(2)}"
+            if self.noise_ratios
+            else f"lognormal sigma {self.noise_sigma}"
+        )
+        return (
+            f"step {self.overhead_s * 1e3:.2f} ms + {self.decode_token_s * 1e3:.3f} ms a decode "
+            f"+ {self.prefill_token_s * 1e3:.3f} ms a prefill token + {self.pair_s * 1e9:.2f} "
+            f"ns a pair; noise {noise}"
+        )
+
+
+def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0 (drop negative ones and refit)."""
+    keep = np.ones(x.shape[1], dtype=bool)
+    while True:
+        coef = np.zeros(x.shape[1])
+        coef[keep] = np.linalg.lstsq(x[:, keep], y, rcond=None)[0]
+        if (coef >= 0).all():
+            return coef
+        keep &= coef > 0
+
+
+class Machine:
+    """Step seconds: a :class:`MachineModel`'s linear cost times its noise."""
+
+    def __init__(self, seed: int, model: MachineModel) -> None:
         self.rng = random.Random(seed)
+        self.model = model
 
     def seconds(self, shape: StepShape) -> float:
+        m = self.model
         base = (
-            OVERHEAD_S
-            + DECODE_TOKEN_S * shape.num_decode_tokens
-            + PREFILL_TOKEN_S * shape.num_prefill_tokens
-            + PAIR_S * shape.attention_pairs()
+            m.overhead_s
+            + m.decode_token_s * shape.num_decode_tokens
+            + m.prefill_token_s * shape.num_prefill_tokens
+            + m.pair_s * shape.attention_pairs()
         )
-        return base * self.rng.lognormvariate(0.0, NOISE_SIGMA)
+        if m.noise_ratios:
+            return base * self.rng.choice(m.noise_ratios)
+        return base * self.rng.lognormvariate(0.0, m.noise_sigma)
 
 
-def run_one(budget_cfg: StepBudgetConfig | None, rate: float, seed: int) -> dict[str, float]:
+def run_one(
+    budget_cfg: StepBudgetConfig | None, rate: float, seed: int, model: MachineModel
+) -> dict[str, float]:
     """One policy, one rate, one seed: the latency figures of the trace (after a warm-up)."""
     clock = VirtualClock()
     budget = None if budget_cfg is None else StepTimeBudget(budget_cfg, clock=clock)
     kv = KVCacheManager(4096, 16, enable_prefix_caching=False)
     config = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512, max_model_len=4096)
     scheduler = Scheduler(config, kv, clock=clock, step_budget=budget)
-    machine = Machine(seed)
+    machine = Machine(seed, model)
 
     def step_time(sched: SchedulerOutput) -> float:
         shape = StepShape.from_scheduler_output(sched)
@@ -135,13 +217,28 @@ def main() -> None:
     ap.add_argument("--rates", type=float, nargs="+", default=[1.5, 3.0, 5.0])
     ap.add_argument("--seeds", type=int, default=5, help="workload seeds 11, 12, ...")
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    ap.add_argument(
+        "--machine-trace",
+        help="fit the machine to a served run's step records (bench/probes/itl_trace.sh's "
+        "LABEL.json) instead of the idle Zen 4 figures",
+    )
+    ap.add_argument(
+        "--noise-sigma",
+        type=float,
+        help="lognormal step noise of this sigma instead of the trace's measured ratios "
+        "(a quieter twin of the traced machine)",
+    )
     args = ap.parse_args()
+    model = MachineModel.from_trace(args.machine_trace) if args.machine_trace else MachineModel()
+    if args.noise_sigma is not None:
+        model = replace(model, noise_sigma=args.noise_sigma, noise_ratios=())
+    print(f"machine: {model.describe()}\n")
     cols = ["tok_s", "itl_p50", "itl_p99", "ratio", "itl_max", "ttft_p50", "ttft_p90"]
     print("| policy | req/s | " + " | ".join(cols) + " |")
     print("|---|---|" + "---|" * len(cols))
     for rate in args.rates:
         for name in args.policies:
-            runs = [run_one(POLICIES[name], rate, 11 + k) for k in range(args.seeds)]
+            runs = [run_one(POLICIES[name], rate, 11 + k, model) for k in range(args.seeds)]
             mean = {c: sum(r[c] for r in runs) / len(runs) for c in cols}
             cells = " | ".join(f"{mean[c]:.2f}" if c == "ratio" else f"{mean[c]:.1f}" for c in cols)
             print(f"| {name} | {rate:g} | {cells} |", flush=True)

@@ -80,6 +80,11 @@ _HELP: dict[str, str] = {
     "token may stretch a step to the target + this x w (0: a fixed target)",
     "ttft_slack": "step-budget TTFT deadline: a prompt that has waited this multiple of its "
     "predicted unsplit prefill step is not capped (default: none)",
+    "step_tail_fraction": "step budget: the ITL tail allowance, the share of decode tokens "
+    "that may fall in steps left uncapped for a long prompt (e.g. 0.008 under a p99 "
+    "objective; default: none, every step is capped)",
+    "step_tail_min_tokens": "step budget: remaining prompt tokens from which a prompt may spend "
+    "the ITL tail allowance (shorter ones are split: a step or two of delay)",
     "step_min_decodes": "step budget: steps with fewer decodes than this are not capped (the "
     "stall falls on so few streams that splitting the prompt costs more)",
     "prefill_policy": "who gets a step's prefill time: shortest remaining prompt first, "
@@ -132,6 +137,8 @@ class EngineConfig:
     ttft_aging: float = 1.0
     step_min_decodes: int = 1
     ttft_slack: float | None = None
+    step_tail_fraction: float | None = None
+    step_tail_min_tokens: int = 64
     scheduling_policy: str = "fcfs"
     max_seats_per_request: int | None = None
     kernel_selection: str = "auto"
@@ -203,6 +210,8 @@ class EngineConfig:
             ttft_aging=self.ttft_aging,
             min_decodes=self.step_min_decodes,
             ttft_slack=self.ttft_slack,
+            tail_fraction=self.step_tail_fraction,
+            tail_min_tokens=self.step_tail_min_tokens,
         )
 
     def cache_config(self) -> CacheConfig:

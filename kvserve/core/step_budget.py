@@ -35,6 +35,18 @@ target raising TTFT p90 9x at low load, where the token budget alone already kep
   overload (long queues: every wait past its deadline) the planner stands aside, because
   there small chunks cost throughput (every step pays the weight reads) and the queue grows.
 
+The ITL tail allowance (``tail_fraction``) spends the percentile an ITL objective leaves:
+a p99 objective lets 1 % of a stream's gaps be slow, and splitting a prompt always delays
+it. So a step that the target would cut may instead run uncapped (the token budget alone)
+when the allowance covers the decodes it stalls. The allowance is a bucket of decode tokens:
+every executed decode adds ``tail_fraction`` of a token (``observe``), up to
+``tail_fraction x tail_window``; an uncapped step spends one token per decode it carries. It
+starts empty, so the decodes stalled this way never exceed ``tail_fraction`` of the decodes
+executed (the cap keeps an idle hour from banking a burst). Only prompts of at least
+``tail_min_tokens`` remaining tokens can spend it: a short prompt split costs a step or two,
+a long one many, and long prompts are what sets the TTFT tail. Host noise also lands in the
+percentile, so the fraction must leave room for it.
+
 Who gets the time (``prefill_policy``), greedily in this order, each candidate the largest
 chunk that still fits:
 
@@ -92,6 +104,9 @@ class StepBudgetConfig:
     ttft_aging: float = 1.0  # step-time extension per second a prompt has waited (0: none)
     min_decodes: int = 1  # fewer decodes than this in a step: no cap (1: always cap)
     ttft_slack: float | None = None  # deadline: waited >= slack x unsplit step -> no cap
+    tail_fraction: float | None = None  # ITL tail allowance: share of decodes a step may stall
+    tail_window: int = 2000  # decode tokens the allowance is counted over (bucket size / share)
+    tail_min_tokens: int = 64  # remaining prompt tokens that may spend the allowance
 
     def __post_init__(self) -> None:
         _positive_ms("max_step_ms", self.max_step_ms)
@@ -123,6 +138,17 @@ class StepBudgetConfig:
             isinstance(sl, bool) or not isinstance(sl, (int, float)) or not 0.0 <= sl < math.inf
         ):
             raise ValueError(f"ttft_slack (--ttft-slack) must be a number >= 0, got {sl!r}")
+        tf = self.tail_fraction
+        if tf is not None and (
+            isinstance(tf, bool) or not isinstance(tf, (int, float)) or not 0.0 < tf < 1.0
+        ):
+            raise ValueError(
+                f"tail_fraction (--step-tail-fraction) must be a number in (0, 1), got {tf!r}"
+            )
+        for name, flag in (("tail_window", ""), ("tail_min_tokens", " (--step-tail-min-tokens)")):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}{flag} must be an int >= 1, got {v!r}")
         if isinstance(self.min_decodes, bool) or not isinstance(self.min_decodes, int):
             raise ValueError(
                 f"min_decodes (--step-min-decodes) must be an int, got {self.min_decodes!r}"
@@ -177,6 +203,9 @@ class StepTimeBudget:
         self._last_observe: tuple[float, bool] | None = None  # (clock, step had decodes)
         self.gap_s = 0.0  # moving average of the time between a step's end and the next one's
         self._warned = False
+        tail = cfg.tail_fraction or 0.0
+        self.tail_capacity = tail * cfg.tail_window  # decode tokens the allowance can hold
+        self.tail_credit = 0.0  # earned by executed decodes (observe)
         # Figures (stats()).
         self.last_target_s = math.nan
         self.last_decode_s = math.nan
@@ -185,6 +214,7 @@ class StepTimeBudget:
         self.num_over_target_steps = 0  # of those, where the decodes alone exceeded the target
         self.num_aged_steps = 0  # steps given more than the target for a prompt's waiting time
         self.num_few_decode_steps = 0  # steps left uncapped: fewer than min_decodes decodes
+        self.num_tail_steps = 0  # steps left uncapped on the ITL tail allowance
 
     # ------------------------------------------------------------------ records in
 
@@ -201,6 +231,11 @@ class StepTimeBudget:
             gap = max(0.0, (now - last[0]) - seconds)
             self.gap_s += _GAP_EWMA * (gap - self.gap_s)
         self._last_observe = (now, has_decodes)
+        if self.tail_capacity:
+            tail = self.config.tail_fraction or 0.0
+            self.tail_credit = min(
+                self.tail_capacity, self.tail_credit + tail * load.num_decode_tokens
+            )
         self._num_seen += 1
         if self._num_seen > self.config.skip_first:
             self.cost.observe(load, seconds)
@@ -262,6 +297,10 @@ class StepTimeBudget:
             load = load.plus_chunk(c.start_pos, n)
             left -= n
             granted += n
+        wanted = min(sum(c.remaining for c in candidates), token_budget)
+        capped = granted < wanted
+        if capped and self._spend_tail(len(decode_contexts), candidates, caps):
+            return None
         if granted == 0:
             # NOTE: a running prefill first: a waiting head may not be admitted this step.
             first = next((c for c in order if not c.waiting), order[0])
@@ -277,9 +316,24 @@ class StepTimeBudget:
             ids = {c.request_id for c in candidates}
             self._last_served = {k: v for k, v in self._last_served.items() if k in ids}
         self.num_aged_steps += aged
-        wanted = min(sum(c.remaining for c in candidates), token_budget)
         self.num_capped_steps += sum(caps.values()) < wanted
         return caps
+
+    def _spend_tail(
+        self, num_decodes: int, candidates: Sequence[PrefillCandidate], caps: Mapping[str, int]
+    ) -> bool:
+        """Take the ITL tail allowance for an uncapped step if it covers the stalled decodes.
+
+        Only for a long prompt the caps cut: one with ``tail_min_tokens`` or more remaining.
+        """
+        if self.tail_credit < num_decodes:
+            return False
+        long = self.config.tail_min_tokens
+        if not any(c.remaining >= long and caps[c.request_id] < c.remaining for c in candidates):
+            return False
+        self.tail_credit -= num_decodes
+        self.num_tail_steps += 1
+        return True
 
     def _largest_fit(self, load: StepLoad, start: int, limit: int, target: float) -> int:
         """Largest n in [0, limit] with predict(load + chunk(start, n)) <= target (bisection)."""
@@ -337,6 +391,8 @@ class StepTimeBudget:
             "step_budget_gap_ms": self.gap_s * 1e3,
             "step_budget_aged_steps": self.num_aged_steps,
             "step_budget_few_decode_steps": self.num_few_decode_steps,
+            "step_budget_tail_steps": self.num_tail_steps,
+            "step_budget_tail_credit": self.tail_credit,
         }
         describe = getattr(self.cost, "describe", None)
         if callable(describe):

@@ -103,11 +103,7 @@ class TPLlamaForCausalLM(LlamaForCausalLM):
         hidden.masked_fill_(outside[:, None], 0.0)
         self.tp_group.all_reduce_(hidden)
         cos, sin = rope_cos_sin(self._inv_freq_on(positions.device), positions, hidden.dtype, ws)
-        views = self.layers[0].step_views(ws, hidden)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            layer(hidden, cos, sin, kv_cache, meta, ws, views)
-        out = torch.empty_like(hidden)  # [T, hidden]
-        return self.ops.add_rms_norm(hidden, None, self.norm, self.arch.rms_norm_eps, out, ws)
+        return self.run_layers(hidden, cos, sin, kv_caches, meta, ws)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Rank 0: the full logits [N, vocab] (float32); other ranks: an empty [N, 0]."""

@@ -143,6 +143,8 @@ class StepViews:
     up: torch.Tensor  # [T, I]
     # NOTE: contiguous, unlike gate: a kernel that needs contiguous rows (oneDNN) would copy.
     act: torch.Tensor  # [T, I] SiLU(gate) * up, the down projection's input
+    attn: torch.Tensor  # [T, H, d] attention output (a backend may return its own instead)
+    attn_rows: torch.Tensor  # [T, H d] the same storage, the o projection's input
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -270,6 +272,7 @@ class LlamaDecoderLayer(nn.Module):
         qk = qkv[:, :qk_size].view(num_tokens, num_qk_heads, self.head_dim)
         scratch = ws.like("rope_scratch", (num_tokens, num_qk_heads, self.head_dim), hidden)
         gate_up = ws.like("gate_up", (num_tokens, 2 * inter), hidden)
+        attn_rows = ws.like("attn", (num_tokens, self.q_size), hidden)
         return StepViews(
             norm=ws.like("norm", (num_tokens, hidden_size), hidden),
             qkv=qkv,
@@ -281,6 +284,8 @@ class LlamaDecoderLayer(nn.Module):
             gate=gate_up[:, :inter],
             up=gate_up[:, inter:],
             act=ws.like("act", (num_tokens, inter), hidden),
+            attn=attn_rows.view(num_tokens, self.num_heads, self.head_dim),
+            attn_rows=attn_rows,
         )
 
     def forward(
@@ -292,9 +297,15 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
         workspace: Workspace | None = None,
         views: StepViews | None = None,
-    ) -> torch.Tensor:
-        """Add this layer's attention and MLP outputs to ``hidden`` in place; returns it.
+        residual: torch.Tensor | None = None,  # [T, hidden] the previous layer's MLP output
+    ) -> torch.Tensor:  # [T, hidden] this layer's MLP output, not yet added to ``hidden``
+        """Add ``residual`` (if given) and this layer's attention output to ``hidden`` in
+        place; returns this layer's MLP output for the caller to add.
 
+        NOTE: why the MLP output is handed on instead of added here: the next layer's input
+        norm (or the model's final norm) adds it in the same pass (``add_rms_norm`` with a
+        residual), bitwise the same as ``hidden.add_`` then the norm, one op fewer a layer.
+        The returned tensor may be a ``views`` buffer: add it before the next layer runs.
         ``views`` (from ``step_views`` on ``workspace``) may be shared by all layers of a step.
         """
         ws = workspace if workspace is not None else Workspace()
@@ -302,16 +313,15 @@ class LlamaDecoderLayer(nn.Module):
         self.ensure_linears()
         ops = self.ops
         x = sv.norm  # [T, hidden]
-        ops.add_rms_norm(hidden, None, self.input_layernorm, self.eps, x, ws)
+        ops.add_rms_norm(hidden, residual, self.input_layernorm, self.eps, x, ws)
         self.qkv_proj(x, sv.qkv, out_rows_free=True)
         ops.rope_(sv.rope, cos, sin)  # q and k, in place
-        attn = self.attn_backend.forward(sv.q, sv.k, sv.v, kv_cache, meta)  # [T, H, d]
+        attn = self.attn_backend.forward(sv.q, sv.k, sv.v, kv_cache, meta, sv.attn)  # [T, H, d]
+        rows = sv.attn_rows if attn is sv.attn else attn.reshape(hidden.shape[0], self.q_size)
         # NOTE: project into the spent norm buffer, then add: bitwise equal to F.linear + add.
         # addmm_ into the residual rounds differently; on the embedded model it drifted to 3e-3
         # max |logit diff| vs transformers (9e-4 this way).
-        o = self.o_proj(
-            attn.reshape(hidden.shape[0], self.q_size), x, out_is_hint=True, out_rows_free=True
-        )
+        o = self.o_proj(rows, x, out_is_hint=True, out_rows_free=True)
         # hidden += o-projection, then x = norm(hidden)
         ops.add_rms_norm(hidden, o, self.post_attention_layernorm, self.eps, x, ws)
         # NOTE: a kernel that allocates its output (oneDNN) hands it over instead of copying
@@ -322,8 +332,7 @@ class LlamaDecoderLayer(nn.Module):
         else:
             gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
         act = ops.silu_mul(gate, up, gate_up, sv.act)  # [T, I]
-        hidden.add_(self.down_proj(act, x, out_is_hint=True, out_rows_free=True))
-        return hidden
+        return self.down_proj(act, x, out_is_hint=True, out_rows_free=True)  # [T, hidden]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -529,11 +538,25 @@ class LlamaForCausalLM(nn.Module):
             sin = ws.take("rope_sin", shape, emb.dtype, emb.device)
             torch.index_select(cos_table, 0, positions, out=cos)
             torch.index_select(sin_table, 0, positions, out=sin)
+        return self.run_layers(hidden, cos, sin, kv_caches, meta, ws)
+
+    def run_layers(
+        self,
+        hidden: torch.Tensor,  # [T, hidden] the embedded tokens (updated in place)
+        cos: torch.Tensor,  # [T, 1, d]
+        sin: torch.Tensor,  # [T, 1, d]
+        kv_caches: list[torch.Tensor],  # per layer
+        meta: AttentionMetadata,
+        ws: Workspace,
+    ) -> torch.Tensor:  # [T, hidden], after the final norm, newly allocated
+        """Every layer over ``hidden``, then the final norm (which adds the last MLP output)."""
         views = self.layers[0].step_views(ws, hidden)  # every layer has the same shapes
+        residual = None
+        # NOTE: ``forward`` directly: nn.Module.__call__'s hook checks cost ~2 us a layer.
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            layer(hidden, cos, sin, kv_cache, meta, ws, views)
+            residual = layer.forward(hidden, cos, sin, kv_cache, meta, ws, views, residual)
         out = torch.empty_like(hidden)  # [T, hidden]
-        return self.ops.add_rms_norm(hidden, None, self.norm, self.arch.rms_norm_eps, out, ws)
+        return self.ops.add_rms_norm(hidden, residual, self.norm, self.arch.rms_norm_eps, out, ws)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] (float32) for the rows of ``hidden`` [N, hidden] that sample."""

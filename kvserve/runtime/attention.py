@@ -120,6 +120,8 @@ class AttentionMetadata:
     _decode_groups: list[DecodeGroup] | None = None
     _decode_tables: tuple[torch.Tensor, torch.Tensor] | None = None
     _query_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+    # What a backend derives from this metadata once and reuses in every layer of the step.
+    backend_plans: dict[str, object] = field(default_factory=dict)
 
     @property
     def decode_groups(self) -> list[DecodeGroup]:
@@ -387,8 +389,13 @@ class AttentionBackend(abc.ABC):
         v: torch.Tensor,  # [T, num_kv_heads, head_dim]
         kv_cache: LayerCache,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
+        out: torch.Tensor | None = None,  # [T, num_heads, head_dim] scratch, q's dtype
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        """Write k/v into ``kv_cache`` and return attention output for ``q``."""
+        """Write k/v into ``kv_cache`` and return attention output for ``q``.
+
+        ``out``: a buffer the backend may write the result into (and return) instead of
+        allocating one; the caller reads only the returned tensor.
+        """
 
 
 class TorchReferenceBackend(AttentionBackend):
@@ -403,6 +410,7 @@ class TorchReferenceBackend(AttentionBackend):
         v: torch.Tensor,
         kv_cache: LayerCache,
         meta: AttentionMetadata,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         bs = meta.block_size
         device = kv_cache.device
@@ -416,7 +424,7 @@ class TorchReferenceBackend(AttentionBackend):
             rows = slice(s.token_offset, s.token_offset + s.num_query_tokens)
             _write_tokens(kv_cache, blk, off, k[rows], v[rows])
         # 2) attend, reading K/V back through the block tables.
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
         scale = 1.0 / math.sqrt(head_dim)
         for s in meta.seqs:
             pos = range(s.seq_len)
@@ -545,12 +553,13 @@ class TorchSDPABackend(AttentionBackend):
         v: torch.Tensor,
         kv_cache: LayerCache,
         meta: AttentionMetadata,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         k, v = _write_slots(kv_cache, meta.slot_mapping, k, v)
         nd = meta.num_decode_seqs
         if nd == meta.num_tokens:
             return self._decode(q, kv_cache, meta)
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
         if nd:
             out[:nd] = self._decode(q[:nd], kv_cache, meta)
         for c in meta.chunks:

@@ -124,6 +124,13 @@ def test_backends_match_dense_attention(
         out = backend.forward(data["q"], data["k"], data["v"], cache, meta)
         torch.testing.assert_close(out, expected, atol=ATOL, rtol=0, msg=name)
         caches[name] = cache
+        # Again into a caller's buffer (a layer's workspace): the same result; the native
+        # backend returns that buffer, its per-step plan reused from the first call.
+        buf = torch.full_like(data["q"], float("nan"))
+        again = backend.forward(data["q"], data["k"], data["v"], cache0.clone(), meta, buf)
+        assert torch.equal(again, out), name
+        if isinstance(backend, NativeCPUBackend):
+            assert again is buf, name
     # All wrote exactly the same cache, and every token sits at its block-table slot.
     for name in caches:
         assert torch.equal(caches["torch_ref"], caches[name]), name

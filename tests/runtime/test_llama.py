@@ -233,8 +233,10 @@ def test_layer_with_shared_step_views_equals_fresh_buffers() -> None:
         ws = Workspace()
         views = model.layers[0].step_views(ws, h) if shared else None
         with torch.inference_mode():
+            residual = None
             for layer, cache in zip(model.layers, caches, strict=True):
-                layer(h, cos, sin, cache, meta, ws if shared else None, views)
+                residual = layer(h, cos, sin, cache, meta, ws if shared else None, views, residual)
+            h.add_(residual)
         results.append(h)
     assert torch.equal(results[0], results[1])
 

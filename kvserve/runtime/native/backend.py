@@ -17,11 +17,12 @@ takes ``TorchSDPABackend``'s path, so the backend is safe to select anywhere.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from kvserve.runtime import native
-from kvserve.runtime.attention import AttentionMetadata, LayerCache, TorchSDPABackend
+from kvserve.runtime.attention import AttentionMetadata, ChunkMeta, LayerCache, TorchSDPABackend
 from kvserve.runtime.kv_cache import QuantizedLayerCache
 
 
@@ -48,39 +49,42 @@ class NativeCPUBackend(TorchSDPABackend):
         v: torch.Tensor,  # [T, kvh, d]
         kv_cache: LayerCache,  # [2, num_blocks, block_size, kvh, d]
         meta: AttentionMetadata,
+        out: torch.Tensor | None = None,  # [T, H, d] scratch
     ) -> torch.Tensor:  # [T, H, d]
         if (
             isinstance(kv_cache, QuantizedLayerCache)
-            or kv_cache.device.type != "cpu"
+            or not kv_cache.is_cpu
             or not native.available()
         ):
-            return super().forward(q, k, v, kv_cache, meta)
+            return super().forward(q, k, v, kv_cache, meta, out)
+        limit = self.chunk_kernel_max_tokens
+        plan = meta.backend_plans.get(self.name)
+        if not isinstance(plan, _KernelRows) or plan.limit != limit:
+            plan = meta.backend_plans[self.name] = _KernelRows.of(meta, limit)
         ops = native.ops()
         ops.write_kv(kv_cache, k, v, meta.slot_mapping)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, d]
-        window, sinks = meta.sliding_window or 0, meta.num_sink_tokens
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, d]
         scale = 1.0 / math.sqrt(q.shape[-1])
-        # NOTE: rows [0, end) run as decode queries in one call: the decodes and then every
-        # chunk up to the first one too long for the kernel (chunk_kernel_max_tokens).
-        end, lead = meta.num_decode_seqs, 0
-        while lead < len(meta.chunks) and (
-            meta.chunks[lead].num_query_tokens <= self.chunk_kernel_max_tokens
-        ):
-            end = meta.chunks[lead].token_offset + meta.chunks[lead].num_query_tokens
-            lead += 1
-        rest = meta.chunks[lead:]
-        if end:
-            if end == meta.num_decode_seqs:
-                tables, lens = meta.decode_tables
-            else:
-                tables, lens = meta.query_tables
-                tables, lens = tables[:end], lens[:end]
+        window, sinks = plan.window, plan.sinks
+        if plan.end:
+            tables, lens = plan.tables, plan.lens
+            # NOTE: no views when the call covers every row (a decode-only step): at B=1 the
+            # two slices were ~4 us of a ~30 us layer call (bench/README, session 16).
+            whole = plan.end == q.shape[0]
             ops.paged_decode_attention(
-                out[:end], q[:end], kv_cache, tables, lens, scale, window, sinks
+                out if whole else out[: plan.end],
+                q if whole else q[: plan.end],
+                kv_cache,
+                tables,
+                lens,
+                scale,
+                window,
+                sinks,
             )
-        for c in rest:
+        for c in plan.rest:
             rows = slice(c.token_offset, c.token_offset + c.num_query_tokens)
-            if c.num_query_tokens <= self.chunk_kernel_max_tokens:
+            if c.num_query_tokens <= limit:
                 tables, lens = meta.query_tables
                 ops.paged_decode_attention(
                     out[rows], q[rows], kv_cache, tables[rows], lens[rows], scale, window, sinks
@@ -89,3 +93,37 @@ class NativeCPUBackend(TorchSDPABackend):
                 compute = torch.float32 if self.chunk_sdpa_float32 else None
                 out[rows] = self._chunk(q[rows], k[rows], v[rows], kv_cache, c, compute)
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class _KernelRows:
+    """What every layer of a step reads the same way: made by the first, kept on the metadata.
+
+    Rows ``[0, end)`` run as decode queries in one kernel call (``tables``, ``lens``): the
+    decodes and then every chunk up to the first one too long for the kernel (``limit``);
+    ``rest`` are the chunks after it.
+    """
+
+    limit: int
+    end: int
+    tables: torch.Tensor | None  # [end, max_blocks] int32
+    lens: torch.Tensor | None  # [end] int32
+    rest: tuple[ChunkMeta, ...]
+    window: int
+    sinks: int
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata, limit: int) -> _KernelRows:
+        """The plan of ``meta`` under a chunk limit of ``limit`` query tokens."""
+        end, lead = meta.num_decode_seqs, 0
+        while lead < len(meta.chunks) and meta.chunks[lead].num_query_tokens <= limit:
+            end = meta.chunks[lead].token_offset + meta.chunks[lead].num_query_tokens
+            lead += 1
+        tables = lens = None
+        if end == meta.num_decode_seqs and end:
+            tables, lens = meta.decode_tables
+        elif end:
+            tables, lens = meta.query_tables
+            tables, lens = tables[:end], lens[:end]
+        rest = tuple(meta.chunks[lead:])
+        return cls(limit, end, tables, lens, rest, meta.sliding_window or 0, meta.num_sink_tokens)

@@ -81,7 +81,7 @@ _HELP: dict[str, str] = {
     "ttft_slack": "step-budget TTFT deadline: a prompt that has waited this multiple of its "
     "predicted unsplit prefill step is not capped (default: none)",
     "step_tail_fraction": "step budget: the ITL tail allowance, the share of decode tokens "
-    "that may fall in steps left uncapped for a long prompt (e.g. 0.008 under a p99 "
+    "that may fall in steps left uncapped for a long prompt (e.g. 0.012 under a p99 "
     "objective; default: none, every step is capped)",
     "step_tail_min_tokens": "step budget: remaining prompt tokens from which a prompt may spend "
     "the ITL tail allowance (shorter ones are split: a step or two of delay)",

@@ -44,8 +44,7 @@ from kvserve.runtime.kernel_select import plan_of
 from kvserve.runtime.linear import gather_into_huge_pages, warm_row_buckets
 from kvserve.runtime.memory_plan import ActivationPlan
 from kvserve.runtime.model_runner import ModelRunner
-from kvserve.runtime.native.backend import NativeCPUBackend
-from kvserve.runtime.native.chunk_limit import chunk_attention_limit
+from kvserve.runtime.native.chunk_limit import configure_backend
 from kvserve.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -124,7 +123,14 @@ def load_engine_model(config: EngineConfig, kernels: KernelChoice) -> EngineMode
     )
     model.set_linear_plan(plan)
     if tp is None:
-        set_chunk_attention(model, loaded.arch, dtype, config)
+        configure_backend(
+            model.attn_backend,
+            loaded.arch,
+            dtype,
+            config.max_num_batched_tokens,
+            mode=config.kernel_selection,
+            device=config.device,
+        )
     # NOTE: a parameter that only a prepacked copy reads is freed (the copy rebuilds it when
     # needed), so such weights are held once; under tensor parallelism the workers keep theirs.
     freed = model.release_packed_weights() if tp is None else 0
@@ -163,19 +169,6 @@ def load_engine_model(config: EngineConfig, kernels: KernelChoice) -> EngineMode
         tp,
         kernels,
     )
-
-
-def set_chunk_attention(
-    model: LlamaForCausalLM, arch: ModelArchConfig, dtype: torch.dtype, config: EngineConfig
-) -> None:
-    """Give the native attention backend its measured chunk choice (``chunk_limit``): the
-    prefill chunks short enough for the decode kernel, and the dtype of SDPA for the rest."""
-    backend = model.attn_backend
-    if isinstance(backend, NativeCPUBackend) and torch.device(config.device).type == "cpu":
-        choice = chunk_attention_limit(
-            arch, dtype, config.max_num_batched_tokens, mode=config.kernel_selection
-        )
-        choice.apply(backend)
 
 
 def resolve_max_model_len(config: EngineConfig, arch: ModelArchConfig) -> int:

@@ -13,8 +13,7 @@ from __future__ import annotations
 import runpy
 import sys
 
-import kvserve.bench.runtime_speed as runtime_speed
-import kvserve.engine_startup as engine_startup
+import kvserve.runtime.native.chunk_limit as chunk_limit
 from kvserve.runtime.native.chunk_limit import ChunkAttention
 
 
@@ -23,8 +22,8 @@ def _no_limit(*args: object, **kwargs: object) -> ChunkAttention:
 
 
 if __name__ == "__main__":
-    engine_startup.chunk_attention_limit = _no_limit  # type: ignore[assignment]
-    runtime_speed.chunk_attention_limit = _no_limit  # type: ignore[assignment]
+    # NOTE: the engine and runtime_speed both reach it through configure_backend.
+    chunk_limit.chunk_attention_limit = _no_limit  # type: ignore[assignment]
     args = sys.argv[1:]
     if args[:1] == ["-m"]:
         sys.argv = [args[1], *args[2:]]

@@ -44,8 +44,7 @@ from kvserve.models.quant_select import quantized_formats, with_quantized_plan
 from kvserve.runtime.kernel_select import plan_of
 from kvserve.runtime.linear import gather_into_huge_pages
 from kvserve.runtime.model_runner import ModelRunner
-from kvserve.runtime.native.backend import NativeCPUBackend
-from kvserve.runtime.native.chunk_limit import chunk_attention_limit
+from kvserve.runtime.native.chunk_limit import configure_backend
 from kvserve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
@@ -303,10 +302,14 @@ def main(argv: list[str] | None = None) -> None:
         )
     )
     model.ensure_linears()
-    if isinstance(model.attn_backend, NativeCPUBackend) and args.device == "cpu":
-        chunk_attention_limit(
-            model.arch, kernels.dtype, args.max_batched_tokens, mode=args.kernel_selection
-        ).apply(model.attn_backend)
+    configure_backend(
+        model.attn_backend,
+        model.arch,
+        kernels.dtype,
+        args.max_batched_tokens,
+        mode=args.kernel_selection,
+        device=args.device,
+    )
     model.release_packed_weights()  # as the engine does
     if torch.device(args.device).type == "cpu":
         gather_into_huge_pages(model.linears())

@@ -203,8 +203,8 @@ class StepTimeBudget:
         self._last_observe: tuple[float, bool] | None = None  # (clock, step had decodes)
         self.gap_s = 0.0  # moving average of the time between a step's end and the next one's
         self._warned = False
-        tail = cfg.tail_fraction or 0.0
-        self.tail_capacity = tail * cfg.tail_window  # decode tokens the allowance can hold
+        self._tail_fraction = cfg.tail_fraction or 0.0
+        self.tail_capacity = self._tail_fraction * cfg.tail_window  # decode tokens it can hold
         self.tail_credit = 0.0  # earned by executed decodes (observe)
         # Figures (stats()).
         self.last_target_s = math.nan
@@ -232,10 +232,8 @@ class StepTimeBudget:
             self.gap_s += _GAP_EWMA * (gap - self.gap_s)
         self._last_observe = (now, has_decodes)
         if self.tail_capacity:
-            tail = self.config.tail_fraction or 0.0
-            self.tail_credit = min(
-                self.tail_capacity, self.tail_credit + tail * load.num_decode_tokens
-            )
+            earned = self._tail_fraction * load.num_decode_tokens
+            self.tail_credit = min(self.tail_capacity, self.tail_credit + earned)
         self._num_seen += 1
         if self._num_seen > self.config.skip_first:
             self.cost.observe(load, seconds)

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -152,13 +153,7 @@ class AttentionMetadata:
         (never read: past their length); freed entries stay ``NULL_BLOCK_ID``."""
         if self._decode_tables is None:
             dec = self.seqs[: self.num_decode_seqs]
-            width = max((-(-s.seq_len // self.block_size) for s in dec), default=0)
-            table = [s.block_ids[:width] + [0] * (width - len(s.block_ids[:width])) for s in dec]
-            device = self.slot_mapping.device
-            self._decode_tables = (
-                torch.tensor(table, dtype=torch.int32, device=device).view(len(dec), width),
-                torch.tensor([s.seq_len for s in dec], dtype=torch.int32, device=device),
-            )
+            self._decode_tables = _row_tables(dec, self.block_size, self.slot_mapping.device)
         return self._decode_tables
 
     @property
@@ -168,20 +163,28 @@ class AttentionMetadata:
         sees ``p + 1`` tokens, causal): every row as a decode query of
         ``paged_decode_attention``, chunk rows included."""
         if self._query_tables is None:
-            bs = self.block_size
-            width = max((-(-s.seq_len // bs) for s in self.seqs), default=0)
-            table: list[list[int]] = []
-            lens: list[int] = []
-            for s in self.seqs:
-                row = s.block_ids[:width] + [0] * (width - len(s.block_ids[:width]))
-                table.extend([row] * s.num_query_tokens)
-                lens.extend(range(s.start_pos + 1, s.seq_len + 1))
             device = self.slot_mapping.device
-            self._query_tables = (
-                torch.tensor(table, dtype=torch.int32, device=device).view(len(lens), width),
-                torch.tensor(lens, dtype=torch.int32, device=device),
-            )
+            self._query_tables = _row_tables(self.seqs, self.block_size, device)
         return self._query_tables
+
+
+def _row_tables(
+    seqs: Sequence[SeqSpec], block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[rows, max_blocks]`` int32 block tables and ``[rows]`` int32 lengths, one row per
+    query token of ``seqs`` (its sequence's table padded with 0; a token at position p sees
+    ``p + 1`` tokens). A decode's one row sees its whole ``seq_len``."""
+    width = max((-(-s.seq_len // block_size) for s in seqs), default=0)
+    table: list[list[int]] = []
+    lens: list[int] = []
+    for s in seqs:
+        row = s.block_ids[:width] + [0] * (width - len(s.block_ids[:width]))
+        table.extend([row] * s.num_query_tokens)
+        lens.extend(range(s.start_pos + 1, s.seq_len + 1))
+    return (
+        torch.tensor(table, dtype=torch.int32, device=device).view(len(lens), width),
+        torch.tensor(lens, dtype=torch.int32, device=device),
+    )
 
 
 def _slots_for(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:

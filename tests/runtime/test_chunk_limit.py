@@ -154,7 +154,7 @@ def test_engine_gives_its_backend_the_measured_limit(monkeypatch) -> None:
         asked.append((dtype, budget, mode))
         return ChunkAttention(48, True)
 
-    monkeypatch.setattr("kvserve.engine_startup.chunk_attention_limit", limit)
+    monkeypatch.setattr("kvserve.runtime.native.chunk_limit.chunk_attention_limit", limit)
     engine = LLMEngine(
         model=default_model_path(), max_num_batched_tokens=64, dtype="float32", max_model_len=256
     )

@@ -66,7 +66,7 @@ class NativeCPUBackend(TorchSDPABackend):
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, d]
         scale = 1.0 / math.sqrt(q.shape[-1])
-        window, sinks = plan.window, plan.sinks
+        window, sinks = meta.sliding_window or 0, meta.num_sink_tokens
         if plan.end:
             tables, lens = plan.tables, plan.lens
             # NOTE: no views when the call covers every row (a decode-only step): at B=1 the
@@ -109,8 +109,6 @@ class _KernelRows:
     tables: torch.Tensor | None  # [end, max_blocks] int32
     lens: torch.Tensor | None  # [end] int32
     rest: tuple[ChunkMeta, ...]
-    window: int
-    sinks: int
 
     @classmethod
     def of(cls, meta: AttentionMetadata, limit: int) -> _KernelRows:
@@ -125,5 +123,4 @@ class _KernelRows:
         elif end:
             tables, lens = meta.query_tables
             tables, lens = tables[:end], lens[:end]
-        rest = tuple(meta.chunks[lead:])
-        return cls(limit, end, tables, lens, rest, meta.sliding_window or 0, meta.num_sink_tokens)
+        return cls(limit, end, tables, lens, tuple(meta.chunks[lead:]))

@@ -138,6 +138,21 @@ class ChunkAttentionProbe:
         return time.perf_counter() - t
 
 
+def configure_backend(
+    backend: object,
+    arch: ModelArchConfig,
+    dtype: torch.dtype,
+    max_tokens: int,
+    *,
+    mode: str,
+    device: str | torch.device,
+) -> None:
+    """Give a ``NativeCPUBackend`` on CPU its measured chunk choice
+    (``chunk_attention_limit``); any other backend or device is left as it is."""
+    if isinstance(backend, NativeCPUBackend) and torch.device(device).type == "cpu":
+        chunk_attention_limit(arch, dtype, max_tokens, mode=mode).apply(backend)
+
+
 def chunk_attention_limit(
     arch: ModelArchConfig,
     dtype: torch.dtype,

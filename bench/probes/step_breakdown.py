@@ -7,7 +7,9 @@ Runs ``kvserve.bench.runtime_speed`` with its decode loop instrumented: every pr
 (``Linear.__call__``), decode attention (the backend's ``forward``), the layer ops (norms,
 RoPE, SiLU x up), the model forward, ``prepare_inputs``, ``compute_logits`` and the sampler
 are timed with ``time.perf_counter`` around the call (the ops run synchronously on the
-calling thread, so the clock sees their whole time). Printed per decode run: ms a step for
+calling thread, so the clock sees their whole time). A step that runs every layer in one
+native call (``kvserve/models/fused_layers.py``) shows it as "fused layers" instead of the
+per-layer parts; ``KVSERVE_FUSED_LAYERS=0`` shows those parts. Printed per decode run: ms a step for
 each part, and "glue", the step's time that no timed call covers (Python between the calls,
 tensor views, the runner's bookkeeping). A wrapper costs ~0.3 us, ~150 calls a step.
 """
@@ -21,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvserve.bench import runtime_speed
+from kvserve.models import llama
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.runtime import attention, layer_ops, model_runner
 from kvserve.runtime.linear import Linear
@@ -59,6 +62,7 @@ def _instrument() -> None:
     ops = layer_ops.NativeLayerOps
     for name in ("add_rms_norm", "rope_", "silu_mul"):
         setattr(ops, name, _timed("layer ops", getattr(ops, name)))
+    llama.run_fused_layers = _timed("fused layers (one native call)", llama.run_fused_layers)
     runner = model_runner.ModelRunner
     runner.prepare_inputs = _timed("prepare_inputs", runner.prepare_inputs)  # type: ignore[method-assign]
     model_runner.sample_guarded = _timed("sampler", model_runner.sample_guarded)
@@ -88,7 +92,7 @@ def _instrument() -> None:
 
 def _report(what: str, wall: float, n: int) -> None:
     """Print ms a step of each part of ``wall`` seconds over ``n`` steps (TOTALS)."""
-    inner = ("projections", "attention", "layer ops")
+    inner = ("projections", "attention", "layer ops", "fused layers (one native call)")
     lm_head = TOTALS["compute_logits (lm_head)"]
     forward_glue = TOTALS["forward (all)"] + lm_head - sum(TOTALS[k] for k in inner)
     parts = {k: TOTALS[k] for k in TOTALS if k != "forward (all)"}

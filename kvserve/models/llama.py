@@ -21,6 +21,12 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from kvserve.config import ModelArchConfig
+from kvserve.models.fused_layers import (
+    LINEAR_VERSIONS,
+    FusedLayers,
+    enabled_by_env,
+    run_fused_layers,
+)
 from kvserve.models.quant import QuantizedWeight
 from kvserve.models.quant_linear import embedding_lookup
 from kvserve.models.quant_model import attach_quantized
@@ -188,6 +194,8 @@ class LlamaDecoderLayer(nn.Module):
         self.gate_up_proj: Linear
         self.down_proj: Linear
         self._linears_key: tuple[torch.dtype, torch.device] | None = None
+        # A new number for each build of the projections (fused_layers keys on it).
+        self.linears_version = 0
         # Quantized weight sources by projection ("qkv", ...), set by attach_quantized.
         self.quantized: dict[str, Any] = {}
         # Projections whose weight parameter was freed (``release_packed_weights``): their
@@ -260,6 +268,7 @@ class LlamaDecoderLayer(nn.Module):
         self.gate_up_proj = make(q.get("gate_up", self.gate_up_weight), self.gate_up_bias)
         self.down_proj = make(q.get("down", self.down_weight), self.down_bias)
         self._linears_key = (w.dtype, w.device)
+        self.linears_version = next(LINEAR_VERSIONS)
         return [self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj]
 
     def step_views(self, ws: Workspace, hidden: torch.Tensor) -> StepViews:
@@ -383,6 +392,10 @@ class LlamaForCausalLM(nn.Module):
         self._lm_head_key: tuple[torch.dtype, torch.device] | None = None
         # Quantized "embed_tokens" / "lm_head" sources, set by attach_quantized.
         self.quantized: dict[str, Any] = {}
+        # Whether a step may run every layer in one native call (fused_layers.py), and what
+        # that call takes per step row count: (the layers' linears_version, args or None).
+        self.fused_layers = enabled_by_env()
+        self.fused_cache: dict[int, tuple[tuple[int, ...], FusedLayers | None]] = {}
         self.set_native_ops(native.available() if native_ops is None else native_ops)
 
     @property
@@ -549,12 +562,14 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         ws: Workspace,
     ) -> torch.Tensor:  # [T, hidden], after the final norm, newly allocated
-        """Every layer over ``hidden``, then the final norm (which adds the last MLP output)."""
+        """Every layer over ``hidden`` (in one native call where the step allows it,
+        ``fused_layers.py``), then the final norm (which adds the last MLP output)."""
         views = self.layers[0].step_views(ws, hidden)  # every layer has the same shapes
-        residual = None
-        # NOTE: ``forward`` directly: nn.Module.__call__'s hook checks cost ~2 us a layer.
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            residual = layer.forward(hidden, cos, sin, kv_cache, meta, ws, views, residual)
+        residual = run_fused_layers(self, hidden, cos, sin, kv_caches, meta, views)
+        if residual is None:
+            # NOTE: ``forward`` directly: nn.Module.__call__'s hook checks cost ~2 us a layer.
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                residual = layer.forward(hidden, cos, sin, kv_cache, meta, ws, views, residual)
         out = torch.empty_like(hidden)  # [T, hidden]
         return self.ops.add_rms_norm(hidden, residual, self.norm, self.arch.rms_norm_eps, out, ws)
 

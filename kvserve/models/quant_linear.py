@@ -360,7 +360,7 @@ class QuantSplitMethod(LinearMethod):
         self.source = source
         self.out_features, self.in_features = source.shape
         # (first column, end column, kernel or a dense part's [in, out] weight)
-        self._runs: list[tuple[int, int, QuantKernelMethod | torch.Tensor]] = []
+        self.runs: list[tuple[int, int, QuantKernelMethod | torch.Tensor]] = []
         start = 0
         for part in source.parts:
             end = start + int(part.shape[0])
@@ -368,7 +368,7 @@ class QuantSplitMethod(LinearMethod):
                 run: QuantKernelMethod | torch.Tensor = QuantKernelMethod(part, isa=isa)
             else:
                 run = part.to(act_dtype).t()
-            self._runs.append((start, end, run))
+            self.runs.append((start, end, run))
             start = end
         isa_name = quant_ops.best_isa() if isa == "auto" else isa
         self.name = f"split_{isa_name}"
@@ -380,7 +380,7 @@ class QuantSplitMethod(LinearMethod):
     def apply(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if out is None:
             out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
-        for start, end, run in self._runs:
+        for start, end, run in self.runs:
             if isinstance(run, QuantKernelMethod):
                 run.apply(x, out[:, start:end])
             else:

@@ -2,9 +2,10 @@
 
 ``kvserve_cpu_ops.cpp`` registers torch custom ops in the ``kvserve`` namespace
 (``torch.ops.kvserve.*``): ``add_rms_norm``, ``rope_``, ``write_kv``,
-``paged_decode_attention``, ``silu_mul`` and ``argmax_rows``; ``kvserve_amx_linear.cpp`` adds
-``amx_supported`` and ``amx_linear`` (the bf16 AMX projection kernel,
-``kvserve/runtime/amx_linear.py``) to the same library. They are built on first use with
+``paged_decode_attention``, ``silu_mul``, ``argmax_rows`` and ``quant_decode_layers`` (every
+decoder layer of a step in one call, ``kvserve/models/fused_layers.py``);
+``kvserve_amx_linear.cpp`` adds ``amx_supported`` and ``amx_linear`` (the bf16 AMX projection
+kernel, ``kvserve/runtime/amx_linear.py``) to the same library. They are built on first use with
 ``torch.utils.cpp_extension`` (g++ and ninja, ~15 s on this 2-core box) into
 ``$KVSERVE_CACHE_DIR/native/`` (default ``~/.cache/kvserve/native/``), keyed by the sources,
 the torch version and the CPU's feature flags (the build uses ``-march=native``), so a later
@@ -97,6 +98,7 @@ def _register_fakes() -> None:
         "paged_decode_attention",
         "silu_mul",
         "argmax_rows",
+        "quant_decode_layers",
         "amx_linear",
     ):
         torch.library.register_fake(f"kvserve::{op}")(lambda *args, **kwargs: None)

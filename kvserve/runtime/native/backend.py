@@ -58,9 +58,7 @@ class NativeCPUBackend(TorchSDPABackend):
         ):
             return super().forward(q, k, v, kv_cache, meta, out)
         limit = self.chunk_kernel_max_tokens
-        plan = meta.backend_plans.get(self.name)
-        if not isinstance(plan, _KernelRows) or plan.limit != limit:
-            plan = meta.backend_plans[self.name] = _KernelRows.of(meta, limit)
+        plan = self.kernel_rows(meta)
         ops = native.ops()
         ops.write_kv(kv_cache, k, v, meta.slot_mapping)
         if out is None:
@@ -93,6 +91,32 @@ class NativeCPUBackend(TorchSDPABackend):
                 compute = torch.float32 if self.chunk_sdpa_float32 else None
                 out[rows] = self._chunk(q[rows], k[rows], v[rows], kv_cache, c, compute)
         return out
+
+    def kernel_rows(self, meta: AttentionMetadata) -> _KernelRows:
+        """Which rows of ``meta``'s step run through the kernel (made once a step)."""
+        limit = self.chunk_kernel_max_tokens
+        plan = meta.backend_plans.get(self.name)
+        if not isinstance(plan, _KernelRows) or plan.limit != limit:
+            plan = meta.backend_plans[self.name] = _KernelRows.of(meta, limit)
+        return plan
+
+    def whole_step_tables(
+        self, meta: AttentionMetadata, kv_cache: LayerCache
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The block tables ``[T, max_blocks]`` and lengths ``[T]`` (int32) of a step whose
+        every query row runs through ``paged_decode_attention`` on ``kv_cache``'s kind of
+        cache, as ``forward`` would run it; None when some row would not (a long chunk, a
+        quantized or non-CPU cache, no kernels)."""
+        if (
+            isinstance(kv_cache, QuantizedLayerCache)
+            or not kv_cache.is_cpu
+            or not native.available()
+        ):
+            return None
+        plan = self.kernel_rows(meta)
+        if plan.rest or plan.end != meta.num_tokens or plan.tables is None or plan.lens is None:
+            return None
+        return plan.tables, plan.lens
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,195 @@
+"""Every decoder layer of a step in one native call, where the step allows it.
+
+``kvserve::quant_decode_layers`` (``kvserve/runtime/native/kvserve_cpu_ops.cpp``) runs what
+``LlamaDecoderLayer.forward`` runs for each layer (add + RMSNorm, the qkv projection, RoPE,
+the K/V write, paged decode attention, the o projection, add + RMSNorm, gate/up, SiLU x up,
+down), with the same kernels on the same buffers in the same order, so the results are the
+same bit for bit. It takes a step when:
+
+- the layers run the native layer ops and are plain ``LlamaDecoderLayer`` s (not the
+  tensor-parallel ones, which all-reduce between them);
+- every projection of every layer runs a quantized-weight kernel at this step's row count,
+  with no bias: the int8-dot kernel (``QuantKernelMethod``), AMX bf16 on the blocks
+  (``QuantAmxBf16Method``) or a split of int8-dot parts (``QuantSplitMethod``, mixed
+  formats in one fused weight). That is a GGUF model as stored, on every CPU kind, for the
+  row counts where the selection takes those kernels;
+- the attention backend is ``NativeCPUBackend`` and every query row of the step goes through
+  its decode kernel (decodes, and chunks up to its measured limit) on an unquantized CPU
+  cache.
+
+Any other step runs the layers one by one. ``KVSERVE_FUSED_LAYERS=0`` in the environment
+turns the fused call off (for A/B measurements).
+
+NOTE: why. At B=1 the embedded model's step dispatched ~300 kernels from Python: ~2 us of
+dispatch each plus the wrappers around them, about a third of the step (bench/README.md,
+"Session 17").
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+from kvserve.models.quant_linear import QuantAmxBf16Method, QuantKernelMethod, QuantSplitMethod
+from kvserve.runtime.layer_ops import NATIVE_OPS
+from kvserve.runtime.linear import LinearMethod
+from kvserve.runtime.native import quant_ops
+from kvserve.runtime.native.backend import NativeCPUBackend
+from kvserve.runtime.native.quant_ops import ISA_CODES, LAYOUT_CODES, QTYPE_CODES
+
+if TYPE_CHECKING:
+    from kvserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, StepViews
+    from kvserve.runtime.attention import AttentionMetadata
+
+DISABLE_ENV = "KVSERVE_FUSED_LAYERS"  # "0" runs the layers one by one
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# Each build of a layer's projections takes a new number (LlamaDecoderLayer.build_linears).
+LINEAR_VERSIONS = itertools.count(1)
+
+
+def enabled_by_env() -> bool:
+    """Whether the environment leaves the fused call on (``KVSERVE_FUSED_LAYERS`` != "0")."""
+    return os.environ.get(DISABLE_ENV, "1") != "0"
+
+
+# A projection part's codes (kvserve_cpu_ops.cpp, quant_decode_layers): kind, qtype, isa,
+# layout, first and end output column.
+PART_INT8_DOT = 0  # kvserve_quant::linear
+PART_AMX_BF16 = 1  # kvserve_quant::amx_bf16_linear
+
+
+@dataclass(frozen=True, slots=True)
+class FusedLayers:
+    """The per-layer arguments of ``quant_decode_layers`` for one build of the projections."""
+
+    input_norms: list[torch.Tensor]  # per layer [h]
+    post_norms: list[torch.Tensor]  # per layer [h]
+    weights: list[torch.Tensor]  # every projection's parts in order (uint8 blocks)
+    parts: list[int]  # 6 codes per weight (PART_* kind, qtype, isa, layout, columns)
+    part_counts: list[int]  # parts of each projection: 4 per layer (qkv, o, gate_up, down)
+
+
+def projection_parts(method: LinearMethod) -> list[tuple[torch.Tensor, list[int]]] | None:
+    """``method``'s kernel calls as (weight, codes) parts, or None for a method the fused
+    call does not run (a dense or dequantizing one, a split with a dense part)."""
+    kind = type(method)
+    if kind is QuantKernelMethod:
+        w = method.weight
+        codes = [QTYPE_CODES[w.qtype], ISA_CODES[method.isa], LAYOUT_CODES[w.layout]]
+        return [(w.data, [PART_INT8_DOT, *codes, 0, method.out_features])]
+    if kind is QuantAmxBf16Method:
+        w = method.weight
+        codes = [QTYPE_CODES[w.qtype], 0, LAYOUT_CODES[w.layout]]
+        return [(w.data, [PART_AMX_BF16, *codes, 0, method.out_features])]
+    if kind is QuantSplitMethod:
+        parts = []
+        for start, end, run in method.runs:
+            if not isinstance(run, QuantKernelMethod):
+                return None
+            ((weight, codes),) = projection_parts(run) or ()
+            parts.append((weight, [*codes[:4], start, end]))
+        return parts
+    return None
+
+
+def build_fused_layers(layers: list[LlamaDecoderLayer], num_rows: int) -> FusedLayers | None:
+    """The arguments for a step of ``num_rows`` rows, or None when some projection of some
+    layer runs another method (or has a bias) at that row count, or some layer is not a
+    plain ``LlamaDecoderLayer``."""
+    from kvserve.models.llama import LlamaDecoderLayer  # NOTE: llama.py imports this module
+
+    if any(type(layer) is not LlamaDecoderLayer for layer in layers):
+        return None
+    weights: list[torch.Tensor] = []
+    codes: list[int] = []
+    part_counts: list[int] = []
+    for layer in layers:
+        for name in PROJECTIONS:
+            lin = getattr(layer, name)
+            parts = projection_parts(lin.method_for(num_rows))
+            if parts is None or lin.bias is not None:
+                return None
+            for weight, part in parts:
+                weights.append(weight)
+                codes.extend(part)
+            part_counts.append(len(parts))
+    return FusedLayers(
+        input_norms=[layer.input_layernorm for layer in layers],
+        post_norms=[layer.post_attention_layernorm for layer in layers],
+        weights=weights,
+        parts=codes,
+        part_counts=part_counts,
+    )
+
+
+def run_fused_layers(
+    model: LlamaForCausalLM,
+    hidden: torch.Tensor,  # [T, hidden] the embedded tokens (updated in place)
+    cos: torch.Tensor,  # [T, 1, d]
+    sin: torch.Tensor,  # [T, 1, d]
+    kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, kvh, d]
+    meta: AttentionMetadata,
+    views: StepViews,
+) -> torch.Tensor | None:  # [T, hidden] the last layer's MLP output (``views.norm``)
+    """Run every layer of ``model`` in one ``quant_decode_layers`` call when this step
+    allows it (module docstring); returns the last layer's MLP output, not yet added to
+    ``hidden``, or None (nothing run) when the step must run layer by layer."""
+    layers = model.layers
+    backend = model.attn_backend
+    if (
+        not model.fused_layers
+        or model.ops is not NATIVE_OPS
+        or not isinstance(backend, NativeCPUBackend)
+        or isinstance(hidden, FakeTensor)  # traced (memory plan): the layer-by-layer path
+        or not quant_ops.available()
+    ):
+        return None
+    rows = backend.whole_step_tables(meta, kv_caches[0])
+    if rows is None:
+        return None
+    num_rows = hidden.shape[0]
+    for layer in layers:
+        layer.ensure_linears()
+    versions = tuple(layer.linears_version for layer in layers)
+    cached = model.fused_cache.get(num_rows)
+    if cached is None or cached[0] != versions:
+        # NOTE: a step that cannot fuse is remembered too, so it costs one lookup a step.
+        built = build_fused_layers(list(layers), num_rows)
+        cached = model.fused_cache[num_rows] = (versions, built)
+    fused = cached[1]
+    if fused is None:
+        return None
+    first = layers[0]
+    tables, lens = rows
+    torch.ops.kvserve.quant_decode_layers(
+        hidden,
+        None,
+        cos,
+        sin,
+        fused.input_norms,
+        fused.post_norms,
+        fused.weights,
+        fused.parts,
+        fused.part_counts,
+        kv_caches,
+        meta.slot_mapping,
+        tables,
+        lens,
+        first.num_heads,
+        first.eps,
+        1.0 / math.sqrt(first.head_dim),
+        meta.sliding_window or 0,
+        meta.num_sink_tokens,
+        views.norm,
+        views.qkv,
+        views.attn_rows,
+        views.gate_up,
+        views.act,
+    )
+    return views.norm

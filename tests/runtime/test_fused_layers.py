@@ -1,0 +1,208 @@
+"""Every decoder layer in one native call (``kvserve/models/fused_layers.py``): the same
+logits bit for bit as the layer-by-layer path, on the steps it takes, and the steps it
+leaves to that path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve.models import fused_layers
+from kvserve.models.llama import LlamaForCausalLM
+from kvserve.models.loader import load_model
+from kvserve.models.quant_linear import QuantAmxBf16Method, QuantSplitMethod
+from kvserve.runtime import native
+from kvserve.runtime.attention import SeqSpec, build_attention_metadata
+from kvserve.runtime.linear import Linear
+from kvserve.runtime.native import quant_ops
+from kvserve.runtime.native.backend import NativeCPUBackend
+from tests.tiny_models import make_tiny_gguf
+
+pytestmark = pytest.mark.skipif(
+    not (native.load() and quant_ops.load()), reason="native kernels unavailable"
+)
+
+CPU = torch.device("cpu")
+BLOCK = 4
+PROMPTS = (7, 5, 9)  # three sequences; blocks of 4 tokens, so each spans several blocks
+
+
+def build(path: str, quantization: str, dtype: torch.dtype) -> LlamaForCausalLM:
+    loaded = load_model(path, "float32", quantization)
+    model = LlamaForCausalLM(loaded.arch, attn_backend="native")
+    model.load_weights(loaded.state_dict)
+    return model.to(dtype).eval()
+
+
+def steps() -> list[tuple[int, list[SeqSpec]]]:
+    """(rows, seqs) of a step schedule: all prompts as chunks, two decode steps, then the
+    decodes of sequences 0 and 1 with four new tokens of sequence 2 (a mixed step)."""
+    tables = [[4 * i + j for j in range(4)] for i in range(len(PROMPTS))]
+    out = []
+    offsets = [sum(PROMPTS[:i]) for i in range(len(PROMPTS))]
+    out.append(
+        (sum(PROMPTS), [SeqSpec(offsets[i], n, 0, tables[i]) for i, n in enumerate(PROMPTS)])
+    )
+    lens = list(PROMPTS)
+    for _ in range(2):
+        out.append((3, [SeqSpec(i, 1, lens[i], tables[i]) for i in range(3)]))
+        lens = [n + 1 for n in lens]
+    mixed = [SeqSpec(i, 1, lens[i], tables[i]) for i in range(2)]
+    out.append((6, [*mixed, SeqSpec(2, 4, lens[2], tables[2])]))
+    return out
+
+
+@torch.no_grad()
+def run(model: LlamaForCausalLM, dtype: torch.dtype, *, fused: bool) -> list[torch.Tensor]:
+    """Logits [rows, vocab] of every step of ``steps`` from empty caches."""
+    model.fused_layers = fused
+    arch = model.arch
+    gen = torch.Generator().manual_seed(0)
+    caches = [
+        torch.zeros(2, 16, BLOCK, arch.num_key_value_heads, arch.head_dim, dtype=dtype)
+        for _ in range(arch.num_hidden_layers)
+    ]
+    logits = []
+    for rows, seqs in steps():
+        meta = build_attention_metadata(seqs, block_size=BLOCK, device=CPU, dtype=dtype)
+        ids = torch.randint(0, arch.vocab_size, (rows,), generator=gen)
+        positions = torch.cat([torch.arange(s.start_pos, s.seq_len) for s in seqs])  # [rows]
+        logits.append(model.compute_logits(model(ids, positions, caches, meta)))
+    return logits
+
+
+def fused_rows(model: LlamaForCausalLM) -> set[int]:
+    """The step row counts for which the fused call has arguments."""
+    return {rows for rows, (_, args) in model.fused_cache.items() if args is not None}
+
+
+@pytest.mark.parametrize("tensor_type", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_steps_equal_layer_by_layer_bitwise(
+    tmp_path: Path, tensor_type: str, dtype: torch.dtype
+) -> None:
+    path = make_tiny_gguf(tmp_path, "smollm", tensor_type=tensor_type)
+    model = build(path, "auto", dtype)
+    backend = model.attn_backend
+    assert isinstance(backend, NativeCPUBackend)
+    backend.chunk_kernel_max_tokens = 0  # prompts through SDPA: those steps run layer by layer
+    ref = run(model, dtype, fused=False)
+    assert model.fused_cache == {}
+    got = run(model, dtype, fused=True)
+    assert fused_rows(model) == {3}  # the decode-only steps; the others have a chunk on SDPA
+    for a, b in zip(ref, got, strict=True):
+        assert torch.equal(a, b)
+    # Chunks through the decode kernel: the prompts' step and the mixed step fuse too.
+    backend.chunk_kernel_max_tokens = 16
+    ref = run(model, dtype, fused=False)
+    got = run(model, dtype, fused=True)
+    assert fused_rows(model) == {sum(PROMPTS), 3, 6}
+    for a, b in zip(ref, got, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_mixed_formats_fuse_as_parts(tmp_path: Path) -> None:
+    """q/k Q4_1 and v Q8_0 in one fused qkv weight (a K-quant GGUF's usual mix): each part
+    writes its columns, as ``QuantSplitMethod`` does, bit for bit."""
+    types = {f"blk.{i}.attn_v.weight": "Q8_0" for i in range(2)}
+    path = make_tiny_gguf(tmp_path, "llama", tensor_type="Q4_1", tensor_types=types)
+    model = build(path, "auto", torch.float32)
+    model.ensure_linears()
+    assert isinstance(model.layers[0].qkv_proj.method_for(3), QuantSplitMethod)
+    ref = run(model, torch.float32, fused=False)
+    got = run(model, torch.float32, fused=True)
+    assert fused_rows(model) == {3}
+    assert model.fused_cache[3][1].part_counts[:4] == [3, 1, 1, 1]  # q, k, v
+    for a, b in zip(ref, got, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not quant_ops.amx_bf16_available(), reason="needs AMX-BF16")
+def test_amx_bf16_projections_fuse(tmp_path: Path) -> None:
+    """Projections on ``QuantAmxBf16Method`` (the selection's choice from ~16 rows on AMX
+    CPUs) run in the fused call too, bit for bit."""
+    model = build(make_tiny_gguf(tmp_path, "smollm", tensor_type="Q4_1"), "auto", torch.bfloat16)
+    model.ensure_linears()
+    for layer in model.layers:
+        for name in fused_layers.PROJECTIONS:
+            method = QuantAmxBf16Method(getattr(layer, name).method_for(1).weight)
+            setattr(layer, name, Linear(method.weight, [(1 << 62, method)]))
+        layer.linears_version = next(fused_layers.LINEAR_VERSIONS)
+    ref = run(model, torch.bfloat16, fused=False)
+    got = run(model, torch.bfloat16, fused=True)
+    assert fused_rows(model) == {3}
+    for a, b in zip(ref, got, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_steps_it_leaves_to_the_layers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dense model, a projection with a bias (qwen2's qkv), the torch layer ops and the
+    environment switch each keep every step layer by layer."""
+    dense = build(make_tiny_gguf(tmp_path, "smollm", tensor_type="Q8_0"), "none", torch.float32)
+    run(dense, torch.float32, fused=True)
+    assert fused_rows(dense) == set() and dense.fused_cache  # remembered as "cannot fuse"
+    qwen = build(make_tiny_gguf(tmp_path, "qwen2", tensor_type="Q8_0"), "auto", torch.float32)
+    run(qwen, torch.float32, fused=True)
+    assert fused_rows(qwen) == set()
+    model = build(make_tiny_gguf(tmp_path, "smollm", tensor_type="Q8_0"), "auto", torch.float32)
+    model.set_native_ops(False)
+    run(model, torch.float32, fused=True)
+    assert model.fused_cache == {}
+    monkeypatch.setenv(fused_layers.DISABLE_ENV, "0")
+    assert not fused_layers.enabled_by_env()
+    off = build(make_tiny_gguf(tmp_path, "smollm", tensor_type="Q8_0"), "auto", torch.float32)
+    assert off.fused_layers is False
+
+
+def test_rebuilt_projections_are_taken_up(tmp_path: Path) -> None:
+    """The arguments are remade when the projections are rebuilt (a new plan, a dtype move):
+    the fused call never reads a stale weight or norm."""
+    model = build(make_tiny_gguf(tmp_path, "smollm", tensor_type="Q4_1"), "auto", torch.float32)
+    run(model, torch.float32, fused=True)
+    before = model.fused_cache[3][0]
+    model.set_linear_plan(None)
+    run(model, torch.float32, fused=True)
+    assert model.fused_cache[3][0] != before and fused_rows(model) == {3}
+    model.to(torch.bfloat16)
+    got = run(model, torch.bfloat16, fused=True)
+    ref = run(model, torch.bfloat16, fused=False)
+    for a, b in zip(ref, got, strict=True):
+        assert torch.equal(a, b)
+
+
+def call_with(weights: list[torch.Tensor], parts: list[int], counts: list[int]) -> None:
+    """``quant_decode_layers`` on a one-layer shape with these projection arguments."""
+    torch.ops.kvserve.quant_decode_layers(
+        *[torch.zeros(1, 8)] * 4,  # hidden, residual, cos, sin
+        [torch.zeros(8)],
+        [torch.zeros(8)],
+        weights,
+        parts,
+        counts,
+        [torch.zeros(2, 1, 4, 1, 8)],
+        torch.zeros(1, dtype=torch.long),
+        torch.zeros(1, 1, dtype=torch.int32),
+        torch.ones(1, dtype=torch.int32),
+        1,
+        1e-5,
+        1.0,
+        0,
+        0,
+        torch.zeros(1, 8),
+        torch.zeros(1, 24),
+        *[torch.zeros(1, 8)] * 3,
+    )
+
+
+def test_bad_arguments_name_what_is_wrong() -> None:
+    with pytest.raises(RuntimeError, match="four projections per layer"):
+        call_with([], [], [])
+    with pytest.raises(RuntimeError, match="at least one part"):
+        call_with([], [], [0, 1, 1, 1])
+    with pytest.raises(RuntimeError, match="6 codes per weight"):
+        call_with([torch.zeros(8, 20, dtype=torch.uint8)] * 4, [0] * 6, [1] * 4)
+    weight = torch.zeros(8, 10, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="unknown part kind 7"):
+        call_with([weight] * 4, [7, 1, 4, 0, 0, 8] * 4, [1] * 4)

@@ -16,7 +16,8 @@ import ctypes
 import ctypes.util
 import logging
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 
 import torch
@@ -25,6 +26,9 @@ logger = logging.getLogger("kvserve.huge_pages")
 
 HUGE_PAGE = 2 << 20  # bytes: x86-64's transparent huge page
 _MADV_HUGEPAGE = 14  # <sys/mman.h>
+_MADV_NOHUGEPAGE = 15
+# Bytes a large buffer's first touch writes between two looks at the clock (zeros_huge).
+TOUCH_CHUNK = 64 << 20
 
 
 @lru_cache(maxsize=1)
@@ -39,6 +43,14 @@ def _madvise() -> ctypes._CFuncPtr | None:
     return fn
 
 
+def _huge_range(t: torch.Tensor, offset: int = 0) -> tuple[int, int]:
+    """[lo, hi): the whole 2 MiB pages of ``t``'s storage from byte ``offset`` on."""
+    start = t.data_ptr()
+    lo = -(-(start + offset) // HUGE_PAGE) * HUGE_PAGE
+    hi = (start + t.untyped_storage().nbytes()) // HUGE_PAGE * HUGE_PAGE
+    return lo, hi
+
+
 def advise_huge_pages(t: torch.Tensor) -> int:
     """Ask for huge pages over the whole 2 MiB pages inside ``t``'s storage; returns the bytes
     advised (0 when none: a CUDA tensor, under 2 MiB, not Linux, or the kernel refused).
@@ -48,9 +60,7 @@ def advise_huge_pages(t: torch.Tensor) -> int:
     fn = _madvise()
     if fn is None or t.device.type != "cpu":
         return 0
-    start = t.data_ptr()
-    lo = -(-start // HUGE_PAGE) * HUGE_PAGE
-    hi = (start + t.untyped_storage().nbytes()) // HUGE_PAGE * HUGE_PAGE
+    lo, hi = _huge_range(t)
     if hi <= lo:
         return 0
     if fn(lo, hi - lo, _MADV_HUGEPAGE) != 0:
@@ -59,13 +69,68 @@ def advise_huge_pages(t: torch.Tensor) -> int:
     return hi - lo
 
 
-def zeros_huge(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``torch.zeros(shape)``, on CPU in huge pages where the kernel gives them."""
+def first_touch_rate(nbytes: int = TOUCH_CHUNK) -> float:
+    """Bytes a second that writing fresh memory in ordinary (4 KiB) pages runs at now."""
+    t0 = time.perf_counter()
+    torch.empty(nbytes, dtype=torch.uint8).zero_()
+    return nbytes / max(time.perf_counter() - t0, 1e-9)
+
+
+def zeros_huge(
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    small_page_rate: Callable[[], float] = first_touch_rate,
+    clock: Callable[[], float] = time.perf_counter,
+) -> torch.Tensor:
+    """``torch.zeros(shape)``, on CPU in huge pages where the kernel gives them quickly.
+
+    The first touch faults the pages in, ``TOUCH_CHUNK`` bytes at a time. When a chunk came in
+    at under half the rate of ordinary pages (``small_page_rate``), the rest of the buffer
+    withdraws its advice and takes ordinary pages.
+
+    NOTE: why. Under THP's default ``defrag`` setting (``madvise``) the kernel compacts memory
+    to make each huge page of an advised region when none is free: a 2.3 GiB buffer took
+    14.5 s to fault in on a fragmented host, 0.6 s in 4 KiB pages and 0.5 s in huge pages
+    when free (``bench/probes/first_touch.py``; README, "Memory"), and every start-up paid
+    it. Huge pages gain a few per cent on decode; not a start-up twenty times as long.
+    """
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     t = torch.empty(shape, dtype=dtype)
-    advise_huge_pages(t)
-    return t.zero_()  # the first touch: faults the pages in (huge where advised)
+    if advise_huge_pages(t) == 0 or t.nbytes <= 2 * TOUCH_CHUNK:
+        return t.zero_()  # the first touch: faults the pages in (huge where advised)
+    flat = t.view(-1).view(torch.uint8)  # the buffer's bytes
+    floor = small_page_rate() / 2
+    done = 0
+    while done < flat.numel():
+        chunk = flat[done : done + TOUCH_CHUNK]
+        t0 = clock()
+        chunk.zero_()
+        rate = chunk.numel() / max(clock() - t0, 1e-9)
+        done += chunk.numel()
+        if rate < floor and done < flat.numel():
+            _withdraw_advice(t, done)
+            logger.info(
+                "huge pages came in at %.2f GB/s (ordinary pages: %.2f): the last %.0f MiB of "
+                "a %.0f MiB buffer take ordinary pages",
+                rate / 1e9,
+                2 * floor / 1e9,
+                (flat.numel() - done) / 2**20,
+                flat.numel() / 2**20,
+            )
+            flat[done:].zero_()
+            break
+    return t
+
+
+def _withdraw_advice(t: torch.Tensor, offset: int) -> None:
+    """``madvise(MADV_NOHUGEPAGE)`` over ``t``'s whole 2 MiB pages from byte ``offset`` on."""
+    fn = _madvise()
+    lo, hi = _huge_range(t, offset)
+    if fn is not None and hi > lo and fn(lo, hi - lo, _MADV_NOHUGEPAGE) != 0:
+        logger.debug("madvise(MADV_NOHUGEPAGE) refused: errno %d", ctypes.get_errno())
 
 
 def into_huge_pages(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -12,6 +12,8 @@ from kvserve.runtime.huge_pages import HUGE_PAGE, advise_huge_pages, into_huge_p
 from kvserve.runtime.linear import M_MAX, DenseMmMethod, Linear, gather_into_huge_pages
 from kvserve.runtime.native import quant_ops
 
+CPU = torch.device("cpu")
+
 
 def test_zeros_huge_is_zeros_of_the_shape_and_dtype() -> None:
     t = zeros_huge((3, 5, 7), torch.bfloat16, torch.device("cpu"))
@@ -69,6 +71,60 @@ def test_zeros_huge_advises_its_buffer_before_filling_it(monkeypatch: pytest.Mon
     assert not t.any() and len(fake.calls) == 1
     addr, length, _ = fake.calls[0]
     assert t.data_ptr() <= addr < t.data_ptr() + t.nbytes and length >= 7 * HUGE_PAGE
+
+
+class _Clock:
+    """A clock whose every other reading (a chunk's end) is ``per_chunk`` seconds on."""
+
+    def __init__(self, per_chunk: list[float]) -> None:
+        self.per_chunk = per_chunk
+        self.now = 0.0
+        self.reads = 0
+
+    def __call__(self) -> float:
+        if self.reads % 2:
+            self.now += self.per_chunk[min(self.reads // 2, len(self.per_chunk) - 1)]
+        self.reads += 1
+        return self.now
+
+
+def test_slow_huge_pages_are_given_up_for_the_rest_of_the_buffer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A chunk faulted in at under half the ordinary pages' rate (the kernel compacting memory
+    for each huge page) withdraws the advice from the rest: one MADV_NOHUGEPAGE from the
+    next whole huge page after that chunk to the end, and the buffer is all zeros."""
+    fake = _FakeMadvise()
+    monkeypatch.setattr(huge_pages, "_madvise", lambda: fake)
+    monkeypatch.setattr(huge_pages, "TOUCH_CHUNK", 4 * HUGE_PAGE)
+    rate = 1e9  # ordinary pages: 1 GB/s, so an 8 MiB chunk in 8.4 ms
+    chunk_s = 4 * HUGE_PAGE / rate
+    clock = _Clock([chunk_s, 3 * chunk_s])  # the first chunk at 1x, the second at 1/3
+    t = zeros_huge(
+        (20 * HUGE_PAGE // 4,), torch.float32, CPU, small_page_rate=lambda: rate, clock=clock
+    )
+    assert not t.any()
+    assert clock.reads == 4  # two chunks timed, the rest zeroed at once
+    (start, length, advice), (addr, rest, withdrawn) = fake.calls
+    assert (advice, withdrawn) == (14, 15)  # MADV_HUGEPAGE, then MADV_NOHUGEPAGE
+    assert addr == -(-(t.data_ptr() + 8 * HUGE_PAGE) // HUGE_PAGE) * HUGE_PAGE
+    assert addr + rest == start + length  # to the end of the advised pages
+
+
+def test_huge_pages_at_the_ordinary_rate_keep_their_advice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake = _FakeMadvise()
+    monkeypatch.setattr(huge_pages, "_madvise", lambda: fake)
+    monkeypatch.setattr(huge_pages, "TOUCH_CHUNK", 4 * HUGE_PAGE)
+    rate = 1e9
+    clock = _Clock([4 * HUGE_PAGE / rate / 1.5])  # every chunk faster than ordinary pages
+    t = zeros_huge(
+        (20 * HUGE_PAGE // 4,), torch.float32, CPU, small_page_rate=lambda: rate, clock=clock
+    )
+    assert not t.any()
+    assert clock.reads == 2 * 5  # 40 MiB in five chunks of 8
+    assert [c[2] for c in fake.calls] == [14]
 
 
 def test_into_huge_pages_copies_exactly_and_aligned() -> None:

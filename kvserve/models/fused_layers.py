@@ -1,6 +1,6 @@
 """Every decoder layer of a step in one native call, where the step allows it.
 
-``kvserve::quant_decode_layers`` (``kvserve/runtime/native/kvserve_cpu_ops.cpp``) runs what
+``kvserve::decode_layers`` (``kvserve/runtime/native/kvserve_cpu_ops.cpp``) runs what
 ``LlamaDecoderLayer.forward`` runs for each layer (add + RMSNorm, the qkv projection, RoPE,
 the K/V write, paged decode attention, the o projection, add + RMSNorm, gate/up, SiLU x up,
 down), with the same kernels on the same buffers in the same order, so the results are the
@@ -8,11 +8,12 @@ same bit for bit. It takes a step when:
 
 - the layers run the native layer ops and are plain ``LlamaDecoderLayer`` s (not the
   tensor-parallel ones, which all-reduce between them);
-- every projection of every layer runs a quantized-weight kernel at this step's row count,
-  with no bias: the int8-dot kernel (``QuantKernelMethod``), AMX bf16 on the blocks
-  (``QuantAmxBf16Method``) or a split of int8-dot parts (``QuantSplitMethod``, mixed
-  formats in one fused weight). That is a GGUF model as stored, on every CPU kind, for the
-  row counts where the selection takes those kernels;
+- every projection of every layer runs one of these methods at this step's row count, with
+  no bias: the int8-dot kernel (``QuantKernelMethod``), AMX bf16 on the blocks
+  (``QuantAmxBf16Method``), a split of int8-dot parts (``QuantSplitMethod``, mixed formats
+  in one fused weight), ``torch.mm`` (``DenseMmMethod``) or oneDNN on a prepacked weight
+  (``OneDnnPrepackedMethod``), the last two unless ``Linear`` would pad the rows. That is a
+  GGUF model as stored and a dense model in fp32 or bf16, on every CPU kind;
 - the attention backend is ``NativeCPUBackend`` and every query row of the step goes through
   its decode kernel (decodes, and chunks up to its measured limit) on an unquantized CPU
   cache.
@@ -20,9 +21,9 @@ same bit for bit. It takes a step when:
 Any other step runs the layers one by one. ``KVSERVE_FUSED_LAYERS=0`` in the environment
 turns the fused call off (for A/B measurements).
 
-NOTE: why. At B=1 the embedded model's step dispatched ~300 kernels from Python: ~2 us of
-dispatch each plus the wrappers around them, about a third of the step (bench/README.md,
-"Session 17").
+NOTE: why. At B=1 the embedded model's step dispatched 343 ops from Python: ~2 us of
+dispatch each plus the wrappers around them; its kernels alone took 3.6 ms of a 5.3 ms step
+(README.md, "Kernels and dtype", session 17).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from kvserve.models.quant_linear import QuantAmxBf16Method, QuantKernelMethod, QuantSplitMethod
 from kvserve.runtime.layer_ops import NATIVE_OPS
-from kvserve.runtime.linear import LinearMethod
+from kvserve.runtime.linear import DenseMmMethod, LinearMethod, OneDnnPrepackedMethod, row_bucket
 from kvserve.runtime.native import quant_ops
 from kvserve.runtime.native.backend import NativeCPUBackend
 from kvserve.runtime.native.quant_ops import ISA_CODES, LAYOUT_CODES, QTYPE_CODES
@@ -58,15 +59,17 @@ def enabled_by_env() -> bool:
     return os.environ.get(DISABLE_ENV, "1") != "0"
 
 
-# A projection part's codes (kvserve_cpu_ops.cpp, quant_decode_layers): kind, qtype, isa,
+# A projection part's codes (kvserve_cpu_ops.cpp, decode_layers): kind, qtype, isa,
 # layout, first and end output column.
 PART_INT8_DOT = 0  # kvserve_quant::linear
 PART_AMX_BF16 = 1  # kvserve_quant::amx_bf16_linear
+PART_MM = 2  # torch.mm on the [in, out] weight (DenseMmMethod)
+PART_ONEDNN = 3  # mkldnn::_linear_pointwise on the prepacked weight (OneDnnPrepackedMethod)
 
 
 @dataclass(frozen=True, slots=True)
 class FusedLayers:
-    """The per-layer arguments of ``quant_decode_layers`` for one build of the projections."""
+    """The per-layer arguments of ``decode_layers`` for one build of the projections."""
 
     input_norms: list[torch.Tensor]  # per layer [h]
     post_norms: list[torch.Tensor]  # per layer [h]
@@ -75,10 +78,19 @@ class FusedLayers:
     part_counts: list[int]  # parts of each projection: 4 per layer (qkv, o, gate_up, down)
 
 
-def projection_parts(method: LinearMethod) -> list[tuple[torch.Tensor, list[int]]] | None:
-    """``method``'s kernel calls as (weight, codes) parts, or None for a method the fused
-    call does not run (a dense or dequantizing one, a split with a dense part)."""
+def projection_parts(
+    method: LinearMethod, num_rows: int
+) -> list[tuple[torch.Tensor, list[int]]] | None:
+    """``method``'s kernel calls at ``num_rows`` rows as (weight, codes) parts, or None for a
+    method the fused call does not run (a dequantizing one, a split with a dense part, a
+    shape-cached one that ``Linear`` would run on padded rows)."""
     kind = type(method)
+    if method.shape_cached and row_bucket(num_rows) != num_rows:
+        return None
+    if kind is DenseMmMethod:
+        return [(method.weight_t, [PART_MM, 0, 0, 0, 0, method.out_features])]
+    if kind is OneDnnPrepackedMethod:
+        return [(method.packed, [PART_ONEDNN, 0, 0, 0, 0, method.out_features])]
     if kind is QuantKernelMethod:
         w = method.weight
         codes = [QTYPE_CODES[w.qtype], ISA_CODES[method.isa], LAYOUT_CODES[w.layout]]
@@ -92,7 +104,7 @@ def projection_parts(method: LinearMethod) -> list[tuple[torch.Tensor, list[int]
         for start, end, run in method.runs:
             if not isinstance(run, QuantKernelMethod):
                 return None
-            ((weight, codes),) = projection_parts(run) or ()
+            ((weight, codes),) = projection_parts(run, num_rows) or ()
             parts.append((weight, [*codes[:4], start, end]))
         return parts
     return None
@@ -112,7 +124,7 @@ def build_fused_layers(layers: list[LlamaDecoderLayer], num_rows: int) -> FusedL
     for layer in layers:
         for name in PROJECTIONS:
             lin = getattr(layer, name)
-            parts = projection_parts(lin.method_for(num_rows))
+            parts = projection_parts(lin.method_for(num_rows), num_rows)
             if parts is None or lin.bias is not None:
                 return None
             for weight, part in parts:
@@ -137,7 +149,7 @@ def run_fused_layers(
     meta: AttentionMetadata,
     views: StepViews,
 ) -> torch.Tensor | None:  # [T, hidden] the last layer's MLP output (``views.norm``)
-    """Run every layer of ``model`` in one ``quant_decode_layers`` call when this step
+    """Run every layer of ``model`` in one ``decode_layers`` call when this step
     allows it (module docstring); returns the last layer's MLP output, not yet added to
     ``hidden``, or None (nothing run) when the step must run layer by layer."""
     layers = model.layers
@@ -167,7 +179,7 @@ def run_fused_layers(
         return None
     first = layers[0]
     tables, lens = rows
-    torch.ops.kvserve.quant_decode_layers(
+    torch.ops.kvserve.decode_layers(
         hidden,
         None,
         cos,

@@ -15,7 +15,15 @@ from kvserve.models.loader import load_model
 from kvserve.models.quant_linear import QuantAmxBf16Method, QuantSplitMethod
 from kvserve.runtime import native
 from kvserve.runtime.attention import SeqSpec, build_attention_metadata
-from kvserve.runtime.linear import Linear
+from kvserve.runtime.linear import (
+    EXACT_ROWS,
+    M_MAX,
+    DenseMmMethod,
+    Linear,
+    OneDnnPrepackedMethod,
+    onednn_available,
+    onednn_supports,
+)
 from kvserve.runtime.native import quant_ops
 from kvserve.runtime.native.backend import NativeCPUBackend
 from tests.tiny_models import make_tiny_gguf
@@ -128,7 +136,7 @@ def test_amx_bf16_projections_fuse(tmp_path: Path) -> None:
     for layer in model.layers:
         for name in fused_layers.PROJECTIONS:
             method = QuantAmxBf16Method(getattr(layer, name).method_for(1).weight)
-            setattr(layer, name, Linear(method.weight, [(1 << 62, method)]))
+            setattr(layer, name, Linear(method.weight, [(M_MAX, method)]))
         layer.linears_version = next(fused_layers.LINEAR_VERSIONS)
     ref = run(model, torch.bfloat16, fused=False)
     got = run(model, torch.bfloat16, fused=True)
@@ -137,15 +145,45 @@ def test_amx_bf16_projections_fuse(tmp_path: Path) -> None:
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_models_fuse_on_mm_and_onednn(tmp_path: Path, dtype: torch.dtype) -> None:
+    """A dense model's projections on ``torch.mm`` (the default without a plan) and on oneDNN
+    with prepacked weights run in the fused call too, bit for bit."""
+    model = build(make_tiny_gguf(tmp_path, "smollm", tensor_type="F32"), "none", dtype)
+    model.ensure_linears()
+    assert isinstance(model.layers[0].qkv_proj.method_for(3), DenseMmMethod)
+    ref = run(model, dtype, fused=False)
+    got = run(model, dtype, fused=True)
+    assert fused_rows(model) == {3}
+    for a, b in zip(ref, got, strict=True):
+        assert torch.equal(a, b)
+    if not (onednn_available() and onednn_supports(dtype)):
+        return
+    for layer in model.layers:
+        for name in fused_layers.PROJECTIONS:
+            weight = getattr(layer, name).method_for(1).weight
+            setattr(layer, name, Linear(weight, [(M_MAX, OneDnnPrepackedMethod(weight))]))
+        layer.linears_version = next(fused_layers.LINEAR_VERSIONS)
+    ref = run(model, dtype, fused=False)
+    got = run(model, dtype, fused=True)
+    assert fused_rows(model) == {3}
+    assert model.fused_cache[3][1].parts[0] == fused_layers.PART_ONEDNN
+    for a, b in zip(ref, got, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_steps_it_leaves_to_the_layers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A dense model, a projection with a bias (qwen2's qkv), the torch layer ops and the
-    environment switch each keep every step layer by layer."""
-    dense = build(make_tiny_gguf(tmp_path, "smollm", tensor_type="Q8_0"), "none", torch.float32)
-    run(dense, torch.float32, fused=True)
-    assert fused_rows(dense) == set() and dense.fused_cache  # remembered as "cannot fuse"
+    """A projection with a bias (qwen2's qkv), a method the call does not run (rows a
+    shape-cached kernel would pad), the torch layer ops and the environment switch each keep
+    every step layer by layer."""
     qwen = build(make_tiny_gguf(tmp_path, "qwen2", tensor_type="Q8_0"), "auto", torch.float32)
     run(qwen, torch.float32, fused=True)
-    assert fused_rows(qwen) == set()
+    assert fused_rows(qwen) == set() and qwen.fused_cache  # remembered as "cannot fuse"
+    dense = build(make_tiny_gguf(tmp_path, "smollm", tensor_type="F32"), "none", torch.bfloat16)
+    dense.ensure_linears()
+    padded = EXACT_ROWS + 1  # bf16 torch.mm caches a oneDNN primitive per row count
+    assert fused_layers.build_fused_layers(list(dense.layers), padded) is None
+    assert fused_layers.build_fused_layers(list(dense.layers), EXACT_ROWS) is not None
     model = build(make_tiny_gguf(tmp_path, "smollm", tensor_type="Q8_0"), "auto", torch.float32)
     model.set_native_ops(False)
     run(model, torch.float32, fused=True)
@@ -173,8 +211,8 @@ def test_rebuilt_projections_are_taken_up(tmp_path: Path) -> None:
 
 
 def call_with(weights: list[torch.Tensor], parts: list[int], counts: list[int]) -> None:
-    """``quant_decode_layers`` on a one-layer shape with these projection arguments."""
-    torch.ops.kvserve.quant_decode_layers(
+    """``decode_layers`` on a one-layer shape with these projection arguments."""
+    torch.ops.kvserve.decode_layers(
         *[torch.zeros(1, 8)] * 4,  # hidden, residual, cos, sin
         [torch.zeros(8)],
         [torch.zeros(8)],

@@ -2,7 +2,7 @@
 
 ``kvserve_cpu_ops.cpp`` registers torch custom ops in the ``kvserve`` namespace
 (``torch.ops.kvserve.*``): ``add_rms_norm``, ``rope_``, ``write_kv``,
-``paged_decode_attention``, ``silu_mul``, ``argmax_rows`` and ``quant_decode_layers`` (every
+``paged_decode_attention``, ``silu_mul``, ``argmax_rows`` and ``decode_layers`` (every
 decoder layer of a step in one call, ``kvserve/models/fused_layers.py``);
 ``kvserve_amx_linear.cpp`` adds ``amx_supported`` and ``amx_linear`` (the bf16 AMX projection
 kernel, ``kvserve/runtime/amx_linear.py``) to the same library. They are built on first use with
@@ -98,7 +98,7 @@ def _register_fakes() -> None:
         "paged_decode_attention",
         "silu_mul",
         "argmax_rows",
-        "quant_decode_layers",
+        "decode_layers",
         "amx_linear",
     ):
         torch.library.register_fake(f"kvserve::{op}")(lambda *args, **kwargs: None)

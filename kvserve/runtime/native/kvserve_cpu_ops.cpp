@@ -1147,9 +1147,12 @@ using AmxBf16LinearFn = void(Tensor, const Tensor&, const Tensor&, int64_t);
 constexpr int64_t kPartInts = 6;  // kind, qtype, isa, layout, first column, end column
 constexpr int64_t kPartInt8Dot = 0;   // kvserve_quant::linear (qtype, isa, layout)
 constexpr int64_t kPartAmxBf16 = 1;   // kvserve_quant::amx_bf16_linear (qtype; x16 layout)
+constexpr int64_t kPartMm = 2;        // at::mm_out on the weight's [K, N] view
+constexpr int64_t kPartOneDnn = 3;    // mkldnn::_linear_pointwise on a prepacked weight
 
 // out [T, N] = x [T, K] times the weight of parts [first, first + count): each part writes
-// its columns, as QuantKernelMethod, QuantAmxBf16Method and QuantSplitMethod do.
+// its columns, as QuantKernelMethod, QuantAmxBf16Method, QuantSplitMethod, DenseMmMethod and
+// OneDnnPrepackedMethod do (the last allocates its result; it is copied into out).
 void project(const Tensor& out, const Tensor& x, at::TensorList weights, at::IntArrayRef parts,
              int64_t first, int64_t count) {
   static const auto linear = c10::Dispatcher::singleton()
@@ -1159,27 +1162,38 @@ void project(const Tensor& out, const Tensor& x, at::TensorList weights, at::Int
   for (int64_t p = first; p < first + count; ++p) {
     const int64_t* info = parts.data() + p * kPartInts;
     const bool whole = info[4] == 0 && info[5] == out.size(1);
-    const Tensor dst = whole ? out : out.narrow(1, info[4], info[5] - info[4]);
+    Tensor dst = whole ? out : out.narrow(1, info[4], info[5] - info[4]);
     if (info[0] == kPartAmxBf16) {
       static const auto amx = c10::Dispatcher::singleton()
                                   .findSchemaOrThrow("kvserve_quant::amx_bf16_linear", "")
                                   .typed<AmxBf16LinearFn>();
       amx.call(dst, x, weights[p], info[1]);
+    } else if (info[0] == kPartMm) {
+      at::mm_out(dst, x, weights[p]);
+    } else if (info[0] == kPartOneDnn) {
+      // NOTE: boxed: the op's C++ signature (Scalar?[], str?) is awkward to spell typed, and
+      // a boxed call costs ~1 us against the matmul's tens.
+      static const auto onednn = c10::Dispatcher::singleton().findSchemaOrThrow(
+          "mkldnn::_linear_pointwise", "");
+      std::vector<c10::IValue> stack{x, weights[p], c10::IValue(), std::string("none"),
+                                     c10::List<std::optional<at::Scalar>>(), std::string("")};
+      onednn.callBoxed(&stack);
+      dst.copy_(stack[0].toTensor());
     } else {
-      TORCH_CHECK(info[0] == kPartInt8Dot, "quant_decode_layers: unknown part kind ", info[0]);
+      TORCH_CHECK(info[0] == kPartInt8Dot, "decode_layers: unknown part kind ", info[0]);
       linear.call(dst, x, weights[p], info[1], no_bias, info[2], info[3]);
     }
   }
 }
 
 // Every decoder layer of a step in one call, for the common case: every projection of every
-// layer on the quantized-weight kernels (the parts above) and every query row a decode query
-// of paged_decode_attention (decodes, and chunk rows through `query_tables`). The same
-// kernels, arguments and order as LlamaDecoderLayer.forward on NativeLayerOps and
-// NativeCPUBackend, so the same results bit for bit; only the Python between them is gone.
-// NOTE: why. A B=1 step of the embedded model dispatched ~300 kernels from Python, each ~2 us
-// of dispatch plus the wrappers around it: a third of a ~4 ms step (bench/README.md,
-// "Session 17").
+// layer on one of the kernels above (its parts) and every query row a decode query of
+// paged_decode_attention (decodes, and chunk rows through `query_tables`). The same kernels,
+// arguments and order as LlamaDecoderLayer.forward on NativeLayerOps and NativeCPUBackend,
+// so the same results bit for bit; only the Python between them is gone.
+// NOTE: why. A B=1 step of the embedded model dispatched 343 ops from Python, each ~2 us of
+// dispatch plus the wrappers around it: its kernels alone took 3.6 ms of a 5.3 ms step
+// (README.md, "Kernels and dtype", session 17).
 // hidden [T, h] residual stream, updated in place; residual: the MLP output to add first, or
 // none; cos, sin [T, 1, d]. Per layer l: input_norms[l], post_norms[l] [h]; the qkv, o,
 // gate_up and down projections, projection j made of part_counts[j] consecutive weights and
@@ -1187,7 +1201,7 @@ void project(const Tensor& out, const Tensor& x, at::TensorList weights, at::Int
 // seq_lens [T] int32 of the query rows. The step's buffers: norm [T, h] (on return: the last
 // layer's MLP output, not yet added), qkv [T, (H + 2 kvh) d], attn [T, H d], gate_up [T, 2 I],
 // act [T, I].
-void quant_decode_layers(Tensor hidden, const std::optional<Tensor>& residual, Tensor cos,
+void decode_layers(Tensor hidden, const std::optional<Tensor>& residual, Tensor cos,
                          Tensor sin, at::TensorList input_norms, at::TensorList post_norms,
                          at::TensorList weights, at::IntArrayRef parts,
                          at::IntArrayRef part_counts, at::TensorList kv_caches,
@@ -1200,15 +1214,15 @@ void quant_decode_layers(Tensor hidden, const std::optional<Tensor>& residual, T
   TORCH_CHECK(layers >= 1 && static_cast<int64_t>(input_norms.size()) == layers &&
                   static_cast<int64_t>(post_norms.size()) == layers &&
                   static_cast<int64_t>(part_counts.size()) == 4 * layers,
-              "quant_decode_layers: one cache, two norms and four projections per layer");
+              "decode_layers: one cache, two norms and four projections per layer");
   int64_t total_parts = 0;
   for (const int64_t n : part_counts) {
-    TORCH_CHECK(n >= 1, "quant_decode_layers: a projection needs at least one part");
+    TORCH_CHECK(n >= 1, "decode_layers: a projection needs at least one part");
     total_parts += n;
   }
   TORCH_CHECK(total_parts == num_weights &&
                   static_cast<int64_t>(parts.size()) == kPartInts * num_weights,
-              "quant_decode_layers: ", kPartInts, " codes per weight and as many weights as ",
+              "decode_layers: ", kPartInts, " codes per weight and as many weights as ",
               "the projections' parts");
   check_cache(kv_caches[0]);
   check_rows(qkv, "qkv");
@@ -1258,7 +1272,7 @@ TORCH_LIBRARY(kvserve, m) {
         "int num_sink_tokens) -> ()");
   m.def("silu_mul(Tensor(a!) out, Tensor gate_up) -> ()");
   m.def("argmax_rows(Tensor(a!) out, Tensor logits) -> ()");
-  m.def("quant_decode_layers(Tensor(a!) hidden, Tensor? residual, Tensor cos, Tensor sin, "
+  m.def("decode_layers(Tensor(a!) hidden, Tensor? residual, Tensor cos, Tensor sin, "
         "Tensor[] input_norms, Tensor[] post_norms, Tensor[] weights, int[] parts, "
         "int[] part_counts, Tensor(b!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, "
         "Tensor seq_lens, int num_heads, float eps, float scale, int sliding_window, "
@@ -1273,7 +1287,13 @@ TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("silu_mul", &silu_mul);
   m.impl("argmax_rows", &argmax_rows);
-  m.impl("quant_decode_layers", &quant_decode_layers);
+  m.impl("decode_layers", &decode_layers);
+}
+
+// NOTE: oneDNN's prepacked weights are MkldnnCPU tensors: among decode_layers' weights
+// they make the dispatcher look for that backend's kernel.
+TORCH_LIBRARY_IMPL(kvserve, MkldnnCPU, m) {
+  m.impl("decode_layers", &decode_layers);
 }
 
 }  // namespace kvserve

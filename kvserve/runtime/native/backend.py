@@ -51,11 +51,7 @@ class NativeCPUBackend(TorchSDPABackend):
         meta: AttentionMetadata,
         out: torch.Tensor | None = None,  # [T, H, d] scratch
     ) -> torch.Tensor:  # [T, H, d]
-        if (
-            isinstance(kv_cache, QuantizedLayerCache)
-            or not kv_cache.is_cpu
-            or not native.available()
-        ):
+        if not self.kernels_serve(kv_cache):
             return super().forward(q, k, v, kv_cache, meta, out)
         limit = self.chunk_kernel_max_tokens
         plan = self.kernel_rows(meta)
@@ -92,6 +88,14 @@ class NativeCPUBackend(TorchSDPABackend):
                 out[rows] = self._chunk(q[rows], k[rows], v[rows], kv_cache, c, compute)
         return out
 
+    @staticmethod
+    def kernels_serve(kv_cache: LayerCache) -> bool:
+        """Whether the native kernels can read and write ``kv_cache`` (an unquantized CPU
+        cache, the kernels loaded); where not, every call takes the SDPA path."""
+        return (
+            not isinstance(kv_cache, QuantizedLayerCache) and kv_cache.is_cpu and native.available()
+        )
+
     def kernel_rows(self, meta: AttentionMetadata) -> _KernelRows:
         """Which rows of ``meta``'s step run through the kernel (made once a step)."""
         limit = self.chunk_kernel_max_tokens
@@ -107,11 +111,7 @@ class NativeCPUBackend(TorchSDPABackend):
         every query row runs through ``paged_decode_attention`` on ``kv_cache``'s kind of
         cache, as ``forward`` would run it; None when some row would not (a long chunk, a
         quantized or non-CPU cache, no kernels)."""
-        if (
-            isinstance(kv_cache, QuantizedLayerCache)
-            or not kv_cache.is_cpu
-            or not native.available()
-        ):
+        if not self.kernels_serve(kv_cache):
             return None
         plan = self.kernel_rows(meta)
         if plan.rest or plan.end != meta.num_tokens or plan.tables is None or plan.lens is None:

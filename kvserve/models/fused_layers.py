@@ -171,6 +171,10 @@ def run_fused_layers(
     versions = tuple(layer.linears_version for layer in layers)
     cached = model.fused_cache.get(num_rows)
     if cached is None or cached[0] != versions:
+        if cached is not None:
+            # NOTE: every entry holds the old build's weights (a prepacked copy is a whole
+            # weight); all of them are stale, not only this row count's.
+            model.fused_cache.clear()
         # NOTE: a step that cannot fuse is remembered too, so it costs one lookup a step.
         built = build_fused_layers(list(layers), num_rows)
         cached = model.fused_cache[num_rows] = (versions, built)

@@ -200,9 +200,11 @@ def test_rebuilt_projections_are_taken_up(tmp_path: Path) -> None:
     model = build(make_tiny_gguf(tmp_path, "smollm", tensor_type="Q4_1"), "auto", torch.float32)
     run(model, torch.float32, fused=True)
     before = model.fused_cache[3][0]
+    model.fused_cache[99] = (before, None)  # another row count, built before the rebuild
     model.set_linear_plan(None)
     run(model, torch.float32, fused=True)
     assert model.fused_cache[3][0] != before and fused_rows(model) == {3}
+    assert 99 not in model.fused_cache  # stale entries go with the first stale one found
     model.to(torch.bfloat16)
     got = run(model, torch.bfloat16, fused=True)
     ref = run(model, torch.bfloat16, fused=False)

@@ -40,7 +40,6 @@ from torch._subclasses.fake_tensor import FakeTensor
 from kvserve.models.quant_linear import QuantAmxBf16Method, QuantKernelMethod, QuantSplitMethod
 from kvserve.runtime.layer_ops import NATIVE_OPS
 from kvserve.runtime.linear import DenseMmMethod, LinearMethod, OneDnnPrepackedMethod, row_bucket
-from kvserve.runtime.native import quant_ops
 from kvserve.runtime.native.backend import NativeCPUBackend
 from kvserve.runtime.native.quant_ops import ISA_CODES, LAYOUT_CODES, QTYPE_CODES
 
@@ -73,7 +72,7 @@ class FusedLayers:
 
     input_norms: list[torch.Tensor]  # per layer [h]
     post_norms: list[torch.Tensor]  # per layer [h]
-    weights: list[torch.Tensor]  # every projection's parts in order (uint8 blocks)
+    weights: list[torch.Tensor]  # every projection's parts in order (blocks or dense)
     parts: list[int]  # 6 codes per weight (PART_* kind, qtype, isa, layout, columns)
     part_counts: list[int]  # parts of each projection: 4 per layer (qkv, o, gate_up, down)
 
@@ -92,9 +91,7 @@ def projection_parts(
     if kind is OneDnnPrepackedMethod:
         return [(method.packed, [PART_ONEDNN, 0, 0, 0, 0, method.out_features])]
     if kind is QuantKernelMethod:
-        w = method.weight
-        codes = [QTYPE_CODES[w.qtype], ISA_CODES[method.isa], LAYOUT_CODES[w.layout]]
-        return [(w.data, [PART_INT8_DOT, *codes, 0, method.out_features])]
+        return [(method.weight.data, [*_int8_dot_codes(method), 0, method.out_features])]
     if kind is QuantAmxBf16Method:
         w = method.weight
         codes = [QTYPE_CODES[w.qtype], 0, LAYOUT_CODES[w.layout]]
@@ -104,10 +101,15 @@ def projection_parts(
         for start, end, run in method.runs:
             if not isinstance(run, QuantKernelMethod):
                 return None
-            ((weight, codes),) = projection_parts(run, num_rows) or ()
-            parts.append((weight, [*codes[:4], start, end]))
+            parts.append((run.weight.data, [*_int8_dot_codes(run), start, end]))
         return parts
     return None
+
+
+def _int8_dot_codes(method: QuantKernelMethod) -> list[int]:
+    """The first four codes of an int8-dot part: kind, qtype, isa, layout."""
+    w = method.weight
+    return [PART_INT8_DOT, QTYPE_CODES[w.qtype], ISA_CODES[method.isa], LAYOUT_CODES[w.layout]]
 
 
 def build_fused_layers(layers: list[LlamaDecoderLayer], num_rows: int) -> FusedLayers | None:
@@ -159,7 +161,6 @@ def run_fused_layers(
         or model.ops is not NATIVE_OPS
         or not isinstance(backend, NativeCPUBackend)
         or isinstance(hidden, FakeTensor)  # traced (memory plan): the layer-by-layer path
-        or not quant_ops.available()
     ):
         return None
     rows = backend.whole_step_tables(meta, kv_caches[0])

@@ -1153,12 +1153,10 @@ constexpr int64_t kPartOneDnn = 3;    // mkldnn::_linear_pointwise on a prepacke
 // out [T, N] = x [T, K] times the weight of parts [first, first + count): each part writes
 // its columns, as QuantKernelMethod, QuantAmxBf16Method, QuantSplitMethod, DenseMmMethod and
 // OneDnnPrepackedMethod do (the last allocates its result; it is copied into out).
+// NOTE: each kernel's handle is looked up on its first use, so a dense model runs without the
+// quantized-weight library loaded.
 void project(const Tensor& out, const Tensor& x, at::TensorList weights, at::IntArrayRef parts,
              int64_t first, int64_t count) {
-  static const auto linear = c10::Dispatcher::singleton()
-                                 .findSchemaOrThrow("kvserve_quant::linear", "")
-                                 .typed<QuantLinearFn>();
-  static const std::optional<Tensor> no_bias;
   for (int64_t p = first; p < first + count; ++p) {
     const int64_t* info = parts.data() + p * kPartInts;
     const bool whole = info[4] == 0 && info[5] == out.size(1);
@@ -1181,7 +1179,10 @@ void project(const Tensor& out, const Tensor& x, at::TensorList weights, at::Int
       dst.copy_(stack[0].toTensor());
     } else {
       TORCH_CHECK(info[0] == kPartInt8Dot, "decode_layers: unknown part kind ", info[0]);
-      linear.call(dst, x, weights[p], info[1], no_bias, info[2], info[3]);
+      static const auto linear = c10::Dispatcher::singleton()
+                                     .findSchemaOrThrow("kvserve_quant::linear", "")
+                                     .typed<QuantLinearFn>();
+      linear.call(dst, x, weights[p], info[1], std::nullopt, info[2], info[3]);
     }
   }
 }

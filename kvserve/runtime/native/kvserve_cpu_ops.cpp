@@ -985,6 +985,37 @@ void decode_seq(const scalar_t* q,        // [H, d] this sequence's query heads
   for (int64_t i = 0; i < nq * d; ++i) o0[i] = from_float<scalar_t>(acc[i]);
 }
 
+// A task's fixed cost in units of visible positions (the query's load, the softmax's
+// normalisation and the output's store), so that many short sequences weigh something.
+constexpr int64_t kTaskOverheadPositions = 16;
+
+// Bounds of `parts` contiguous ranges of [0, tasks) of about equal work (work(i) >= 0 for
+// task i): range p is [bounds[p], bounds[p + 1]), bounds[0] = 0, bounds[parts] = tasks.
+// NOTE: why not at::parallel_for's even split by count: a step's rows are not alike. Its
+// decode rows come ordered by context length and its prompt chunks' rows grow one position
+// each, so halving by count left one thread with most of the reading (a recorded ShareGPT
+// step at B=31: 1.6x the other's positions; the layer's call 1017-1114 us against 811-852
+// for the same number of positions spread evenly, bench/probes/attn_cold.py --lens).
+template <typename WorkFn>
+std::vector<int64_t> balanced_bounds(int64_t tasks, int64_t parts, WorkFn work) {
+  parts = std::max<int64_t>(1, std::min(parts, tasks));
+  std::vector<int64_t> prefix(static_cast<size_t>(tasks) + 1, 0);
+  for (int64_t i = 0; i < tasks; ++i) prefix[i + 1] = prefix[i] + work(i);
+  std::vector<int64_t> bounds(static_cast<size_t>(parts) + 1, tasks);
+  bounds[0] = 0;
+  for (int64_t p = 1; p < parts; ++p) {
+    // The task boundary nearest p / parts of the work (compared as parts * prefix against
+    // p * total, in integers), never before the last one: a range may be empty when one task
+    // outweighs a part.
+    const int64_t goal = prefix[tasks] * p;
+    int64_t i = std::lower_bound(prefix.begin() + bounds[p - 1], prefix.end(),
+                                 (goal + parts - 1) / parts) - prefix.begin();
+    if (i > bounds[p - 1] && goal - parts * prefix[i - 1] < parts * prefix[i] - goal) --i;
+    bounds[p] = std::min<int64_t>(tasks, i);
+  }
+  return bounds;
+}
+
 // Decode attention for B single-token queries straight from the paged cache.
 // q: [B, H, d] (rows may be strided, heads contiguous); out: [B, H, d] contiguous;
 // block_tables: [B, max_blocks] int32 (entries past a sequence's length are never read);
@@ -1014,12 +1045,14 @@ void paged_decode_attention(Tensor out, Tensor q, Tensor kv_cache, Tensor block_
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   int64_t total_len = 0;
+  std::vector<int64_t> seq_work(static_cast<size_t>(batch));  // visible positions + overhead
   for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_blocks * block_size, "seq_lens[", b, "] = ",
                 lens[b], " does not fit ", max_blocks, " blocks of ", block_size);
     // NOTE: only blocks holding visible positions are read: a block freed out of the window
     // (-1 in the table) may sit between the sinks and the window.
     const auto [r1_end, r2_begin] = visible_ranges(lens[b], sliding_window, num_sink_tokens);
+    seq_work[b] = r1_end + (lens[b] - r2_begin) + kTaskOverheadPositions;
     for (const auto [lo, hi] : {std::pair<int64_t, int64_t>{0, r1_end},
                                 std::pair<int64_t, int64_t>{r2_begin, lens[b]}}) {
       if (lo >= hi) continue;
@@ -1046,9 +1079,13 @@ void paged_decode_attention(Tensor out, Tensor q, Tensor kv_cache, Tensor block_
     const int64_t tasks = batch * per_seq;
     const int64_t work_per_task =
         std::max<int64_t>(1, total_len / batch) * heads_per_task * group * d * 2;
-    at::parallel_for(0, tasks, grain_for(work_per_task), [&](int64_t begin, int64_t end) {
+    const int64_t grain = grain_for(work_per_task);
+    const int64_t parts = std::min<int64_t>(at::get_num_threads(), (tasks + grain - 1) / grain);
+    const std::vector<int64_t> bounds =
+        balanced_bounds(tasks, parts, [&](int64_t task) { return seq_work[task / per_seq]; });
+    at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
       std::vector<float> buf;
-      for (int64_t task = begin; task < end; ++task) {
+      for (int64_t task = bounds[p0]; task < bounds[p1]; ++task) {
         const int64_t b = task / per_seq, h0 = task % per_seq * heads_per_task;
         decode_seq<scalar_t>(qp + b * qs, op + b * heads * d, k_plane, v_plane,
                              tables + b * max_blocks, lens[b], block_size, kvh, h0,

@@ -1073,14 +1073,23 @@ void paged_decode_attention(Tensor out, Tensor q, Tensor kv_cache, Tensor block_
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t qs = q.stride(0);
     // NOTE: a task is a whole sequence (its blocks read front to back, all heads) when there
-    // are enough sequences to keep every thread busy; else one kv head of one sequence.
-    const int64_t heads_per_task = batch >= 2 * at::get_num_threads() ? kvh : 1;
+    // are enough sequences to keep every thread busy and none holds more than a thread's
+    // share of the positions; else one kv head of one sequence (a head's output is the same
+    // either way, bit for bit).
+    const int64_t threads = at::get_num_threads();
+    int64_t total_work = 0, max_work = 0;
+    for (const int64_t w : seq_work) {
+      total_work += w;
+      max_work = std::max(max_work, w);
+    }
+    const bool whole = batch >= 2 * threads && max_work * threads <= total_work;
+    const int64_t heads_per_task = whole ? kvh : 1;
     const int64_t per_seq = kvh / heads_per_task;
     const int64_t tasks = batch * per_seq;
     const int64_t work_per_task =
         std::max<int64_t>(1, total_len / batch) * heads_per_task * group * d * 2;
     const int64_t grain = grain_for(work_per_task);
-    const int64_t parts = std::min<int64_t>(at::get_num_threads(), (tasks + grain - 1) / grain);
+    const int64_t parts = std::min<int64_t>(threads, (tasks + grain - 1) / grain);
     const std::vector<int64_t> bounds =
         balanced_bounds(tasks, parts, [&](int64_t task) { return seq_work[task / per_seq]; });
     at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {

@@ -134,6 +134,10 @@ def _build(verbose: bool) -> None:
 
 def load(verbose: bool = False) -> bool:
     """Build (first time) and load the kernels; True when ``torch.ops.kvserve`` has them."""
+    # NOTE: the outcome never changes once known, and the model asks per layer: no lock then.
+    known = _state.get("ok")
+    if known is not None:
+        return bool(known)
     with _lock:
         if "ok" not in _state:
             if os.environ.get(DISABLE_ENV, "1") == "0":

@@ -994,8 +994,8 @@ constexpr int64_t kTaskOverheadPositions = 16;
 // NOTE: why not at::parallel_for's even split by count: a step's rows are not alike. Its
 // decode rows come ordered by context length and its prompt chunks' rows grow one position
 // each, so halving by count left one thread with most of the reading (a recorded ShareGPT
-// step at B=31: 1.6x the other's positions; the layer's call 1017-1114 us against 811-852
-// for the same number of positions spread evenly, bench/probes/attn_cold.py --lens).
+// step at B=31: 2.0x the other's positions; the layer's call took 1.22-1.35x as long as for
+// the same positions spread evenly, bench/results/session18/attn_cold_ab.txt).
 template <typename WorkFn>
 std::vector<int64_t> balanced_bounds(int64_t tasks, int64_t parts, WorkFn work) {
   parts = std::max<int64_t>(1, std::min(parts, tasks));

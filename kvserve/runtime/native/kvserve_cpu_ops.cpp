@@ -276,6 +276,8 @@ void write_kv(Tensor kv_cache, Tensor k, Tensor v, Tensor slot_mapping) {
 // window that is all of [0, seq_len), with a window W and S sinks [0, S) u [L - W, L).
 struct Visible {
   int64_t r1_end, r2_begin;
+  // How many positions of a sequence of seq_len are visible.
+  int64_t count(int64_t seq_len) const { return r1_end + (seq_len - r2_begin); }
 };
 
 inline Visible visible_ranges(int64_t seq_len, int64_t window, int64_t sinks) {
@@ -780,7 +782,7 @@ void decode_seq_wide(const WideKernels<scalar_t>& wide, const scalar_t* q, scala
                      std::vector<float>& buf) {
   using q_t = WideQuery<scalar_t>;
   const Visible vis = visible_ranges(seq_len, window, sinks);
-  const int64_t n_vis = vis.r1_end + (seq_len - vis.r2_begin);
+  const int64_t n_vis = vis.count(seq_len);
   const int64_t nq = (h1 - h0) * group;
   buf.resize(static_cast<size_t>(nq * (n_vis + 2 * d)));
   float* scores = buf.data();        // [nq, n_vis]
@@ -935,7 +937,7 @@ void decode_seq(const scalar_t* q,        // [H, d] this sequence's query heads
   }
 #endif
   const Visible vis = visible_ranges(seq_len, window, sinks);
-  const int64_t n_vis = vis.r1_end + (seq_len - vis.r2_begin);
+  const int64_t n_vis = vis.count(seq_len);
   const int64_t nq = (h1 - h0) * group;  // query heads handled here
   buf.resize(static_cast<size_t>(nq * (n_vis + 2 * d)));
   float* scores = buf.data();         // [nq, n_vis]
@@ -1051,8 +1053,9 @@ void paged_decode_attention(Tensor out, Tensor q, Tensor kv_cache, Tensor block_
                 lens[b], " does not fit ", max_blocks, " blocks of ", block_size);
     // NOTE: only blocks holding visible positions are read: a block freed out of the window
     // (-1 in the table) may sit between the sinks and the window.
-    const auto [r1_end, r2_begin] = visible_ranges(lens[b], sliding_window, num_sink_tokens);
-    seq_work[b] = r1_end + (lens[b] - r2_begin) + kTaskOverheadPositions;
+    const Visible vis = visible_ranges(lens[b], sliding_window, num_sink_tokens);
+    const auto [r1_end, r2_begin] = vis;
+    seq_work[b] = vis.count(lens[b]) + kTaskOverheadPositions;
     for (const auto [lo, hi] : {std::pair<int64_t, int64_t>{0, r1_end},
                                 std::pair<int64_t, int64_t>{r2_begin, lens[b]}}) {
       if (lo >= hi) continue;

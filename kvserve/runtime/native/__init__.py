@@ -25,7 +25,7 @@ import os
 import shutil
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -132,26 +132,43 @@ def _build(verbose: bool) -> None:
     _register_fakes()
 
 
-def load(verbose: bool = False) -> bool:
-    """Build (first time) and load the kernels; True when ``torch.ops.kvserve`` has them."""
+def load_once(
+    state: dict[str, object],
+    lock: threading.Lock,
+    build: Callable[[], None],
+    logger: logging.Logger,
+    unavailable: str,
+) -> bool:
+    """Run ``build`` once, unless ``KVSERVE_NATIVE=0``, and remember in ``state`` whether it
+    worked (``"ok"``) and why not (``"reason"``); True when it did. A failure is logged as
+    "``unavailable``: reason". The native and the quantized-weight kernels load this way."""
     # NOTE: the outcome never changes once known, and the model asks per layer: no lock then.
-    known = _state.get("ok")
+    known = state.get("ok")
     if known is not None:
         return bool(known)
-    with _lock:
-        if "ok" not in _state:
+    with lock:
+        if "ok" not in state:
             if os.environ.get(DISABLE_ENV, "1") == "0":
-                _state.update(ok=False, reason=f"disabled by {DISABLE_ENV}=0")
+                state.update(ok=False, reason=f"disabled by {DISABLE_ENV}=0")
             else:
                 try:
-                    _build(verbose)
-                    _state.update(ok=True, reason=None)
-                except Exception as exc:  # noqa: BLE001 - any build failure means "use torch"
-                    _state.update(ok=False, reason=f"{type(exc).__name__}: {exc}")
-                    log.warning(
-                        "native CPU kernels unavailable, using torch ops: %s", _state["reason"]
-                    )
-        return bool(_state["ok"])
+                    build()
+                    state.update(ok=True, reason=None)
+                except Exception as exc:  # noqa: BLE001 - any build failure: run without them
+                    state.update(ok=False, reason=f"{type(exc).__name__}: {exc}")
+                    logger.warning("%s: %s", unavailable, state["reason"])
+        return bool(state["ok"])
+
+
+def load(verbose: bool = False) -> bool:
+    """Build (first time) and load the kernels; True when ``torch.ops.kvserve`` has them."""
+    return load_once(
+        _state,
+        _lock,
+        lambda: _build(verbose),
+        log,
+        "native CPU kernels unavailable, using torch ops",
+    )
 
 
 def available() -> bool:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import threading
 from pathlib import Path
 
@@ -65,18 +64,9 @@ def _build(verbose: bool) -> None:
 
 def load(verbose: bool = False) -> bool:
     """Build (first time) and load the kernels; True when ``torch.ops.kvserve_quant`` has them."""
-    with _lock:
-        if "ok" not in _state:
-            if os.environ.get(native.DISABLE_ENV, "1") == "0":
-                _state.update(ok=False, reason=f"disabled by {native.DISABLE_ENV}=0")
-            else:
-                try:
-                    _build(verbose)
-                    _state.update(ok=True, reason=None)
-                except Exception as exc:  # noqa: BLE001 - any build failure: run dequantized
-                    _state.update(ok=False, reason=f"{type(exc).__name__}: {exc}")
-                    log.warning("quantized kernels unavailable: %s", _state["reason"])
-        return bool(_state["ok"])
+    return native.load_once(
+        _state, _lock, lambda: _build(verbose), log, "quantized kernels unavailable"
+    )
 
 
 def available() -> bool:

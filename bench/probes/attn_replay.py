@@ -6,6 +6,9 @@
     # 2. replay them (run it from two trees with PYTHONPATH=TREE to compare kernels)
     PYTHONPATH=. .venv/bin/python bench/probes/attn_replay.py replay LENS.json \\
         [--threads 2] [--layers 30] [--passes 2]
+    # or summarise them: the K/V a step reads, and how evenly two ways of splitting the
+    # kernel's tasks share it among the threads (no kernel runs)
+    .venv/bin/python bench/probes/attn_replay.py split LENS.json [--threads 2]
 
 ``record`` runs a ``kvserve`` command in this process with ``NativeCPUBackend``'s per-step
 plan wrapped: each step's ``lens`` (its decode rows, then the rows of the prompt chunks that
@@ -15,12 +18,18 @@ huge-page pool (the embedded model's shape: 9 query heads, 3 kv heads, head_dim 
 block size 16; block tables shuffled as a long-running pool's are, the rows of one prompt
 chunk sharing their sequence's table), so the K/V come from DRAM as they do between the
 model's weight reads. Printed: the total ms over all steps and layers (best of
-``--passes``), and ms per step at each batch-size band.
+``--passes``), and ms per step at each batch-size band. ``split`` prints the steps' mean
+decode rows, positions and bf16 K/V bytes (the embedded model's shape, 30 layers), and the
+share of the threads' capacity (positions read over threads x the busiest thread's, summed
+over the steps) with the tasks split evenly by count (``at::parallel_for``, before session
+18) and by positions (``balanced_bounds`` in kvserve_cpu_ops.cpp, the tasks as it makes them).
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
+import itertools
 import json
 import math
 import sys
@@ -126,6 +135,61 @@ def replay(path: str, threads: int, layers: int, passes: int) -> None:
             )
 
 
+KV_BYTES_PER_POSITION = 30 * 2 * KV_HEADS * HEAD_DIM * 2  # 30 layers, K and V, bf16
+TASK_OVERHEAD_POSITIONS = 16  # kTaskOverheadPositions in kvserve_cpu_ops.cpp
+
+
+def busiest_by_count(work: list[int], threads: int) -> int:
+    """The busiest thread's work when ``at::parallel_for`` splits the tasks by count."""
+    chunk = -(-len(work) // min(threads, len(work)))
+    return max(sum(work[i : i + chunk]) for i in range(0, len(work), chunk))
+
+
+def busiest_by_work(work: list[int], threads: int) -> int:
+    """The busiest thread's work under ``balanced_bounds`` (the boundary nearest each
+    p / parts of the work, never before the previous one)."""
+    parts = max(1, min(threads, len(work)))
+    prefix = list(itertools.accumulate(work, initial=0))
+    bounds = [0]
+    for p in range(1, parts):
+        goal = prefix[-1] * p
+        i = bisect.bisect_left(prefix, -(-goal // parts), lo=bounds[-1])
+        if i > bounds[-1] and goal - parts * prefix[i - 1] < parts * prefix[i] - goal:
+            i -= 1
+        bounds.append(min(len(work), i))
+    bounds.append(len(work))
+    return max(prefix[b] - prefix[a] for a, b in itertools.pairwise(bounds))
+
+
+def split(path: str, threads: int) -> None:
+    """Summarise a record: K/V read per step and the two splits' share of the threads."""
+    with open(path) as f:
+        steps: list[dict[str, Any]] = json.load(f)
+    decodes = [step["lens"][: step["decodes"]] for step in steps]
+    positions = sum(sum(d) for d in decodes) / len(steps)
+    print(
+        f"{len(steps)} steps: {sum(len(d) for d in decodes) / len(steps):.1f} decode rows, "
+        f"{positions:.0f} positions, {positions * KV_BYTES_PER_POSITION / 1e6:.1f} MB of K/V "
+        "a step (decode rows)"
+    )
+    total = old = new = 0
+    for step in steps:
+        seq = [n + TASK_OVERHEAD_POSITIONS for n in step["lens"]]  # no window: all visible
+        per_head = [n for n in seq for _ in range(KV_HEADS)]
+        # before: heads as tasks below 2 sequences a thread; now also when one sequence holds
+        # more than a thread's share
+        old_tasks = per_head if len(seq) < 2 * threads else seq
+        whole = len(seq) >= 2 * threads and max(seq) * threads <= sum(seq)
+        new_tasks = seq if whole else per_head
+        total += sum(seq)
+        old += threads * busiest_by_count(old_tasks, threads) * len(seq) // len(old_tasks)
+        new += threads * busiest_by_work(new_tasks, threads) * len(seq) // len(new_tasks)
+    print(
+        f"share of {threads} threads' capacity: split by count {100 * total / old:.1f} %, "
+        f"by positions {100 * total / new:.1f} %"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -137,10 +201,15 @@ def main() -> None:
     rep.add_argument("--threads", type=int, default=2)
     rep.add_argument("--layers", type=int, default=30)
     rep.add_argument("--passes", type=int, default=2)
+    spl = sub.add_parser("split")
+    spl.add_argument("path")
+    spl.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     if args.cmd == "record":
         command = args.command[1:] if args.command[:1] == ["--"] else args.command
         record(args.path, command)
+    elif args.cmd == "split":
+        split(args.path, args.threads)
     else:
         replay(args.path, args.threads, args.layers, args.passes)
 

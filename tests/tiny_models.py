@@ -83,11 +83,18 @@ def _cache_root() -> Path:
 def tiny_tokenizer_dir() -> str:
     """A directory of HF tokenizer files derived from the embedded GGUF (built once, cached).
 
-    Raises FileNotFoundError when the embedded model is not installed.
+    ``$KVSERVE_TEST_TOKENIZER_DIR``, when set, names such a directory made elsewhere (a GPU
+    machine without the embedded model gets the files carried to it). Raises
+    FileNotFoundError when neither is there.
     """
     import transformers
     from transformers import AutoTokenizer
 
+    given = os.environ.get("KVSERVE_TEST_TOKENIZER_DIR")
+    if given:
+        if not os.path.isfile(os.path.join(given, "tokenizer.json")):
+            raise FileNotFoundError(f"KVSERVE_TEST_TOKENIZER_DIR={given!r} has no tokenizer.json")
+        return given
     gguf = embedded_gguf_path()
     if gguf is None:
         raise FileNotFoundError(

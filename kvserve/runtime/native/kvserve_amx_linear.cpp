@@ -64,12 +64,19 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// NOTE: from a static object: GCC 12 does not count _tile_loadconfig as reading its operand,
+// so the stores of a configuration built on the stack may be removed as dead. Inlined into
+// its caller they survive; called out of line (tried in session 19) they were gone and
+// ldtilecfg faulted on the garbage.
 void load_tile_config() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
+  static const TileConfig cfg = [] {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) {
+      c.colsb[t] = 64;
+      c.rows[t] = 16;
+    }
+    return c;
+  }();
   _tile_loadconfig(&cfg);
 }
 

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Offline e2e A/B of a change tried and not kept (logits_ab.patch beside this script): the
+# sampler took the lm_head's bf16 logits as they are (an all-greedy batch's argmax with no
+# float32 copy). "new" = the checked-out tree with the patch applied (`git apply`), "old" =
+# commit BASE from a git worktree with the same venv; alternated ROUNDS times on this
+# session's sitting traces, uniform 128+128 at B=32 and ShareGPT-like 64 @ 32.
+#   git apply bench/results/session19/logits_ab.patch
+#   bench/results/session19/logits_ab.sh [BASE=063d257] [ROUNDS=3]
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+BASE=${1:-063d257}; ROUNDS=${2:-3}
+OUT=bench/results/session19/logits_ab; mkdir -p "$OUT"
+OLD=/tmp/kvserve-base-$BASE
+[ -d "$OLD" ] || git worktree add --detach "$OLD" "$BASE" > /dev/null
+W=bench/results/session19/final
+run() {  # tag tree workload num_prompts max_num_seqs
+  local j="$OUT/${1}_$(basename "$3" .jsonl)_b$5_r$i.json"
+  PYTHONPATH="$2" .venv/bin/python -m kvserve.cli bench throughput --workload-file "$3" \
+    --num-prompts "$4" --max-num-seqs "$5" --num-threads 2 --output-json "$j" > /dev/null 2>&1
+  echo "$(date -u +%H:%M:%S) $1 $(basename "$3") B=$5: $(python3 -c "import json,sys; print(round(json.load(open(sys.argv[1]))['results']['output_tokens_per_s'], 1))" "$j") tok/s"
+}
+for i in $(seq "$ROUNDS"); do
+  for tag in old new; do
+    tree=$([ $tag = old ] && echo "$OLD" || echo "$PWD")
+    run $tag "$tree" "$W/uniform/workload_128x128.jsonl" 32 32
+    run $tag "$tree" "$W/sharegpt/workload_sharegpt_64.jsonl" 64 32
+  done
+done

@@ -13,8 +13,6 @@ embedded model is not installed.)
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -224,7 +222,7 @@ def test_abort_frees_the_gpu_blocks(model_dir: str, prompts: list[list[int]]) ->
     engine.kv_cache_manager.check_integrity()
 
 
-def test_never_fit_request_is_rejected(model_dir: str, tmp_path: Path) -> None:
+def test_never_fit_request_is_rejected(model_dir: str) -> None:
     llm = _llm(model_dir, num_kv_blocks=4, block_size=16)
     with pytest.raises(ValueError, match="block"):
         llm.generate([[1] * 100], SamplingParams(max_tokens=100), use_tqdm=False)

@@ -113,10 +113,18 @@ def test_json_schema_streaming_unchanged(client: openai.OpenAI, model: str) -> N
     kwargs: dict[str, Any] = dict(
         model=model, messages=ASK, temperature=0, max_tokens=60, response_format=schema
     )
-    full = client.chat.completions.create(**kwargs).choices[0].message.content
+    # NOTE: a cache_salt each, so neither request reuses the other's prompt blocks (why:
+    # tests/server/test_server_api.py, FRESH_A).
+    full = (
+        client.chat.completions.create(extra_body={"cache_salt": "schema-a"}, **kwargs)
+        .choices[0]
+        .message.content
+    )
     streamed = "".join(
         c.choices[0].delta.content or ""
-        for c in client.chat.completions.create(stream=True, **kwargs)
+        for c in client.chat.completions.create(
+            stream=True, extra_body={"cache_salt": "schema-b"}, **kwargs
+        )
         if c.choices
     )
     assert streamed == full

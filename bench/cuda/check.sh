@@ -14,7 +14,7 @@ timeout 180 python3 -m pytest -q -p no:cacheprovider -rA tests/cuda 2>&1 | tee "
   | grep -E "passed|failed|error|logprob diff"
 date -u +%H:%M:%S
 M=/tmp/smol-random
-python3 bench/cuda/random_smollm.py "$M" .gpu/tok 2>&1 | tail -1
+python3 bench/cuda/random_smollm.py "$M" .gpu/config .gpu/tok 2>&1 | tail -1
 KV="python3 -m kvserve.cli"
 $KV bench workload --input-len 128 --output-len 128 --num-prompts 256 --vocab-size 49152 \
   --save-workload /tmp/u.jsonl > /dev/null

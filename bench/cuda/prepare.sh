@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Prepares .gpu/ (ignored) for bench/cuda/check.sh on a lent GPU machine that has torch and
 # transformers but not this project's other needs, and no network: the gguf and llguidance
-# wheels for its Python 3.12, and the embedded model's tokenizer files (the 98 MB GGUF itself
-# is over the 64 MiB a device call carries, so the checks use random-weight models).
+# wheels for its Python 3.12, and the embedded model's tokenizer files and HF config.json (the
+# 98 MB GGUF itself is over the 64 MiB a device call carries, so the checks use random-weight
+# models: bench/cuda/random_smollm.py).
 #
 #   bench/cuda/prepare.sh        # then device run: bash bench/cuda/check.sh, carry [".gpu"]
 set -euo pipefail
@@ -16,7 +17,13 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   "${plat[@]}" -d .gpu/whl \
   "gguf==$(ver gguf)" "llguidance==$(ver llguidance)"
 .venv/bin/python -c "
-import shutil
+import json, os, shutil
+import torch
+from kvserve.models.export import hf_config_dict
+from kvserve.models.loader import load_arch
 from tests.tiny_models import tiny_tokenizer_dir
-shutil.copytree(tiny_tokenizer_dir(), '.gpu/tok', dirs_exist_ok=True)"
+shutil.copytree(tiny_tokenizer_dir(), '.gpu/tok', dirs_exist_ok=True)
+os.makedirs('.gpu/config', exist_ok=True)
+with open('.gpu/config/config.json', 'w') as f:
+    json.dump(hf_config_dict(load_arch(None), torch.bfloat16), f, indent=2)"
 du -sh .gpu

@@ -1,9 +1,11 @@
-"""Writes a SmolLM2-135M-shaped Llama with random bf16 weights and the given tokenizer files.
+"""Writes the embedded model (SmolLM2-135M) with random bf16 weights: its config, its tokenizer.
 
-    python bench/cuda/random_smollm.py OUT_DIR TOKENIZER_DIR
+    python bench/cuda/random_smollm.py OUT_DIR CONFIG_DIR TOKENIZER_DIR
 
-For speed figures where the embedded GGUF cannot travel (a GPU machine): the same shapes and
-so the same work per token as the real model; the generated text is noise.
+CONFIG_DIR holds the embedded model's HF config.json and TOKENIZER_DIR its tokenizer files
+(bench/cuda/prepare.sh writes both from the GGUF). For speed figures where the GGUF cannot
+travel (a GPU machine): the same shapes and so the same work per token as the real model;
+the generated text is noise.
 """
 
 from __future__ import annotations
@@ -13,26 +15,11 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
 
-def main(out: Path, tokenizer_dir: Path) -> None:
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        head_dim=64,
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-5,
-        rope_theta=100000.0,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
+def main(out: Path, config_dir: Path, tokenizer_dir: Path) -> None:
+    config = AutoConfig.from_pretrained(config_dir)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(out)
     for f in tokenizer_dir.iterdir():
@@ -41,4 +28,4 @@ def main(out: Path, tokenizer_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    main(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]))

@@ -61,7 +61,7 @@ def _llm(model_dir: str, **kwargs: object) -> LLM:
     return LLM(model_dir, device="cuda", **kwargs)  # type: ignore[arg-type]
 
 
-def _greedy(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
+def _tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
@@ -69,7 +69,7 @@ def _greedy(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY)
 def reference(model_dir: str, prompts: list[list[int]]) -> list[list[int]]:
     """Greedy tokens with a roomy pool and the default budget, prefix cache on."""
     llm = _llm(model_dir)
-    out = _greedy(llm, prompts)
+    out = _tokens(llm, prompts)
     assert llm.stats()["preemptions"] == 0
     return out
 
@@ -136,7 +136,7 @@ def test_memory_management_changes_no_token(
 ) -> None:
     """Where KV lives and when it is computed change no greedy token on the GPU either."""
     llm = _llm(model_dir, block_size=16, **kwargs)
-    assert _greedy(llm, prompts) == reference, variant
+    assert _tokens(llm, prompts) == reference, variant
     stats = llm.stats()
     if "preemption_mode" in kwargs:
         # 14 blocks of 16 hold about two of these requests at once: others must wait or go.
@@ -149,8 +149,8 @@ def test_prefix_cache_hits_on_the_second_pass(
     model_dir: str, prompts: list[list[int]], reference: list[list[int]]
 ) -> None:
     llm = _llm(model_dir)
-    assert _greedy(llm, prompts) == reference
-    assert _greedy(llm, prompts) == reference
+    assert _tokens(llm, prompts) == reference
+    assert _tokens(llm, prompts) == reference
     assert llm.stats()["prefix_hit_rate"] > 0.4
 
 
@@ -161,7 +161,7 @@ def test_host_prefix_tier_round_trips_through_pinned_memory(
     llm = _llm(model_dir, num_kv_blocks=14, enable_host_prefix_cache=True, swap_space=1 << 22)
     assert llm.engine.runner.kv_cache.host_cache.is_pinned()
     for _ in range(2):
-        assert _greedy(llm, prompts) == reference
+        assert _tokens(llm, prompts) == reference
     stats = llm.stats()
     assert stats["host_hit_tokens"] > 0
     llm.engine.kv_cache_manager.check_integrity()
@@ -180,8 +180,8 @@ def test_parallel_sampling_forks_share_blocks(
 
 def test_seeded_sampling_repeats_on_the_gpu(model_dir: str, prompts: list[list[int]]) -> None:
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=NEW, seed=7)
-    first = _greedy(_llm(model_dir), prompts[:3], params)
-    again = _greedy(_llm(model_dir), prompts[:3], params)
+    first = _tokens(_llm(model_dir), prompts[:3], params)
+    again = _tokens(_llm(model_dir), prompts[:3], params)
     assert first == again
     assert all(len(t) >= 1 for t in first)
 

@@ -18,6 +18,15 @@ import httpx
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 180.0
 
+# NOTE: the two requests of a streaming/non-streaming comparison carry these, a cache_salt
+# each, so neither reuses the other's prompt blocks: both then run the same steps. With a
+# prefix hit the second would decode from a 1-token step where the first ran a whole prompt,
+# and in the default bf16 (quantized weights, the kernel chosen per row count) that rounds
+# differently and can flip a greedy near-tie (seen on the AMX Xeon, session 19). Streaming is
+# what those tests check; tests/e2e/test_equivalence.py checks what the cache may change.
+FRESH_A = {"cache_salt": "streaming-check-a"}
+FRESH_B = {"cache_salt": "streaming-check-b"}
+
 
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now."""

@@ -16,7 +16,7 @@ import pytest
 from pydantic import BaseModel
 
 from kvserve.bench.structured_schemas import SCHEMAS
-from tests.server.server_proc import running_server
+from tests.server.server_proc import FRESH_A, FRESH_B, running_server
 
 MAX_MODEL_LEN = 1024
 TOOLS = [
@@ -113,18 +113,10 @@ def test_json_schema_streaming_unchanged(client: openai.OpenAI, model: str) -> N
     kwargs: dict[str, Any] = dict(
         model=model, messages=ASK, temperature=0, max_tokens=60, response_format=schema
     )
-    # NOTE: a cache_salt each, so neither request reuses the other's prompt blocks (why:
-    # tests/server/test_server_api.py, FRESH_A).
-    full = (
-        client.chat.completions.create(extra_body={"cache_salt": "schema-a"}, **kwargs)
-        .choices[0]
-        .message.content
-    )
+    full = client.chat.completions.create(extra_body=FRESH_A, **kwargs).choices[0].message.content
     streamed = "".join(
         c.choices[0].delta.content or ""
-        for c in client.chat.completions.create(
-            stream=True, extra_body={"cache_salt": "schema-b"}, **kwargs
-        )
+        for c in client.chat.completions.create(stream=True, extra_body=FRESH_B, **kwargs)
         if c.choices
     )
     assert streamed == full

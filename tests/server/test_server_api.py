@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.server_proc import running_server
+from tests.server.server_proc import FRESH_A, FRESH_B, running_server
 
 API_KEY = "test-key-123"
 MAX_MODEL_LEN = 512
@@ -41,16 +41,6 @@ def model(client: openai.OpenAI) -> str:
     models = client.models.list().data
     assert len(models) == 1
     return models[0].id
-
-
-# NOTE: each request of a streaming/non-streaming pair has a cache_salt of its own, so that
-# neither reuses the other's prompt blocks: both then run the same steps. With a prefix hit
-# the second would decode from a 1-token step where the first ran a whole prompt, and in the
-# default bf16 (quantized weights, the kernel chosen per row count) that rounds differently
-# and can flip a greedy near-tie (seen on the AMX Xeon, session 19). Streaming is what these
-# tests check; tests/e2e/test_equivalence.py checks what the cache may change.
-FRESH_A = {"cache_salt": "streaming-check-a"}
-FRESH_B = {"cache_salt": "streaming-check-b"}
 
 
 def test_completion_streaming_equals_non_streaming(client: openai.OpenAI, model: str) -> None:

@@ -4,7 +4,7 @@
         [--threads 2] [--json PATH]
 
 For the model's projection shapes (qkv, o, gate/up, down, lm_head) and each M bucket
-(decode 1, 2-8, 9-32, 33-128; prefill chunks 129-256 and above, probed at 256 and 512
+(decode 1, 2-8, 9-16, 17-32, 33-128; prefill chunks 129-256 and above, probed at 256 and 512
 rows), each candidate runs as at start-up (``kvserve.runtime.kernel_select``, mode
 ``measure``: the cache is refreshed). One row per shape x bucket x candidate: best ms per
 call, weight GB/s, GFLOP/s and whether it was chosen. The last lines give the decode matmul

@@ -1,7 +1,7 @@
 """Kernel selection by measurement: which ``LinearMethod`` runs each projection, per M bucket.
 
 At start-up, for every distinct weight shape of the model (qkv, o, gate/up, down, lm_head)
-and every M bucket (decode sizes 1, 2-8, 9-32, 33-128, then prefill chunks of 129-256 and
+and every M bucket (decode sizes 1, 2-8, 9-16, 17-32, 33-128, then prefill chunks of 129-256 and
 above, probed at 256 and 512 rows), each candidate that the registered factories offer (see
 ``kvserve.runtime.linear``) runs on random data of that shape: the candidates take turns
 (interleaved, so a burst of load on a shared machine hits all of them), each is timed for a
@@ -51,7 +51,10 @@ log = logging.getLogger(__name__)
 SELECTION_MODES = ("auto", "measure", "off")
 CACHE_ENV = "KVSERVE_CACHE_DIR"
 CACHE_VERSION = 6  # bumped when the measurement changes: older choices are redone
-DECODE_BOUNDS = (1, 8, 32, 128)
+# NOTE: 9-16 apart from 17-32: probed at 32 rows only, the 9-32 bucket took AMX bf16 for
+# every projection on the AMX Xeon, which at 12 rows is slower than the VNNI kernel on three
+# of them; with the bucket, B = 12 decoded 13-16 % faster (bench/results/session20/bucket16_ab.txt).
+DECODE_BOUNDS = (1, 8, 16, 32, 128)
 PREFILL_BOUNDS = (256,)  # prefill chunks up to 256 rows, probed at 256 (then PREFILL_PROBE)
 PREFILL_PROBE = 512
 # NOTE: the weight bytes a timing rotates through: more than the last-level cache holds of

@@ -96,7 +96,15 @@ def _select(tmp_path, **kw):  # type: ignore[no-untyped-def]
 def test_choice_is_the_fastest_per_bucket_and_deterministic(tmp_path) -> None:
     a = _select(tmp_path, mode="measure")
     b = _select(tmp_path, mode="measure")
-    expected = [(1, "small"), (8, "small"), (32, "big"), (128, "big"), (256, "big"), (M_MAX, "big")]
+    expected = [
+        (1, "small"),
+        (8, "small"),
+        (16, "big"),
+        (32, "big"),
+        (128, "big"),
+        (256, "big"),
+        (M_MAX, "big"),
+    ]
     assert a.plan == b.plan == {s: expected for s in SHAPES}
     assert a.source == "measured"
     assert "M<=8 small" in a.summary() and "M>=9 big" in a.summary()

@@ -52,8 +52,9 @@ SELECTION_MODES = ("auto", "measure", "off")
 CACHE_ENV = "KVSERVE_CACHE_DIR"
 CACHE_VERSION = 6  # bumped when the measurement changes: older choices are redone
 # NOTE: 9-16 apart from 17-32: probed at 32 rows only, the 9-32 bucket took AMX bf16 for
-# every projection on the AMX Xeon, which at 12 rows is slower than the VNNI kernel on three
-# of them; with the bucket, B = 12 decoded 13-16 % faster (bench/results/session20/bucket16_ab.txt).
+# every projection on the AMX Xeon, slower than the VNNI kernel at 12-16 rows on the gate/up
+# and qkv; with the bucket, bare decode at B = 12 / 16 ran 3-14 % / 3-10 % faster
+# (bench/results/session20/bucket16_ab.sh; B = 8, 24, 32 level).
 DECODE_BOUNDS = (1, 8, 16, 32, 128)
 PREFILL_BOUNDS = (256,)  # prefill chunks up to 256 rows, probed at 256 (then PREFILL_PROBE)
 PREFILL_PROBE = 512

@@ -45,6 +45,16 @@ from kvserve.runtime.native import quant_ops
 WeightPart = torch.Tensor | QuantizedWeight
 
 
+# NOTE: the AMX methods of a quantized weight are offered from 9 rows only (``min_rows``).
+# Below that the selection's isolated timing misled on the AMX Xeon: a plan it measured with
+# AMX bf16 at M 2-8 for three projections (timed faster there than the VNNI kernel) ran the
+# model's B = 8 step 22 % slower (574 against 739 tok/s; bench/results/session20/plans,
+# m8.json against good.json), and one measured plan (bad.json: AMX at M 1-8 on three
+# projections, VNNI at 9-16 on one) ran every batch size, prefill too, 20-50 % slower from
+# the first step, for a reason not found (close variants did not: bad16.json, one.json).
+AMX_MIN_ROWS = 9
+
+
 @dataclass(frozen=True)
 class QuantizedParts:
     """A fused weight whose parts (stacked by rows) cannot share one block format."""
@@ -191,6 +201,7 @@ class QuantAmxBf16Method(LinearMethod):
 
     shares_source = True
     supports_bias = False
+    min_rows = AMX_MIN_ROWS
 
     def __init__(self, weight: QuantizedWeight) -> None:
         if weight.layout != "x16":
@@ -303,6 +314,7 @@ class DequantAmxMethod(DequantPrepackedMethod):
     allocates = False
     shape_cached = False
     supports_bias = False
+    min_rows = AMX_MIN_ROWS
     dense_name = "amx"
 
     def dense_method(self, weight: torch.Tensor) -> LinearMethod:

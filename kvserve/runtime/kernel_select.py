@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 SELECTION_MODES = ("auto", "measure", "off")
 CACHE_ENV = "KVSERVE_CACHE_DIR"
-CACHE_VERSION = 6  # bumped when the measurement changes: older choices are redone
+CACHE_VERSION = 7  # bumped when the measurement changes: older choices are redone
 # NOTE: 9-16 apart from 17-32: probed at 32 rows only, the 9-32 bucket took AMX bf16 for
 # every projection on the AMX Xeon, slower than the VNNI kernel at 12-16 rows on the gate/up
 # and qkv; with the bucket, bare decode at B = 12 / 16 ran 3-14 % / 3-10 % faster
@@ -276,6 +276,8 @@ def measure(
             out = torch.empty(rows, out_f, device=device, dtype=act_dtype)
             alive: list[str] = []
             for name, ms in rotations.items():
+                if rows < ms[0].min_rows:
+                    continue
                 try:
                     # NOTE: one warm-up call (first-call setup: oneDNN builds a primitive per
                     # shape, shared by every copy); the copies stay cold for the timing.

@@ -58,6 +58,8 @@ class LinearMethod(abc.ABC):
     sees (oneDNN), so ``Linear`` calls it with M padded to a few sizes (``row_bucket``).
     ``rebuilds_dtype``: the method holds a copy from which ``dense_weight`` gives back the
     weight exactly, in this dtype (None: it cannot), so the source need not be kept.
+    ``min_rows``: the kernel selection neither times nor chooses the method for a bucket probed
+    with fewer rows (it still computes any M correctly).
     """
 
     name: str
@@ -68,6 +70,7 @@ class LinearMethod(abc.ABC):
     allocates: bool = False
     shape_cached: bool = False
     rebuilds_dtype: torch.dtype | None = None
+    min_rows: int = 1
     bias: torch.Tensor | None = None
 
     @property

@@ -110,6 +110,29 @@ def test_choice_is_the_fastest_per_bucket_and_deterministic(tmp_path) -> None:
     assert "M<=8 small" in a.summary() and "M>=9 big" in a.summary()
 
 
+def test_a_method_is_neither_timed_nor_chosen_below_its_min_rows(tmp_path) -> None:
+    """``min_rows``: "tiles" would win every bucket, but is offered from 9 rows only."""
+
+    def factory(source, *, act_dtype, device):  # type: ignore[no-untyped-def]
+        tiles = FakeMethod(source, "tiles")
+        tiles.min_rows = 9
+        return [FakeMethod(source, "small"), tiles]
+
+    calls: list[tuple[str, int]] = []
+
+    def timer(method: LinearMethod, x: torch.Tensor, out: torch.Tensor) -> float:
+        calls.append((method.name, x.shape[0]))
+        return 1e-9 if method.name == "tiles" else 1e-6 * x.shape[0]
+
+    sel = _select(tmp_path, mode="measure", factories=[factory], timer=timer)
+    want = [(1, "small"), (8, "small"), *((b, "tiles") for b, _ in m_buckets()[2:])]
+    assert sel.plan == {s: want for s in SHAPES}
+    assert min(rows for name, rows in calls if name == "tiles") == 16
+    assert {(t.candidate, t.max_m) for t in sel.timings if t.candidate == "tiles"} == {
+        ("tiles", b) for b, _ in m_buckets()[2:]
+    }
+
+
 def test_each_timed_call_reads_another_copy_of_the_weight() -> None:
     """Cold caches: calls rotate through copies (same values and layout, other storage)
     that together hold about ``cold_bytes``; a weight too small to matter gets none."""

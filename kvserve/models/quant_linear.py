@@ -49,9 +49,10 @@ WeightPart = torch.Tensor | QuantizedWeight
 # Below that the selection's isolated timing misled on the AMX Xeon: a plan it measured with
 # AMX bf16 at M 2-8 for three projections (timed faster there than the VNNI kernel) ran the
 # model's B = 8 step 22 % slower (574 against 739 tok/s; bench/results/session20/plans,
-# m8.json against good.json), and one measured plan (bad.json: AMX at M 1-8 on three
-# projections, VNNI at 9-16 on one) ran every batch size, prefill too, 20-50 % slower from
-# the first step, for a reason not found (close variants did not: bad16.json, one.json).
+# m8.json against good.json). Worse, with AMX at M = 1 besides (bad.json) the dtype probe,
+# which times the plans' kernels at M = 1, 8 and 32 in alternation, measured bf16 at 0.99x
+# fp32 and ``--dtype auto`` chose float32: every batch size and the prefill ran 20-50 %
+# slower.
 AMX_MIN_ROWS = 9
 
 

@@ -9,17 +9,11 @@ set -euo pipefail
 cd "$(dirname "$0")/../../.."
 BASE=${1:-8b3f4a5}; ROUNDS=${2:-3}
 OUT=bench/results/session18/balance_ab; mkdir -p "$OUT"
-OLD=/tmp/kvserve-base-$BASE
-[ -d "$OLD" ] || git worktree add --detach "$OLD" "$BASE" > /dev/null
+. bench/ab_tree.sh
+OLD=$(ab_worktree "$BASE")
 W=bench/results/session17/throughput_ab
 run() {  # tag tree workload num_prompts max_num_seqs
-  local j="$PWD/$OUT/${1}_$(basename "$3" .jsonl)_b$5_r$i${SUFFIX:-}.json"
-  # NOTE: run from the tree itself: python -m puts the working directory ahead of PYTHONPATH
-  # (until session 20 this ran from the checked-out tree, so both sides ran the new code).
-  (cd "$2" && PYTHONPATH="$2" "$OLDPWD/.venv/bin/python" -m kvserve.cli bench throughput \
-    --workload-file "$OLDPWD/$3" --num-prompts "$4" --max-num-seqs "$5" --num-threads 2 \
-    --output-json "$j") > /dev/null 2>&1
-  echo "$(date -u +%H:%M:%S) $1 $(basename "$3") B=$5: $(python3 -c "import json,sys; print(round(json.load(open(sys.argv[1]))['results']['output_tokens_per_s'], 1))" "$j") tok/s"
+  ab_throughput "$1" "$2" "$3" "$4" "$5" "$OUT/${1}_$(basename "$3" .jsonl)_b$5_r$i${SUFFIX:-}.json"
 }
 for i in $(seq "$ROUNDS"); do
   for tag in old new; do

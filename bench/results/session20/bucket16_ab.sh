@@ -6,10 +6,9 @@
 #   bench/results/session20/bucket16_ab.sh [BASE=545a8d6] [ROUNDS=2] > bench/results/session20/bucket16_ab.txt
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-ROOT=$PWD
 BASE=${1:-545a8d6}; ROUNDS=${2:-2}
-OLD=/tmp/kvserve-base-$BASE
-[ -d "$OLD" ] || git worktree add --detach "$OLD" "$BASE" > /dev/null
+. bench/ab_tree.sh
+OLD=$(ab_worktree "$BASE")
 lscpu | grep -E "Model name|Flags"
 for tag in old new; do
   mkdir -p "/tmp/kvserve-ab-cache-$tag"
@@ -18,11 +17,10 @@ done
 for i in $(seq "$ROUNDS"); do
   for tag in old new; do
     tree=$([ $tag = old ] && echo "$OLD" || echo "$PWD")
-    echo "== $tag round $i $(date -u +%H:%M:%S): $(cd "$tree" && PYTHONPATH="$tree" \
-      "$ROOT/.venv/bin/python" -c 'import kvserve.runtime.kernel_select as k; print(k.__file__, k.DECODE_BOUNDS)')"
-    # NOTE: run from the tree itself: python -m puts the working directory ahead of PYTHONPATH.
-    (cd "$tree" && KVSERVE_CACHE_DIR="/tmp/kvserve-ab-cache-$tag" PYTHONPATH="$tree" \
-      "$ROOT/.venv/bin/python" -m kvserve.bench.runtime_speed --batch-sizes 8 12 16 24 32 \
-      --steps 64 --repeats 3 --threads 2) 2>&1 | grep "^B="
+    echo "== $tag round $i $(date -u +%H:%M:%S): $(in_tree "$tree" "$AB_PY" -c \
+      'import kvserve.runtime.kernel_select as k; print(k.__file__, k.DECODE_BOUNDS)')"
+    KVSERVE_CACHE_DIR="/tmp/kvserve-ab-cache-$tag" in_tree "$tree" "$AB_PY" \
+      -m kvserve.bench.runtime_speed --batch-sizes 8 12 16 24 32 --steps 64 --repeats 3 \
+      --threads 2 2>&1 | grep "^B="
   done
 done

@@ -4,7 +4,8 @@
 # scales, equal to it bit for bit) offered to the selection as "{qtype}_x16_amx_int8".
 # The patch carries a switch for this A/B: AB_NO_INT8=1 leaves the candidate out. Each side
 # keeps its own selection (KVSERVE_CACHE_DIR); alternated ROUNDS times. The record beside this
-# script (amx_int8_ab.txt) was taken with the patch applied to 545a8d6 and the 9-16 bucket.
+# script (amx_int8_ab.txt) was taken with the patch applied to 545a8d6 and the 9-16 bucket;
+# the patch now applies to the tree as of session 20's end (min_rows already there).
 # DTYPE=bfloat16 passes --dtype bfloat16 (amx_int8_bf16_ab.txt): with --dtype auto the fp32
 # plan takes amx_int8 too, and the bf16 / fp32 decision can flip to fp32 (the first record's
 # prefill ran at the fp32 rate).

@@ -294,6 +294,30 @@ def test_amx_bf16_equals_the_dense_amx_copy_bit_for_bit(
 
 
 @needs_amx_bf16
+@pytest.mark.parametrize("qtype", sorted(KERNEL_QTYPES))
+@pytest.mark.parametrize("n", [96, 200, 208, 224])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_amx_bf16_pipelined_groups_equal_the_dense_copy(qtype: str, n: int, threads: int) -> None:
+    """A thread dequantizes the next 32-column group between this one's tile products: many
+    groups per thread, a last group that is half a group (N % 32 = 16: 208) or has plain tail
+    rows (200), and M with one, two and three row pairs."""
+    from kvserve.models.quant_linear import DequantAmxMethod
+
+    gen = torch.Generator().manual_seed(n)
+    x16 = quantize_dense(torch.randn(n, 96, generator=gen), qtype).interleaved()
+    dense = DequantAmxMethod(x16, torch.bfloat16)
+    dense.prepare()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for m in (1, 16, 33, 70):
+            x = torch.randn(m, 96, generator=gen).to(torch.bfloat16)
+            assert torch.equal(quant_ops.amx_bf16_linear(x, x16.data, qtype), dense.apply(x)), m
+    finally:
+        torch.set_num_threads(previous)
+
+
+@needs_amx_bf16
 def test_amx_bf16_writes_a_column_slice_and_reads_strided_rows() -> None:
     weight = quantize_dense(torch.randn(48, 64), "q4_1").interleaved()
     base = torch.randn(20, 80).to(torch.bfloat16)

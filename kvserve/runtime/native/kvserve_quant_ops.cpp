@@ -817,64 +817,68 @@ KVQ_AMXBF16 void amx_bf16_config() {
   _tile_loadconfig(&cfg);
 }
 
-// 16 bytes of values (rows 4i..4i+3 x 4 values each) -> bf16 weights, scaled by dq/mq (the
-// rows' d and m, each repeated 4 times).
-template <int QT>
-KVQ_AMXBF16 inline __m256i dequant16(__m128i bytes, __m512 dq, __m512 mq) {
-  const __m512i q = QT == kQ8_0 ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
-  const __m512 f = _mm512_cvtepi32_ps(q);
-  const __m512 w = QT == kQ8_0 ? _mm512_mul_ps(f, dq) : _mm512_fmadd_ps(f, dq, mq);
-  return (__m256i)_mm512_cvtneps_pbh(w);
+// Lane r: byte J of lane r of `wv` as a float: q8_0's signed value, or a nibble format's low
+// nibble (HIGH: its high nibble).
+template <int QT, int J, bool HIGH>
+KVQ_AMXBF16 inline __m512 lane_value(__m512i wv) {
+  if constexpr (QT == kQ8_0) {
+    return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(wv, 24 - 8 * J), 24));
+  } else {
+    const __m512i s = _mm512_srli_epi32(wv, 8 * J + (HIGH ? 4 : 0));
+    return _mm512_cvtepi32_ps(_mm512_and_si512(s, _mm512_set1_epi32(0x0F)));
+  }
 }
 
-// One chunk (64 bytes: 4 values of each of 16 rows, [row][4]) -> tile rows kp, kp + 1 (row
-// kp: the rows' first two values as bf16 pairs, kp + 1: the other two).
+// The weights of 16 rows: d * q (q8_0) or d * q + m (m = -8 d for q4_0, exact), in float.
 template <int QT>
-KVQ_AMXBF16 inline void chunk_to_tile(__m512i chunk, const __m512* dq, const __m512* mq,
-                                      uint16_t* tile, int kp) {
-  // NOTE: written out: the lane index must be an immediate, which a loop index is only once
-  // the optimizer unrolls the loop (a build at -O0 fails).
-  const __m256i h[4] = {dequant16<QT>(_mm512_extracti32x4_epi32(chunk, 0), dq[0], mq[0]),
-                        dequant16<QT>(_mm512_extracti32x4_epi32(chunk, 1), dq[1], mq[1]),
-                        dequant16<QT>(_mm512_extracti32x4_epi32(chunk, 2), dq[2], mq[2]),
-                        dequant16<QT>(_mm512_extracti32x4_epi32(chunk, 3), dq[3], mq[3])};
-  // 32-bit word 2c of z0:z1 is row c's first pair, word 2c + 1 its second.
-  const __m512i z0 = _mm512_inserti64x4(_mm512_castsi256_si512(h[0]), h[1], 1);
-  const __m512i z1 = _mm512_inserti64x4(_mm512_castsi256_si512(h[2]), h[3], 1);
-  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  _mm512_storeu_si512(tile + kp * 32, _mm512_permutex2var_epi32(z0, even, z1));
-  _mm512_storeu_si512(tile + (kp + 1) * 32, _mm512_permutex2var_epi32(z0, odd, z1));
+KVQ_AMXBF16 inline __m512 scaled(__m512 q, __m512 d, __m512 m) {
+  return QT == kQ8_0 ? _mm512_mul_ps(q, d) : _mm512_fmadd_ps(q, d, m);
+}
+
+// One B tile row: 16 rows' weights k (w0, lane r = row r) and k + 1 (w1) as bf16 pairs.
+KVQ_AMXBF16 inline void store_pairs(__m512 w0, __m512 w1, uint16_t* row) {
+  const __m512i words = (__m512i)_mm512_cvtne2ps_pbh(w1, w0);  // [w0's 16 | w1's 16] (RNE)
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);
+  _mm512_storeu_si512(row, _mm512_permutexvar_epi16(pairs, words));
+}
+
+// One 64-byte chunk (int32 lane r = 4 value bytes of row r) -> tile rows kp (the bytes' values
+// 0 and 1) and kp + 1 (2 and 3); nibble formats: the low nibbles, or with HIGH the high ones.
+// NOTE: lane r stays row r from the load to the store, so each step is one instruction per 16
+// rows, the scales need no shuffling, and one word permute pairs two rows of values. Before
+// session 21 each 16 bytes were widened to 4 values of 4 rows per vector (an extract and a
+// vpmovzx each, the scales shuffled to match, two 2-source permutes per tile row pair): about
+// twice the shuffle-port work, and the dequantization is what bounds this kernel at decode
+// sizes: its cost is per call, and M = 16 took 80-90 % of M = 32's time.
+template <int QT, bool HIGH>
+KVQ_AMXBF16 inline void chunk_to_tile(__m512i wv, __m512 d, __m512 m, uint16_t* tile, int kp) {
+  store_pairs(scaled<QT>(lane_value<QT, 0, HIGH>(wv), d, m),
+              scaled<QT>(lane_value<QT, 1, HIGH>(wv), d, m), tile + kp * 32);
+  store_pairs(scaled<QT>(lane_value<QT, 2, HIGH>(wv), d, m),
+              scaled<QT>(lane_value<QT, 3, HIGH>(wv), d, m), tile + (kp + 1) * 32);
 }
 
 // One x16 group-block (16 rows x 32 values) -> a B tile [16 kp][16 rows][2] bf16.
 template <int QT>
 KVQ_AMXBF16 void dequant_btile(const uint8_t* blk, uint16_t* tile) {
   constexpr int64_t VO = x16_values_offset(QT);
+  // Lane r: row r's d and m.
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
   __m512 m = _mm512_setzero_ps();
   if constexpr (QT == kQ4_1)
     m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
   if constexpr (QT == kQ4_0) m = _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));  // d (q - 8), exact
-  // Lane j of dq[i] / mq[i] holds row 4i + j / 4's d / m.
-  const __m512i lane4 = _mm512_srli_epi32(
-      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2);
-  __m512 dq[4], mq[4];
-  for (int i = 0; i < 4; ++i) {
-    const __m512i rows = _mm512_add_epi32(_mm512_set1_epi32(4 * i), lane4);
-    dq[i] = _mm512_permutexvar_ps(rows, d);
-    mq[i] = _mm512_permutexvar_ps(rows, m);
-  }
   const uint8_t* v = blk + VO;
   if constexpr (QT == kQ8_0) {
     for (int c = 0; c < 8; ++c)
-      chunk_to_tile<QT>(_mm512_loadu_si512(v + 64 * c), dq, mq, tile, 2 * c);
+      chunk_to_tile<QT, false>(_mm512_loadu_si512(v + 64 * c), d, m, tile, 2 * c);
   } else {
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
     for (int c = 0; c < 4; ++c) {
       const __m512i wv = _mm512_loadu_si512(v + 64 * c);
-      chunk_to_tile<QT>(_mm512_and_si512(wv, low4), dq, mq, tile, 2 * c);
-      chunk_to_tile<QT>(_mm512_and_si512(_mm512_srli_epi16(wv, 4), low4), dq, mq, tile, 8 + 2 * c);
+      chunk_to_tile<QT, false>(wv, d, m, tile, 2 * c);
+      chunk_to_tile<QT, true>(wv, d, m, tile, 8 + 2 * c);
     }
   }
 }
@@ -931,16 +935,39 @@ KVQ_AMXBF16 void run_amx_bf16(const uint16_t* xs, int64_t ldx, int64_t m, int64_
     return r < full ? xs + r * ldx : tail + (r - full) * k;
   };
   const int64_t groups = (n + 31) / 32;
+  constexpr int64_t GB = kGroup * kBlockBytes[QT];
+  const int64_t grouped = n / kGroup * kGroup;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     thread_local std::vector<uint16_t> bt_buf;
     thread_local std::vector<float> row_buf;
-    bt_buf.resize(static_cast<size_t>(kblocks * 1024 + 32));
-    uint16_t* bt = reinterpret_cast<uint16_t*>(
-        (reinterpret_cast<uintptr_t>(bt_buf.data()) + 63) & ~uintptr_t(63));
+    const int64_t bt_elems = kblocks * 1024 + 32;
+    bt_buf.resize(static_cast<size_t>(2 * bt_elems));
+    uint16_t* bts[2];
+    for (int b = 0; b < 2; ++b)
+      bts[b] = reinterpret_cast<uint16_t*>(
+          (reinterpret_cast<uintptr_t>(bt_buf.data() + b * bt_elems) + 63) & ~uintptr_t(63));
     amx_bf16_config();
     alignas(64) float cbuf[32 * 32];
+    // NOTE: software pipelined: group G + 1's tiles are dequantized (vector ALU work) between
+    // group G's tile products (AMX work), one k block at a time, so that the two overlap in
+    // the out-of-order window instead of taking turns, and group G + 2's bytes are prefetched
+    // into L2 meanwhile (a decode step's weights come from DRAM: the K/V it read evicted
+    // them). Whole 32-row groups only; a group with plain tail rows is dequantized on its own.
+    // Measured on the AMX Xeon (session 21, two threads, bench/probes/amx_quant_layer.py, a
+    // layer's four projections in turn over 30 layers' weights): 289-318 -> 222-235 us at
+    // M = 32, 255-276 -> 184-212 at M = 16, with the one-row-per-lane dequantization above.
+    // The prefetch took the bare runner's B=32 decode step from 27.3-27.6 to 25.1-26.1 ms.
+    dequant_group<QT>(wp, row_bytes, n, k, g0, bts[0], row_buf);
     for (int64_t G = g0; G < g1; ++G) {
-      dequant_group<QT>(wp, row_bytes, n, k, G, bt, row_buf);
+      uint16_t* bt = bts[(G - g0) % 2];
+      uint16_t* next = bts[(G - g0 + 1) % 2];
+      const bool has_next = G + 1 < g1;
+      const bool pipe = has_next && (G + 1) * 32 + 32 <= grouped;
+      const uint8_t* next_w = wp + (G + 1) * 32 * row_bytes;
+      // The group after next, prefetched into L2 over this group's k blocks.
+      const char* pf = reinterpret_cast<const char*>(wp + (G + 2) * 32 * row_bytes);
+      const int64_t pf_end = G + 2 < g1 ? 32 * row_bytes : 0;
+      const int64_t pf_step = (32 * row_bytes / kblocks + 63) / 64 * 64;
       const int64_t cols = std::min<int64_t>(32, n - G * 32);
       const __mmask32 keep = cols == 32 ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
       for (int64_t r0 = 0; r0 < mpad; r0 += 32) {
@@ -953,6 +980,12 @@ KVQ_AMXBF16 void run_amx_bf16(const uint16_t* xs, int64_t ldx, int64_t m, int64_
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t kb = 0; kb < kblocks; ++kb) {
+          if (pipe && r0 == 0) {
+            for (int64_t b = kb * pf_step; b < std::min(pf_end, (kb + 1) * pf_step); b += 64)
+              _mm_prefetch(pf + b, _MM_HINT_T1);
+            dequant_btile<QT>(next_w + kb * GB, next + kb * 1024);
+            dequant_btile<QT>(next_w + 16 * row_bytes + kb * GB, next + kb * 1024 + 512);
+          }
           const uint16_t* b = bt + kb * 1024;
           _tile_loadd(6, b, 64);
           _tile_loadd(7, b + 512, 64);
@@ -979,6 +1012,7 @@ KVQ_AMXBF16 void run_amx_bf16(const uint16_t* xs, int64_t ldx, int64_t m, int64_
                                    (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
         }
       }
+      if (has_next && !pipe) dequant_group<QT>(wp, row_bytes, n, k, G + 1, next, row_buf);
     }
     _tile_release();
   });

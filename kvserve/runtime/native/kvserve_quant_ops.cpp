@@ -819,13 +819,22 @@ KVQ_AMXBF16 void amx_bf16_config() {
 
 // Lane r: byte J of lane r of `wv` as a float: q8_0's signed value, or a nibble format's low
 // nibble (HIGH: its high nibble).
+// NOTE: int to float through the float bits of 2^23 + q (an add or an OR, then a subtraction,
+// both exact) instead of vcvtdq2ps, which shares its port with the shifts: a layer's Q4_1
+// projections at M = 32 took 224-237 us against 243-256 (bench/results/session21/magic_ab.txt).
 template <int QT, int J, bool HIGH>
 KVQ_AMXBF16 inline __m512 lane_value(__m512i wv) {
   if constexpr (QT == kQ8_0) {
-    return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(wv, 24 - 8 * J), 24));
+    // 2^23 + 2^22 + q as float bits, minus 2^23 + 2^22: q exactly (|q| < 2^22).
+    const __m512i q = _mm512_srai_epi32(_mm512_slli_epi32(wv, 24 - 8 * J), 24);
+    const __m512i b = _mm512_add_epi32(q, _mm512_set1_epi32(0x4B400000));
+    return _mm512_sub_ps(_mm512_castsi512_ps(b), _mm512_set1_ps(12582912.0f));
   } else {
+    // (x & 15) | bits of 2^23 in one ternary-logic op: the float 2^23 + q, minus 2^23: q.
     const __m512i s = _mm512_srli_epi32(wv, 8 * J + (HIGH ? 4 : 0));
-    return _mm512_cvtepi32_ps(_mm512_and_si512(s, _mm512_set1_epi32(0x0F)));
+    const __m512i b = _mm512_ternarylogic_epi32(s, _mm512_set1_epi32(0x0F),
+                                                _mm512_set1_epi32(0x4B000000), 0xEA);
+    return _mm512_sub_ps(_mm512_castsi512_ps(b), _mm512_set1_ps(8388608.0f));
   }
 }
 

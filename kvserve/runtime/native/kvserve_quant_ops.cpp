@@ -965,17 +965,20 @@ KVQ_AMXBF16 void run_amx_bf16(const uint16_t* xs, int64_t ldx, int64_t m, int64_
     // Measured on the AMX Xeon (session 21, two threads, bench/probes/amx_quant_layer.py, a
     // layer's four projections in turn over 30 layers' weights): 289-318 -> 222-235 us at
     // M = 32, 255-276 -> 184-212 at M = 16, with the one-row-per-lane dequantization above.
-    // The prefetch took the bare runner's B=32 decode step from 27.3-27.6 to 25.1-26.1 ms.
+    // The prefetch took the bare runner's B=32 decode step from 27.3-27.6 to 25.1-26.1 ms
+    // (bench/results/session21/weight_prefetch.txt).
     dequant_group<QT>(wp, row_bytes, n, k, g0, bts[0], row_buf);
     for (int64_t G = g0; G < g1; ++G) {
       uint16_t* bt = bts[(G - g0) % 2];
       uint16_t* next = bts[(G - g0 + 1) % 2];
       const bool has_next = G + 1 < g1;
       const bool pipe = has_next && (G + 1) * 32 + 32 <= grouped;
-      const uint8_t* next_w = wp + (G + 1) * 32 * row_bytes;
-      // The group after next, prefetched into L2 over this group's k blocks.
-      const char* pf = reinterpret_cast<const char*>(wp + (G + 2) * 32 * row_bytes);
-      const int64_t pf_end = G + 2 < g1 ? 32 * row_bytes : 0;
+      const uint8_t* next_w = pipe ? wp + (G + 1) * 32 * row_bytes : wp;
+      // The group after next, prefetched into L2 over this group's k blocks (its bytes may run
+      // past the weight's last row: a prefetch never faults).
+      const bool pf_next = G + 2 < g1;
+      const char* pf = reinterpret_cast<const char*>(pf_next ? wp + (G + 2) * 32 * row_bytes : wp);
+      const int64_t pf_end = pf_next ? 32 * row_bytes : 0;
       const int64_t pf_step = (32 * row_bytes / kblocks + 63) / 64 * 64;
       const int64_t cols = std::min<int64_t>(32, n - G * 32);
       const __mmask32 keep = cols == 32 ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;

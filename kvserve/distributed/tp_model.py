@@ -105,8 +105,9 @@ class TPLlamaForCausalLM(LlamaForCausalLM):
         cos, sin = rope_cos_sin(self._inv_freq_on(positions.device), positions, hidden.dtype, ws)
         return self.run_layers(hidden, cos, sin, kv_caches, meta, ws)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Rank 0: the full logits [N, vocab] (float32); other ranks: an empty [N, 0]."""
+    def compute_logits(self, hidden: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
+        """Rank 0: the full logits [N, vocab] (float32, whatever ``keep_dtype`` says: the
+        gather runs in float32); other ranks: an empty [N, 0]."""
         local = super().compute_logits(hidden)  # [N, V / N]
         full = self.tp_group.gather_to_first(local)  # rank 0: [N, V padded]
         if full is None:

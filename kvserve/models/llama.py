@@ -573,11 +573,14 @@ class LlamaForCausalLM(nn.Module):
         out = torch.empty_like(hidden)  # [T, hidden]
         return self.ops.add_rms_norm(hidden, residual, self.norm, self.arch.rms_norm_eps, out, ws)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [N, vocab] (float32) for the rows of ``hidden`` [N, hidden] that sample."""
+    def compute_logits(self, hidden: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
+        """Logits [N, vocab] for the rows of ``hidden`` [N, hidden] that sample: float32, or
+        with ``keep_dtype`` as the lm_head wrote them (the model's dtype; the sampler widens
+        them only where it needs float, see Sampler.sample)."""
         if self._lm_head_key is None:
             self._build_lm_head()
-        return self.lm_head_proj(hidden).float()
+        logits = self.lm_head_proj(hidden)  # [N, vocab]
+        return logits if keep_dtype else logits.float()
 
     @torch.no_grad()
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:

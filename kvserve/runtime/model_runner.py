@@ -119,8 +119,8 @@ class ModelRunner:
             )  # [T, hidden]
             if batch.sample_requests:
                 logits = self.model.compute_logits(
-                    hidden.index_select(0, batch.logits_indices)
-                )  # [N, vocab]
+                    hidden.index_select(0, batch.logits_indices), keep_dtype=True
+                )  # [N, vocab], the model's dtype
                 # NOTE: guarded per request: a row that fails is reported in out.failed
                 # (the engine fails that request) instead of failing the whole step.
                 out.sampled_token_ids, out.logprobs, out.failed = sample_guarded(

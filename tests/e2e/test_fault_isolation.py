@@ -138,8 +138,8 @@ def test_nonfinite_logits_fail_that_request_only(model_dir: Path) -> None:
     real = model.compute_logits
     poisoned_rows = {"count": 0}
 
-    def compute_logits(hidden):  # noqa: ANN001, ANN202 - the model's own signature
-        logits = real(hidden)
+    def compute_logits(hidden, keep_dtype=False):  # noqa: ANN001, ANN202 - the model's own
+        logits = real(hidden, keep_dtype=keep_dtype)
         if logits.shape[0] > 1 and poisoned_rows["count"] == 0:
             poisoned_rows["count"] += 1
             logits[1, 5] = float("nan")  # the second sampling row of the first batch

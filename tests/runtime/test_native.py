@@ -434,3 +434,29 @@ def test_argmax_rows_is_torchs_first_max_with_nan_maximal(dtype: torch.dtype) ->
     assert out.tolist()[:4] == [out[0].item(), 30, 5, 0]
     with pytest.raises(RuntimeError, match="out must be a contiguous int64"):
         _ops().argmax_rows(torch.empty(7, dtype=torch.int32), logits)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    n=st.integers(1, 70),
+    num_values=st.integers(1, 4),
+    specials=st.lists(
+        st.tuples(st.sampled_from(["nan", "inf", "-inf"]), st.integers(0, 69)), max_size=4
+    ),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_argmax_rows_over_vector_tails_and_late_specials(
+    seed: int, n: int, num_values: int, specials: list[tuple[str, int]], dtype: torch.dtype
+) -> None:
+    """Rows shorter and longer than a 16-lane vector, ties across lanes and vectors, a NaN or
+    an infinity anywhere (the one-pass kernel keeps a maximum and its first index per lane)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-2, num_values, (4, n), generator=gen).float()  # [4, n]
+    logits[3] = -float("inf")
+    for k, (value, col) in enumerate(specials):
+        logits[k % 3, col % n] = float(value)
+    logits = logits.to(dtype)
+    out = torch.empty(4, dtype=torch.long)
+    _ops().argmax_rows(out, logits)
+    assert out.tolist() == logits.max(dim=-1).indices.tolist()

@@ -60,11 +60,13 @@ def test_greedy_is_argmax_and_leaves_logits_untouched() -> None:
     vocab=st.integers(1, 300),
     num_values=st.integers(1, 4),
     specials=st.lists(st.sampled_from(["nan", "inf", "-inf", "-inf row"]), max_size=3),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
 )
 def test_greedy_argmax_matches_torch_argmax_on_ties_and_non_finite_values(
-    seed: int, num_rows: int, vocab: int, num_values: int, specials: list[str]
+    seed: int, num_rows: int, vocab: int, num_values: int, specials: list[str], dtype: torch.dtype
 ) -> None:
-    """The greedy pick is torch.argmax's: first maximal index, NaN maximal, all -inf -> 0."""
+    """The greedy pick is torch.argmax's: first maximal index, NaN maximal, all -inf -> 0;
+    on bf16 logits (the lm_head's output, taken as they are) as on float32."""
     gen = torch.Generator().manual_seed(seed)
     # Few distinct values: most rows have ties for the maximum.
     logits = torch.randint(0, num_values, (num_rows, vocab), generator=gen).float()  # [N, V]
@@ -74,9 +76,29 @@ def test_greedy_argmax_matches_torch_argmax_on_ties_and_non_finite_values(
             logits[row] = float("-inf")
         else:
             logits[row, col] = float(special)
+    logits = logits.to(dtype)
     reqs = [make_req(f"r{i}", SamplingParams(temperature=0.0)) for i in range(num_rows)]
     token_ids, _ = Sampler(vocab).sample(logits, reqs)
     assert token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_bf16_logits_sample_as_their_float32_widening() -> None:
+    """The runner hands the sampler the lm_head's bf16 logits: every path (the all-greedy
+    argmax, a mixed batch, logprobs) gives what the same logits widened to float32 give, and
+    the caller's tensor is left as it was."""
+    logits = random_logits(6, seed=3).bfloat16()  # [N, V]
+    logits[2, 9] = logits[2].max()  # a tie for the maximum
+    before = logits.clone()
+    greedy = [make_req(f"g{i}", SamplingParams(temperature=0.0, logprobs=2)) for i in range(4)]
+    mixed = greedy + [
+        make_req("random", SamplingParams(temperature=0.8, top_k=5, logprobs=2), seed=11),
+        make_req("penalised", SamplingParams(temperature=0.0, presence_penalty=0.5)),
+    ]
+    for reqs in (greedy, mixed):
+        rows = logits[: len(reqs)]
+        assert Sampler(VOCAB).sample(rows, reqs) == Sampler(VOCAB).sample(rows.float(), reqs)
+    assert Sampler(VOCAB).sample(logits[:4], greedy)[0] == logits[:4].float().argmax(-1).tolist()
+    assert torch.equal(logits, before)
 
 
 @settings(max_examples=30, deadline=None)

@@ -15,9 +15,10 @@ a real step used beyond the plan (``kvserve bench memory --measure``), of two ki
   1.1 MiB for a 2048-token chunk with 2 threads.
 - **Native decode attention** (``kvserve::paged_decode_attention``, our own kernel): per
   thread one float buffer for a task's scores ``[heads, context]`` and its queries and
-  accumulators ``[heads, 2 * head_dim]``, kept for the call:
-  :func:`native_decode_scratch_bytes` (exact from kvserve_cpu_ops.cpp, bounded by the
-  block table's width). 0.3 MiB per thread for the embedded model at 8,192 tokens.
+  accumulators ``[heads, 2 * head_dim]``, and the line stream's runs (a few per block of
+  the block table), kept for the call: :func:`native_decode_scratch_bytes` (exact from
+  kvserve_cpu_ops.cpp, bounded by the block table's width). 0.4 MiB per thread for the
+  embedded model at 8,192 tokens (block size 16).
 - **GEMM library buffers** (MKL's packing buffers behind ``aten.mm``): sized by the
   library's own blocking, per thread and per shape, and then kept by the library across
   calls (its memory manager caches them), so they are a fixed cost once the largest step
@@ -105,18 +106,25 @@ def sdpa_cpu_flash_scratch_bytes(
 
 
 def native_decode_scratch_bytes(
-    num_heads: int, max_context: int, head_dim: int, num_threads: int
+    num_heads: int, max_context: int, head_dim: int, num_threads: int, max_blocks: int
 ) -> int:
     """Most bytes ``kvserve::paged_decode_attention`` holds during one call.
 
     Each thread's tasks share one ``std::vector<float>`` sized for a task's query heads
     (at most all ``num_heads`` of a sequence) times ``context + 2 * head_dim`` (scores, then
     float queries and accumulators); ``max_context`` bounds the context (the block table's
-    width in tokens).
+    width in tokens). Each thread's line stream (``LineStream``, on AVX-512 CPUs) holds the
+    runs of two tasks and builds a third's, up to ``2 * (max_blocks + 1)`` runs of 32 bytes
+    each (``max_blocks``: the block table's width).
     """
     if num_threads < 1:
         raise ValueError(f"num_threads must be >= 1, got {num_threads}")
-    return num_threads * num_heads * (max_context + 2 * head_dim) * 4
+    stream = 3 * 2 * (max_blocks + 1) * _LINE_RUN_BYTES
+    return num_threads * (num_heads * (max_context + 2 * head_dim) * 4 + stream)
+
+
+# sizeof(LineStream::Run) in kvserve_cpu_ops.cpp: a pointer and three int64s.
+_LINE_RUN_BYTES = 32
 
 
 @dataclass(frozen=True, slots=True, order=True)

@@ -265,7 +265,7 @@ class LifetimeRecorder(TorchDispatchMode):
             q, kv_cache, block_tables = args[1], args[2], args[3]
             max_context = block_tables.shape[1] * kv_cache.shape[2]
             size = native_decode_scratch_bytes(
-                q.shape[1], max_context, q.shape[2], self.num_threads
+                q.shape[1], max_context, q.shape[2], self.num_threads, block_tables.shape[1]
             )
             self._add_scratch(size, step, "kernel scratch: native decode attention")
 

@@ -414,8 +414,8 @@ def test_memory_plan_traces_the_native_ops_and_counts_their_scratch() -> None:
         arch, max_num_batched_tokens=8, max_num_seqs=8, max_model_len=64, block_size=4,
         steps=["decode"], num_threads=2, attn_backend="native", model_factory=LlamaForCausalLM,
     )  # fmt: skip
-    # The decode step's 8 sequences of up to 64 tokens: one scratch per thread.
-    assert plan.kernel_scratch_bytes == native_decode_scratch_bytes(4, 64, 8, 2)
+    # The decode step's 8 sequences of up to 64 tokens (16 blocks): one scratch per thread.
+    assert plan.kernel_scratch_bytes == native_decode_scratch_bytes(4, 64, 8, 2, 16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

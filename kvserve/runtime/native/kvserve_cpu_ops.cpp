@@ -290,7 +290,8 @@ inline Visible visible_ranges(int64_t seq_len, int64_t window, int64_t sinks) {
 // j counts visible positions from 0, row points at the run's first [kvh, d] row in `plane`
 // (the next rows follow at a stride of kvh * d). With `prefetch_to` != 0, each run's rows
 // `prefetch_to` elements further on (the other plane) and the next run's rows are
-// prefetched while f works on this one.
+// prefetched while f works on this one (the portable kernels of decode_seq; the AVX-512 ones
+// of decode_seq_wide stream their lines instead: LineStream).
 // NOTE: a run is at most one block (12 KB of K for the embedded model in fp32, 6 in bf16),
 // in whatever order the allocator gave out blocks: too short for the hardware prefetcher to
 // ramp up on. At B=32 the K/V of a layer come cold from DRAM (the weight stream evicted
@@ -327,6 +328,82 @@ inline void for_each_visible_run(const scalar_t* plane, const int32_t* table, in
     }
   }
 }
+
+// A LineStream's reach: at most this many lines past what its reader has read, and at most
+// this many lines a pump (the K pass pumps every 8 key rows of a head, the V pass every row).
+// NOTE: bench/probes/attn_cold.py --huge-pages --threads 2 --len 192, session 22 (the AMX
+// Xeon): 256, 512 or 1024 lines ahead all took 260-303 us a layer at 4 a pump (325-329
+// before); 2 a pump fell behind the reader (438-487 us), 8 a pump 283-303.
+constexpr int64_t kStreamAhead = 512;
+constexpr int64_t kPumpLines = 4;
+
+// The cache lines one thread's decode attention tasks read, in the order they read them (a
+// task's K rows, then its V rows, then the next task's), prefetched into L2 a few at a time
+// from inside the kernels' loops (`pump`), at most kStreamAhead lines past what they have
+// read (`consumed`, reported a kv head's rows at a time). The caller adds each task's runs
+// (`add`) one task ahead of the one it runs, so it holds at most two tasks' runs.
+// NOTE: why. Prefetching a block's ~200 K and V lines at once, as for_each_visible_run does,
+// left a step's cold read and its arithmetic one after the other: a third q . k pass added
+// its hot cost in full to the cold one (bench/results/session22/attn_overlap.txt). A burst
+// of prefetches fills the L1's miss buffers (a prefetch to L2 takes one too), and the loads
+// behind it wait. On a synthetic stream (bench/probes/prefetch_overlap.cpp) prefetches of 32
+// lines at a time overlapped none of the read with the arithmetic, 8 or 1 at a time most.
+class LineStream {
+ public:
+  // `rows` rows of `span` contiguous lines each, `stride` bytes apart, from `first`.
+  struct Run {
+    const char* first;
+    int64_t span, stride, rows;
+  };
+
+  // Room for two tasks' runs of up to `max_runs` each (kvserve/runtime/kernel_scratch.py
+  // counts it).
+  explicit LineStream(int64_t max_runs) { runs_.reserve(static_cast<size_t>(2 * max_runs)); }
+
+  // Appends a task's runs, dropping those already streamed.
+  void add(const std::vector<Run>& task_runs) {
+    runs_.erase(runs_.begin(), runs_.begin() + next_);
+    next_ = 0;
+    runs_.insert(runs_.end(), task_runs.begin(), task_runs.end());
+  }
+
+  // The reader has read `lines` more lines of the stream.
+  void consumed(int64_t lines) { consumed_ += lines; }
+
+  // Prefetches up to `n` more lines, never more than kStreamAhead past what was read.
+  __attribute__((always_inline)) inline void pump(int64_t n) {
+    n = std::min(n, consumed_ + kStreamAhead - issued_);
+    for (; n > 0; --n) {
+      if (left_ == 0) {
+        if (rows_left_ > 0) {
+          row_ += stride_;
+          --rows_left_;
+        } else {
+          if (next_ >= static_cast<int64_t>(runs_.size())) return;
+          const Run& r = runs_[next_++];
+          row_ = r.first;
+          span_ = r.span;
+          stride_ = r.stride;
+          rows_left_ = r.rows - 1;
+        }
+        at_ = row_;
+        left_ = span_;
+      }
+      __builtin_prefetch(at_, 0, 2);
+      at_ += 64;
+      --left_;
+      ++issued_;
+    }
+  }
+
+ private:
+  std::vector<Run> runs_;
+  int64_t next_ = 0, consumed_ = 0, issued_ = 0;
+  // The cursor: the line, the lines left in its row, the row and the rows left in its run.
+  const char* at_ = nullptr;
+  const char* row_ = nullptr;
+  int64_t left_ = 0, span_ = 0, stride_ = 0, rows_left_ = 0;
+};
 
 // scores[r] = q . k_r for n key rows k_r = k + r * stride (d floats each).
 // NOTE: four rows per loop: four independent FMA chains. One dot product alone is a chain
@@ -685,7 +762,7 @@ inline __m512 sum16(const __m512* v) {
 // one (`if (r < n)`), GCC kept the accumulators on the stack.
 template <int G, typename q_t, typename kv_t>
 void dot_group16(const q_t* q, const kv_t* const* rows, int64_t off, int64_t n, int64_t d,
-                 float scale, float* scores, int64_t sstride) {
+                 float scale, float* scores, int64_t sstride, LineStream& lines) {
   const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
   for (int g = 0; g < G; ++g) {
     __m512 acc[16];
@@ -693,7 +770,10 @@ void dot_group16(const q_t* q, const kv_t* const* rows, int64_t off, int64_t n, 
     for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t i = 0; i < d; i += 32) {
 #pragma GCC unroll 16
-      for (int r = 0; r < 16; ++r) acc[r] = dot32(acc[r], q + g * d + i, rows[r] + off + i);
+      for (int r = 0; r < 16; ++r) {
+        acc[r] = dot32(acc[r], q + g * d + i, rows[r] + off + i);
+        if (r % 8 == 7) lines.pump(kPumpLines);
+      }
     }
     const __m512 s = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale));
     _mm512_mask_storeu_ps(scores + g * sstride, mask, s);
@@ -707,7 +787,7 @@ void dot_group16(const q_t* q, const kv_t* const* rows, int64_t off, int64_t n, 
 // rows) when there are 8 or fewer, to have enough independent FMA chains.
 template <int G, int C, typename kv_t>
 void axpy_group16(const float* p, int64_t pstride, const kv_t* v, int64_t stride, int64_t n,
-                  int64_t d, float* acc) {
+                  int64_t d, float* acc, LineStream& lines) {
   constexpr int K = 2 * C;  // float vectors per pass and head
   constexpr int S = K * G <= 8 ? 2 : 1;
   for (int64_t i = 0; i < d; i += 32 * C) {
@@ -728,6 +808,7 @@ void axpy_group16(const float* p, int64_t pstride, const kv_t* v, int64_t stride
     };
     int64_t r = 0;
     for (; r + S <= n; r += S) {
+      lines.pump(kPumpLines);
       for (int s = 0; s < S; ++s) row(s, r + s);
     }
     for (; r < n; ++r) row(0, r);
@@ -743,8 +824,9 @@ void axpy_group16(const float* p, int64_t pstride, const kv_t* v, int64_t stride
 template <typename kv_t>
 struct WideKernels {
   void (*dot)(const WideQuery<kv_t>*, const kv_t* const*, int64_t, int64_t, int64_t, float,
-              float*, int64_t);
-  void (*axpy)(const float*, int64_t, const kv_t*, int64_t, int64_t, int64_t, float*);
+              float*, int64_t, LineStream&);
+  void (*axpy)(const float*, int64_t, const kv_t*, int64_t, int64_t, int64_t, float*,
+               LineStream&);
 };
 
 // The AVX-512 kernels for `group` query heads per KV head (nullptr: none).
@@ -779,8 +861,9 @@ void decode_seq_wide(const WideKernels<scalar_t>& wide, const scalar_t* q, scala
                      const scalar_t* k_plane, const scalar_t* v_plane, const int32_t* table,
                      int64_t seq_len, int64_t block_size, int64_t kvh, int64_t h0, int64_t h1,
                      int64_t group, int64_t d, float scale, int64_t window, int64_t sinks,
-                     std::vector<float>& buf) {
+                     std::vector<float>& buf, LineStream& lines) {
   using q_t = WideQuery<scalar_t>;
+  const int64_t head_lines = d * static_cast<int64_t>(sizeof(scalar_t)) / 64;
   const Visible vis = visible_ranges(seq_len, window, sinks);
   const int64_t n_vis = vis.count(seq_len);
   const int64_t nq = (h1 - h0) * group;
@@ -810,12 +893,14 @@ void decode_seq_wide(const WideKernels<scalar_t>& wide, const scalar_t* q, scala
     for (int64_t r = count; r < 16; ++r) rows[r] = rows[count - 1];
     for (int64_t h = h0; h < h1; ++h) {
       const int64_t iq = (h - h0) * group;
-      wide.dot(qk + iq * d, rows, h * d, count, d, scale, scores + iq * n_vis + j0, n_vis);
+      wide.dot(qk + iq * d, rows, h * d, count, d, scale, scores + iq * n_vis + j0, n_vis,
+               lines);
+      lines.consumed(count * head_lines);
     }
     j0 += count;
     count = 0;
   };
-  for_each_visible_run(k_plane, table, block_size, row_elems, vis, seq_len, v_plane - k_plane,
+  for_each_visible_run(k_plane, table, block_size, row_elems, vis, seq_len, 0,
                        [&](int64_t, const scalar_t* row, int64_t n) {
     for (int64_t r = 0; r < n; ++r) {
       rows[count++] = row + r * row_elems;
@@ -829,7 +914,9 @@ void decode_seq_wide(const WideKernels<scalar_t>& wide, const scalar_t* q, scala
                        [&](int64_t j, const scalar_t* row, int64_t n) {
     for (int64_t h = h0; h < h1; ++h) {
       const int64_t iq = (h - h0) * group;
-      wide.axpy(scores + iq * n_vis + j, n_vis, row + h * d, row_elems, n, d, acc + iq * d);
+      wide.axpy(scores + iq * n_vis + j, n_vis, row + h * d, row_elems, n, d, acc + iq * d,
+                lines);
+      lines.consumed(n * head_lines);
     }
   });
   scalar_t* o0 = out + h0 * group * d;
@@ -915,6 +1002,45 @@ void silu_mul_row_wide(const scalar_t* gu, scalar_t* o, int64_t inter) {
 #endif  // __AVX512BW__ && __AVX512VL__
 #endif  // __AVX512F__
 
+// Whether decode_seq takes the AVX-512 kernels (decode_seq_wide) for this shape.
+template <typename scalar_t>
+bool uses_wide_kernels(int64_t group, int64_t d) {
+#if defined(__AVX512F__)
+  if constexpr (kHasGroupKernels<scalar_t>) return wide_kernels<scalar_t>(group, d) != nullptr;
+#endif
+  return false;
+}
+
+// Most LineStream runs of one task of paged_decode_attention: one a plane and block, and a
+// block more where a window's gap splits one.
+inline int64_t max_task_runs(int64_t max_blocks) { return 2 * (max_blocks + 1); }
+
+// The LineStream runs of one task of paged_decode_attention (kv heads [h0, h0 + heads) of
+// sequence b): its visible rows' K lines, then their V lines, one run a block, in the order
+// decode_seq_wide reads them.
+template <typename scalar_t>
+void task_runs(const scalar_t* k_plane, const scalar_t* v_plane, const int32_t* table,
+               int64_t seq_len, int64_t block_size, int64_t row_elems, int64_t d, int64_t h0,
+               int64_t heads, int64_t window, int64_t sinks,
+               std::vector<LineStream::Run>& runs) {
+  const int64_t row_bytes = row_elems * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t span = heads * d * static_cast<int64_t>(sizeof(scalar_t)) / 64;  // a row's lines
+  const bool whole = span * 64 == row_bytes;  // the task's rows follow one another
+  const Visible vis = visible_ranges(seq_len, window, sinks);
+  runs.clear();
+  for (const scalar_t* plane : {k_plane, v_plane}) {
+    for_each_visible_run(plane, table, block_size, row_elems, vis, seq_len, 0,
+                         [&](int64_t, const scalar_t* row, int64_t n) {
+      const char* at = reinterpret_cast<const char*>(row + h0 * d);
+      if (whole) {
+        runs.push_back({at, n * span, 0, 1});
+      } else {
+        runs.push_back({at, span, row_bytes, n});
+      }
+    });
+  }
+}
+
 // Decode attention of one sequence for kv heads [h0, h1): each kv head's `group` query heads
 // attend over the visible positions, read in place from the cache blocks. Where the AVX-512
 // kernels take the shape (decode_seq_wide), they do; the choice depends on the model only, so
@@ -926,12 +1052,12 @@ void decode_seq(const scalar_t* q,        // [H, d] this sequence's query heads
                 const scalar_t* v_plane,  // cache[1]
                 const int32_t* table, int64_t seq_len, int64_t block_size, int64_t kvh,
                 int64_t h0, int64_t h1, int64_t group, int64_t d, float scale, int64_t window,
-                int64_t sinks, std::vector<float>& buf) {
+                int64_t sinks, std::vector<float>& buf, LineStream& lines) {
 #if defined(__AVX512F__)
   if constexpr (kHasGroupKernels<scalar_t>) {
     if (const WideKernels<scalar_t>* wide = wide_kernels<scalar_t>(group, d)) {
       decode_seq_wide<scalar_t>(*wide, q, out, k_plane, v_plane, table, seq_len, block_size,
-                                kvh, h0, h1, group, d, scale, window, sinks, buf);
+                                kvh, h0, h1, group, d, scale, window, sinks, buf, lines);
       return;
     }
   }
@@ -1095,14 +1221,28 @@ void paged_decode_attention(Tensor out, Tensor q, Tensor kv_cache, Tensor block_
     const int64_t parts = std::min<int64_t>(threads, (tasks + grain - 1) / grain);
     const std::vector<int64_t> bounds =
         balanced_bounds(tasks, parts, [&](int64_t task) { return seq_work[task / per_seq]; });
+    const bool stream = uses_wide_kernels<scalar_t>(group, d);
     at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
       std::vector<float> buf;
+      LineStream lines(stream ? max_task_runs(max_blocks) : 0);
+      std::vector<LineStream::Run> runs;  // one task's
+      if (stream) runs.reserve(static_cast<size_t>(max_task_runs(max_blocks)));
+      auto stream_task = [&](int64_t task) {
+        if (!stream || task >= bounds[p1]) return;
+        const int64_t b = task / per_seq;
+        task_runs(k_plane, v_plane, tables + b * max_blocks, lens[b], block_size, kvh * d, d,
+                  task % per_seq * heads_per_task, heads_per_task, sliding_window,
+                  num_sink_tokens, runs);
+        lines.add(runs);
+      };
+      stream_task(bounds[p0]);
       for (int64_t task = bounds[p0]; task < bounds[p1]; ++task) {
+        stream_task(task + 1);  // the stream may run into the next task, not further
         const int64_t b = task / per_seq, h0 = task % per_seq * heads_per_task;
         decode_seq<scalar_t>(qp + b * qs, op + b * heads * d, k_plane, v_plane,
                              tables + b * max_blocks, lens[b], block_size, kvh, h0,
                              h0 + heads_per_task, group, d, static_cast<float>(scale),
-                             sliding_window, num_sink_tokens, buf);
+                             sliding_window, num_sink_tokens, buf, lines);
       }
     });
   });

@@ -28,3 +28,19 @@ ab_throughput() {
     > /dev/null 2>&1
   echo "$(date -u +%H:%M:%S) $1 $(basename "$3") B=$5: $("$AB_PY" -c "import json,sys; print(round(json.load(open(sys.argv[1]))['results']['output_tokens_per_s'], 1))" "$AB_ROOT/$6") tok/s"
 }
+
+# ab_rounds ROUNDS OLD_TREE SIDE_FN: SIDE_FN TAG TREE ROUND for each round, "old" (OLD_TREE)
+# then "new" (the checked-out tree), each with its own KVSERVE_CACHE_DIR (so each side
+# measures and keeps its own kernel selection), after a header line naming the side.
+ab_rounds() {
+  local rounds="$1" old="$2" fn="$3" i tag tree
+  for tag in old new; do mkdir -p "/tmp/kvserve-ab-cache-$tag"; done
+  for i in $(seq "$rounds"); do
+    for tag in old new; do
+      tree=$([ "$tag" = old ] && echo "$old" || echo "$AB_ROOT")
+      export KVSERVE_CACHE_DIR="/tmp/kvserve-ab-cache-$tag"
+      echo "== $tag round $i $(date -u +%H:%M:%S) ($tree)"
+      "$fn" "$tag" "$tree" "$i"
+    done
+  done
+}

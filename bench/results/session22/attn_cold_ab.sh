@@ -9,13 +9,10 @@ BASE=${1:-b66c10f}; ROUNDS=${2:-2}
 . bench/ab_tree.sh
 OLD=$(ab_worktree "$BASE")
 lscpu | grep -E "Model name|Flags"
-for i in $(seq "$ROUNDS"); do
-  for tag in old new; do
-    tree=$([ $tag = old ] && echo "$OLD" || echo "$PWD")
-    echo "== $tag round $i $(date -u +%H:%M:%S) ($tree)"
-    for shape in "--len 192" "--len 464" "--len 192 --batch 8"; do
-      # shellcheck disable=SC2086
-      echo "$shape: $(in_tree "$tree" "$AB_PY" bench/probes/attn_cold.py --huge-pages --threads 2 $shape 2>&1 | grep random)"
-    done
+side() {  # tag tree round
+  for shape in "--len 192" "--len 464" "--len 192 --batch 8"; do
+    # shellcheck disable=SC2086
+    echo "$shape: $(in_tree "$2" "$AB_PY" bench/probes/attn_cold.py --huge-pages --threads 2 $shape 2>&1 | grep random)"
   done
-done
+}
+ab_rounds "$ROUNDS" "$OLD" side

@@ -340,8 +340,9 @@ constexpr int64_t kPumpLines = 4;
 // The cache lines one thread's decode attention tasks read, in the order they read them (a
 // task's K rows, then its V rows, then the next task's), prefetched into L2 a few at a time
 // from inside the kernels' loops (`pump`), at most kStreamAhead lines past what they have
-// read (`consumed`, reported a kv head's rows at a time). The caller adds each task's runs
-// (`add`) one task ahead of the one it runs, so it holds at most two tasks' runs.
+// read (`consumed`, reported a kv head's rows at a time). The caller pushes each task's runs
+// one task ahead of the one it runs (`push`, `begin_task`), so the stream holds at most two
+// tasks' runs; a stream that fell behind the reader skips to the task it begins.
 // NOTE: why. Prefetching a block's ~200 K and V lines at once, as for_each_visible_run does,
 // left a step's cold read and its arithmetic one after the other: a third q . k pass added
 // its hot cost in full to the cold one (bench/results/session22/attn_overlap.txt). A burst
@@ -360,11 +361,23 @@ class LineStream {
   // counts it).
   explicit LineStream(int64_t max_runs) { runs_.reserve(static_cast<size_t>(2 * max_runs)); }
 
-  // Appends a task's runs, dropping those already streamed.
-  void add(const std::vector<Run>& task_runs) {
-    runs_.erase(runs_.begin(), runs_.begin() + next_);
-    next_ = 0;
+  // Appends the runs of the task after those pushed so far.
+  void push(const std::vector<Run>& task_runs) {
+    for (const Run& r : task_runs) pushed_lines_ += r.span * r.rows;
     runs_.insert(runs_.end(), task_runs.begin(), task_runs.end());
+  }
+
+  // The reader begins the oldest pushed task it has not begun: the runs before it go.
+  void begin_task() {
+    if (issued_ < task_line_) {  // behind the reader: skip to this task's first line
+      next_ = task_run_;
+      left_ = rows_left_ = 0;
+      issued_ = task_line_;
+    }
+    runs_.erase(runs_.begin(), runs_.begin() + task_run_);
+    next_ -= task_run_;
+    task_run_ = static_cast<int64_t>(runs_.size());  // where the next push starts
+    task_line_ = pushed_lines_;
   }
 
   // The reader has read `lines` more lines of the stream.
@@ -398,7 +411,9 @@ class LineStream {
 
  private:
   std::vector<Run> runs_;
-  int64_t next_ = 0, consumed_ = 0, issued_ = 0;
+  int64_t next_ = 0, consumed_ = 0, issued_ = 0, pushed_lines_ = 0;
+  // The first run and line of the task the reader begins next.
+  int64_t task_run_ = 0, task_line_ = 0;
   // The cursor: the line, the lines left in its row, the row and the rows left in its run.
   const char* at_ = nullptr;
   const char* row_ = nullptr;
@@ -1227,17 +1242,18 @@ void paged_decode_attention(Tensor out, Tensor q, Tensor kv_cache, Tensor block_
       LineStream lines(stream ? max_task_runs(max_blocks) : 0);
       std::vector<LineStream::Run> runs;  // one task's
       if (stream) runs.reserve(static_cast<size_t>(max_task_runs(max_blocks)));
-      auto stream_task = [&](int64_t task) {
+      auto push_task = [&](int64_t task) {
         if (!stream || task >= bounds[p1]) return;
         const int64_t b = task / per_seq;
         task_runs(k_plane, v_plane, tables + b * max_blocks, lens[b], block_size, kvh * d, d,
                   task % per_seq * heads_per_task, heads_per_task, sliding_window,
                   num_sink_tokens, runs);
-        lines.add(runs);
+        lines.push(runs);
       };
-      stream_task(bounds[p0]);
+      push_task(bounds[p0]);
       for (int64_t task = bounds[p0]; task < bounds[p1]; ++task) {
-        stream_task(task + 1);  // the stream may run into the next task, not further
+        if (stream) lines.begin_task();
+        push_task(task + 1);  // the stream may run into the next task, not further
         const int64_t b = task / per_seq, h0 = task % per_seq * heads_per_task;
         decode_seq<scalar_t>(qp + b * qs, op + b * heads * d, k_plane, v_plane,
                              tables + b * max_blocks, lens[b], block_size, kvh, h0,

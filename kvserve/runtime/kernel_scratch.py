@@ -105,6 +105,10 @@ def sdpa_cpu_flash_scratch_bytes(
     return total
 
 
+# sizeof(LineStream::Run) in kvserve_cpu_ops.cpp: a pointer and three int64s.
+_LINE_RUN_BYTES = 32
+
+
 def native_decode_scratch_bytes(
     num_heads: int, max_context: int, head_dim: int, num_threads: int, max_blocks: int
 ) -> int:
@@ -121,10 +125,6 @@ def native_decode_scratch_bytes(
         raise ValueError(f"num_threads must be >= 1, got {num_threads}")
     stream = 3 * 2 * (max_blocks + 1) * _LINE_RUN_BYTES
     return num_threads * (num_heads * (max_context + 2 * head_dim) * 4 + stream)
-
-
-# sizeof(LineStream::Run) in kvserve_cpu_ops.cpp: a pointer and three int64s.
-_LINE_RUN_BYTES = 32
 
 
 @dataclass(frozen=True, slots=True, order=True)

@@ -1323,19 +1323,8 @@ int64_t argmax_row(const scalar_t* x, int64_t n) {
   return 0;  // n == 0 is rejected by the caller
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(KVSERVE_WIDE_SILU)
 #define KVSERVE_WIDE_ARGMAX 1
-// 16 floats from i (masked lanes -inf): float as is, bf16 widened exactly.
-inline __m512 argmax_load16(const float* x, __mmask16 m) {
-  return _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), m, x);
-}
-
-inline __m512 argmax_load16(const c10::BFloat16* x, __mmask16 m) {
-  const __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, x));
-  const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-  return _mm512_mask_blend_ps(m, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), v);
-}
-
 // argmax_row in one pass over 16 lanes: lane j keeps the largest value among elements
 // j, j + 16, ... and its first index (a later equal value does not replace it); the row's
 // answer is the smallest index among the lanes holding the largest value. A NaN ends the
@@ -1344,13 +1333,14 @@ inline __m512 argmax_load16(const c10::BFloat16* x, __mmask16 m) {
 // scalar: greedy decoding's [32, 49152] bf16 logits took 0.47 ms on two threads, warm.
 template <typename scalar_t>
 int64_t argmax_row_wide(const scalar_t* x, int64_t n) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 best = _mm512_set1_ps(-kInf);  // masked tail lanes read as -inf too
   __m512i at = lane;  // index of `best` per lane
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xFFFF)
                                     : static_cast<__mmask16>((1u << (n - i)) - 1);
-    const __m512 v = argmax_load16(x + i, m);
+    const __m512 v = _mm512_mask_blend_ps(m, _mm512_set1_ps(-kInf), load16(x + i, m));
     const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     if (nan != 0) return i + __builtin_ctz(nan);
     const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);

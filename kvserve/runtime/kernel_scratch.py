@@ -46,6 +46,11 @@ def _could_pack(dtype: torch.dtype) -> bool:
     name = probe.get(dtype)
     if name is None:
         return False
+    # NOTE: on an AMX CPU, a oneDNN cap below AMX (ONEDNN_MAX_CPU_ISA=AVX2 or AVX512_CORE_BF16:
+    # how another CPU kind's paths are run here) turns the packing off (measured).
+    isa_cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL"
+    if "AMX" not in isa_cap.upper() and isa_cap.upper() not in ("ALL", "DEFAULT"):
+        return False
     check = getattr(torch.cpu, name, None)
     return bool(check()) if check is not None else True  # unknown: assume it packs (bound)
 

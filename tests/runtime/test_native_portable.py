@@ -5,7 +5,8 @@ under a ``target`` attribute that needs more than the enclosing function enables
 inside an AVX-512 function does not inherit the attribute) builds on an AVX-512 CPU and fails
 on an AVX2-only one, taking every quantized kernel with it. This happened (session 13, AVX2
 EPYC). Each source is compiled here, without optimization (the quickest codegen that still
-checks inlining and immediates), for the AVX2 baseline and for the widest kind (AMX).
+checks inlining and immediates), for the AVX2 baseline, AVX-512 without BF16 and the widest
+kind (AMX).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from torch.utils.cpp_extension import include_paths
 from kvserve.runtime import native
 from kvserve.runtime.native import quant_ops
 
-# x86-64-v3: AVX2 + FMA + F16C (the AVX2-only EPYC); sapphirerapids: AVX-512 VNNI/BF16 + AMX.
-MARCHES = ("x86-64-v3", "sapphirerapids")
+# x86-64-v3: AVX2 + FMA + F16C (the AVX2-only EPYC); icelake-server: AVX-512 without BF16
+# (the kernels' non-BF16 AVX-512 branches); sapphirerapids: AVX-512 VNNI/BF16 + AMX.
+MARCHES = ("x86-64-v3", "icelake-server", "sapphirerapids")
 SOURCES = (*native.SOURCES, quant_ops.SOURCE)
 
 pytestmark = pytest.mark.skipif(

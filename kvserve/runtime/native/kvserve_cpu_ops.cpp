@@ -146,42 +146,6 @@ void rms_row(scalar_t* h, const scalar_t* r, const scalar_t* w, scalar_t* o, int
   }
 }
 
-// hidden += residual (if given); out = rms_norm(hidden) * weight, row by row. out may be
-// residual itself: a row's residual is read before its output is written.
-void add_rms_norm(Tensor hidden, const std::optional<Tensor>& residual, Tensor weight,
-                  double eps, Tensor out) {
-  check_rows(hidden, "hidden");
-  check_rows(out, "out");
-  check_cpu(weight, "weight");
-  const int64_t rows = hidden.size(0), n = hidden.size(1);
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == n, "weight must have ", n,
-              " contiguous elements");
-  TORCH_CHECK(out.sizes() == hidden.sizes(), "out must match hidden's shape");
-  TORCH_CHECK(out.scalar_type() == hidden.scalar_type() &&
-                  weight.scalar_type() == hidden.scalar_type(),
-              "hidden, weight and out must share a dtype");
-  if (residual.has_value()) {
-    check_rows(*residual, "residual");
-    TORCH_CHECK(residual->sizes() == hidden.sizes() &&
-                    residual->scalar_type() == hidden.scalar_type(),
-                "residual must match hidden's shape and dtype");
-  }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, hidden.scalar_type(), "add_rms_norm",
-                                  [&] {
-    scalar_t* h = hidden.data_ptr<scalar_t>();
-    const scalar_t* res = residual.has_value() ? residual->data_ptr<scalar_t>() : nullptr;
-    const scalar_t* w = weight.data_ptr<scalar_t>();
-    scalar_t* o = out.data_ptr<scalar_t>();
-    const int64_t hs = hidden.stride(0), rs = res ? residual->stride(0) : 0, os = out.stride(0);
-    at::parallel_for(0, rows, grain_for(n), [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        rms_row<scalar_t>(h + t * hs, res ? res + t * rs : nullptr, w, o + t * os, n,
-                          static_cast<float>(eps));
-      }
-    });
-  });
-}
-
 // One token of rope_: heads rows of d, cos/sin rows c/s of d.
 template <typename scalar_t>
 void rope_row(scalar_t* x, const scalar_t* c, const scalar_t* s, int64_t heads, int64_t d) {
@@ -712,10 +676,11 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_add_epi32(_mm512_castps_si512(p),
-                                        _mm512_slli_epi32(_mm512_cvttps_epi32(n), 23));
-  const __mmask16 zero = _mm512_cmp_ps_mask(n, _mm512_set1_ps(-126.0f), _CMP_LT_OQ);
-  return _mm512_mask_blend_ps(zero, _mm512_castsi512_ps(bits), _mm512_setzero_ps());
+  // NOTE: p * 2^n in one vscalefps instead of exp_approx's exponent-bits add, its n < -126
+  // select and the float -> int conversion (4 of ~20 instructions; silu_mul's [32, 1536] bf16
+  // row set 28 -> 26 us, one thread). Same bits: after the clamp n >= -126 and r > 0 at
+  // n = -126, so p * 2^n is a normal float, which the bits add builds exactly too.
+  return _mm512_scalef_ps(p, n);
 }
 
 // softmax_rows with exp16: the exponentials summed in 16 lanes instead of the compiler's 8.
@@ -982,9 +947,23 @@ inline __m512 round16<float>(__m512 v) {
   return v;
 }
 
+// NOTE: with AVX512_BF16, vcvtneps2bf16 rounds to nearest even in one instruction where
+// bf16_bits16 takes six (silu_mul's [32, 1536] bf16 rows 35 -> 28 us, one thread). Same bits
+// but for NaN (a quiet NaN keeping its sign, not 0x7FC0) and denormals (flushed to zero:
+// the instruction ignores MXCSR), which no activation of a real model reaches.
+#if defined(__AVX512BF16__)
+inline __m256i bf16_words16(__m512 v) {
+  return (__m256i)_mm512_cvtneps_pbh(v);
+}
+#else
+inline __m256i bf16_words16(__m512 v) {
+  return _mm512_cvtepi32_epi16(bf16_bits16(v));
+}
+#endif
+
 template <>
 inline __m512 round16<c10::BFloat16>(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_words16(v)), 16));
 }
 
 template <typename scalar_t>
@@ -997,7 +976,7 @@ inline void store16<float>(float* p, __mmask16 m, __m512 v) {
 
 template <>
 inline void store16<c10::BFloat16>(c10::BFloat16* p, __mmask16 m, __m512 v) {
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(bf16_bits16(v)));
+  _mm256_mask_storeu_epi16(p, m, bf16_words16(v));
 }
 
 template <typename scalar_t>
@@ -1012,6 +991,42 @@ void silu_mul_row_wide(const scalar_t* gu, scalar_t* o, int64_t inter) {
     const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), sign));
     const __m512 silu = round16<scalar_t>(_mm512_div_ps(x, _mm512_add_ps(one, exp16(neg))));
     store16(o + i, m, _mm512_mul_ps(silu, load16(u + i, m)));
+  }
+}
+// rms_row on 16 lanes: the same operations (the add rounded once, squares summed in double,
+// the scale applied as (h * scale) * w), so the same results: the double sum of a row's
+// squares is exact for bf16 rows in any order, and for float rows its order changes it by
+// ~1e-16, below the float mean's rounding. The tail runs masked (zeros add nothing).
+// NOTE: why. GCC's `omp simd` loops kept one double accumulator (a 4-cycle FMA chain) and
+// rounded with six integer instructions per 16 values: [32, 576] bf16 took 11-13 us, one
+// thread; four accumulators and vcvtneps2bf16 take about half (bench/results/session23).
+template <typename scalar_t>
+void rms_row_wide(scalar_t* h, const scalar_t* r, const scalar_t* w, scalar_t* o, int64_t n,
+                  float eps) {
+  __m512d acc[4] = {_mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd(),
+                    _mm512_setzero_pd()};
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                    : static_cast<__mmask16>((1u << (n - i)) - 1);
+    __m512 x = load16(h + i, m);
+    if (r != nullptr) {
+      x = round16<scalar_t>(_mm512_add_ps(x, load16(r + i, m)));
+      store16(h + i, m, x);  // x is already at scalar_t's precision: stored exactly
+    }
+    const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
+    const __m512d hi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(x, 1));
+    const int a = (i / 16) % 2 * 2;
+    acc[a] = _mm512_fmadd_pd(lo, lo, acc[a]);
+    acc[a + 1] = _mm512_fmadd_pd(hi, hi, acc[a + 1]);
+  }
+  const double sumsq = _mm512_reduce_add_pd(
+      _mm512_add_pd(_mm512_add_pd(acc[0], acc[1]), _mm512_add_pd(acc[2], acc[3])));
+  const float mean = static_cast<float>(sumsq / static_cast<double>(n));
+  const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(mean + eps));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                    : static_cast<__mmask16>((1u << (n - i)) - 1);
+    store16(o + i, m, _mm512_mul_ps(_mm512_mul_ps(load16(h + i, m), scale), load16(w + i, m)));
   }
 }
 #endif  // __AVX512BW__ && __AVX512VL__
@@ -1274,6 +1289,51 @@ void silu_mul_row(const scalar_t* gu, scalar_t* o, int64_t inter) {
     const float silu = to_float(from_float<scalar_t>(x / (1.0f + exp_approx(-x))));
     o[i] = from_float<scalar_t>(silu * to_float(u[i]));
   }
+}
+
+// hidden += residual (if given); out = rms_norm(hidden) * weight, row by row. out may be
+// residual itself: a row's residual is read before its output is written.
+void add_rms_norm(Tensor hidden, const std::optional<Tensor>& residual, Tensor weight,
+                  double eps, Tensor out) {
+  check_rows(hidden, "hidden");
+  check_rows(out, "out");
+  check_cpu(weight, "weight");
+  const int64_t rows = hidden.size(0), n = hidden.size(1);
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == n, "weight must have ", n,
+              " contiguous elements");
+  TORCH_CHECK(out.sizes() == hidden.sizes(), "out must match hidden's shape");
+  TORCH_CHECK(out.scalar_type() == hidden.scalar_type() &&
+                  weight.scalar_type() == hidden.scalar_type(),
+              "hidden, weight and out must share a dtype");
+  if (residual.has_value()) {
+    check_rows(*residual, "residual");
+    TORCH_CHECK(residual->sizes() == hidden.sizes() &&
+                    residual->scalar_type() == hidden.scalar_type(),
+                "residual must match hidden's shape and dtype");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, hidden.scalar_type(), "add_rms_norm",
+                                  [&] {
+    scalar_t* h = hidden.data_ptr<scalar_t>();
+    const scalar_t* res = residual.has_value() ? residual->data_ptr<scalar_t>() : nullptr;
+    const scalar_t* w = weight.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const int64_t hs = hidden.stride(0), rs = res ? residual->stride(0) : 0, os = out.stride(0);
+    at::parallel_for(0, rows, grain_for(n), [&](int64_t begin, int64_t end) {
+#if defined(KVSERVE_WIDE_SILU)
+      if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
+        for (int64_t t = begin; t < end; ++t) {
+          rms_row_wide<scalar_t>(h + t * hs, res ? res + t * rs : nullptr, w, o + t * os, n,
+                                 static_cast<float>(eps));
+        }
+        return;
+      }
+#endif
+      for (int64_t t = begin; t < end; ++t) {
+        rms_row<scalar_t>(h + t * hs, res ? res + t * rs : nullptr, w, o + t * os, n,
+                          static_cast<float>(eps));
+      }
+    });
+  });
 }
 
 // out [T, I] = silu(gate_up[:, :I]) * gate_up[:, I:]

@@ -98,7 +98,7 @@ PROBE = (
 def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, int, str, str]]:
     """Every runnable kind's kernels, built concurrently (each build is one compiler process
     at a time: two kinds share the two cores): march -> (cache dir, rc, stdout, stderr)."""
-    started = {}
+    started: dict[str, tuple[Path, subprocess.Popen[str]]] = {}
     for kind in KINDS:
         if _skip_reason(kind) is None:
             cache = tmp_path_factory.mktemp(kind.march)
@@ -106,7 +106,7 @@ def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, in
                 [sys.executable, "-c", PROBE], cwd=ROOT, env=_env(kind, cache),
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             ))  # fmt: skip
-    done = {}
+    done: dict[str, tuple[Path, int, str, str]] = {}
     for march, (cache, proc) in started.items():
         out, err = proc.communicate(timeout=600)
         done[march] = (cache, proc.returncode, out, err)

@@ -2,7 +2,8 @@
 # End-to-end A/B of a session 22 change: "old" = commit BASE from a git worktree, "new" = the
 # checked-out tree, each with its own KVSERVE_CACHE_DIR, alternated ROUNDS times: bare decode
 # at BATCHES (runtime_speed), then uniform 128+128 at B=32 and the ShareGPT-like 64 @ 32 end
-# to end (session 20's workload files); records under bench/results/session22/ab/PREFIX*.
+# to end (session 20's workload files); records under bench/results/session22/ab/PREFIX*
+# (or $AB_OUT).
 #   the greedy logits path:  bench/results/session22/e2e_ab.sh 2cdcb4a 2 "" 32 > bench/results/session22/logits_ab.txt
 #   the line stream:         bench/results/session22/e2e_ab.sh b66c10f 2 attn_ "8 32" > bench/results/session22/attn_stream_ab.txt
 set -euo pipefail
@@ -10,7 +11,7 @@ cd "$(dirname "$0")/../../.."
 BASE=${1:?BASE}; ROUNDS=${2:-2}; PREFIX=${3:-}; BATCHES=${4:-32}
 . bench/ab_tree.sh
 OLD=$(ab_worktree "$BASE")
-OUT=bench/results/session22/ab
+OUT=${AB_OUT:-bench/results/session22/ab}  # another session's A/B names its own
 mkdir -p "$OUT"
 lscpu | grep -E "Model name|Flags"
 side() {  # tag tree round

@@ -1,24 +1,9 @@
 #!/usr/bin/env bash
-# End-to-end A/B of a session 23 change: "old" = commit BASE from a git worktree, "new" = the
-# checked-out tree, each with its own KVSERVE_CACHE_DIR, alternated ROUNDS times: bare decode
-# at BATCHES (runtime_speed), then uniform 128+128 at B=32 and the ShareGPT-like 64 @ 32 end
-# to end (session 20's workload files); records under bench/results/session23/ab/PREFIX*.
-#   the layer ops (rms_row_wide, vcvtneps2bf16, vscalefps exp):  bench/results/session23/e2e_ab.sh 644e79f 2 ops_ 32 > bench/results/session23/layer_ops_ab.txt
+# Session 22's end-to-end A/B (bench/results/session22/e2e_ab.sh BASE ROUNDS PREFIX BATCHES),
+# its records under bench/results/session23/ab:
+#   the layer ops (rms_row_wide, vcvtneps2bf16, vscalefps exp):
+#     bench/results/session23/e2e_ab.sh 644e79f 2 ops_ 32 > bench/results/session23/layer_ops_ab.txt
+#     bench/results/session23/e2e_ab.sh 644e79f 2 ops2_ 32 > bench/results/session23/layer_ops_ab2.txt
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-BASE=${1:?BASE}; ROUNDS=${2:-2}; PREFIX=${3:-}; BATCHES=${4:-32}
-. bench/ab_tree.sh
-OLD=$(ab_worktree "$BASE")
-OUT=bench/results/session23/ab
-mkdir -p "$OUT"
-lscpu | grep -E "Model name|Flags"
-side() {  # tag tree round
-  # shellcheck disable=SC2086
-  in_tree "$2" "$AB_PY" -m kvserve.bench.runtime_speed --batch-sizes $BATCHES --steps 64 \
-    --repeats 3 --threads 2 2>&1 | grep -E "^B=|^dtype"
-  ab_throughput "$1" "$2" bench/results/session20/final/uniform/workload_128x128.jsonl 32 32 \
-    "$OUT/${PREFIX}uniform_$1_$3.json"
-  ab_throughput "$1" "$2" bench/results/session20/final/sharegpt/workload_sharegpt_64.jsonl 64 32 \
-    "$OUT/${PREFIX}sharegpt_$1_$3.json"
-}
-ab_rounds "$ROUNDS" "$OLD" side
+AB_OUT=bench/results/session23/ab exec bench/results/session22/e2e_ab.sh "$@"

@@ -35,7 +35,7 @@ SOURCE = Path(__file__).with_name("kvserve_cpu_ops.cpp")
 SOURCES = (SOURCE, Path(__file__).with_name("kvserve_amx_linear.cpp"))
 DISABLE_ENV = "KVSERVE_NATIVE"  # "0" turns the native kernels off
 CACHE_ENV = "KVSERVE_CACHE_DIR"
-# NOTE: "native" unless KVSERVE_NATIVE_MARCH names a gcc -march target (x86-64-v3, znver4, ...):
+# NOTE: "native" unless KVSERVE_NATIVE_MARCH names a gcc -march target (x86-64-v3, cooperlake, ...):
 # building for an older CPU kind than this one runs that kind's code paths here (AVX2 without
 # AVX-512, AVX-512 without AMX), which is how the tests check them on whichever CPU CI has.
 MARCH_ENV = "KVSERVE_NATIVE_MARCH"

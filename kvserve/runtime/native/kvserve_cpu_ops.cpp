@@ -993,10 +993,12 @@ void silu_mul_row_wide(const scalar_t* gu, scalar_t* o, int64_t inter) {
     store16(o + i, m, _mm512_mul_ps(silu, load16(u + i, m)));
   }
 }
+
 // rms_row on 16 lanes: the same operations (the add rounded once, squares summed in double,
-// the scale applied as (h * scale) * w), so the same results: the double sum of a row's
-// squares is exact for bf16 rows in any order, and for float rows its order changes it by
-// ~1e-16, below the float mean's rounding. The tail runs masked (zeros add nothing).
+// the scale applied as (h * scale) * w), so the same results (bf16 NaN and denormal bits
+// aside, see bf16_words16): the double sum of a row's squares is exact for bf16 rows in any
+// order, and for float rows its order changes it by ~1e-16, below the float mean's rounding.
+// The tail runs masked (zeros add nothing).
 // NOTE: why. GCC's `omp simd` loops kept one double accumulator (a 4-cycle FMA chain) and
 // rounded with six integer instructions per 16 values: [32, 576] bf16 took 11-13 us, one
 // thread; four accumulators and vcvtneps2bf16 take about half (bench/results/session23).

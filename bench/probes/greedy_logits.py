@@ -7,7 +7,9 @@ bf16 logits [rows, vocab] (the lm_head's output at B=rows on the embedded model)
 afresh before each timed call (as the lm_head writes them each step). "widened": until
 session 22, the runner's ``.float()`` copy, the guard's sum over it and the native argmax
 of the float rows; "as written": the guard's sum and the argmax on the bf16 rows themselves
-(``Sampler.sample``'s all-greedy path since session 22). Median of ``--repeats`` calls, ms.
+(``Sampler.sample``'s all-greedy path since session 22); "one pass": the argmax reporting
+each row's finiteness itself (``sample_guarded``'s all-greedy path since session 23). Median
+of ``--repeats`` calls, ms.
 """
 
 from __future__ import annotations
@@ -46,7 +48,13 @@ def main() -> None:
         assert math.isfinite(logits.sum().item())
         ops.argmax_rows(out, logits)
 
-    for name, fn in (("widened", widened), ("as written", as_written)) * 2:
+    finite = torch.empty(args.rows, dtype=torch.bool)  # [rows]
+
+    def one_pass() -> None:
+        ops.argmax_rows(out, logits, finite)
+        assert all(finite.tolist())
+
+    for name, fn in (("widened", widened), ("as written", as_written), ("one pass", one_pass)) * 2:
         times = []
         for _ in range(args.repeats):
             logits.copy_(src)

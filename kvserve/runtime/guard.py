@@ -52,19 +52,63 @@ def sample_guarded(
     """
     vocab = sampler.vocab_size
     failed: dict[str, str] = {}
-    bad = set(nonfinite_rows(logits, vocab))
-    for i in bad:
-        failed[reqs[i].request_id] = "the model produced non-finite logits"
-    rows = [i for i in range(len(reqs)) if i not in bad]
     token_ids: dict[str, int] = {}
     logprobs: dict[str, LogprobsEntry] = {}
+    try:
+        # NOTE: the common all-greedy batch: the argmax finds the non-finite rows in its own
+        # pass over the logits (one cold read of them instead of two).
+        greedy = sampler.sample_greedy_checked(logits, reqs, match_bitmask_rows(grammar, reqs))
+    except Exception:  # noqa: BLE001 - the general path below checks and isolates
+        logger.warning("the greedy fast path raised on %d rows; sampling them in turn", len(reqs))
+        greedy = None
+    groups: list[list[ScheduledRequest]] = []
+    results: list[tuple[list[int], list[LogprobsEntry | None]]] = []
+    if greedy is not None:
+        ids, entries, bad_rows = greedy
+        bad = set(bad_rows)
+        rows = [i for i in range(len(reqs)) if i not in bad]
+        groups.append([reqs[i] for i in rows])
+        results.append(([ids[i] for i in rows], [entries[i] for i in rows]))
+    else:
+        bad = set(nonfinite_rows(logits, vocab))
+        rows = [i for i in range(len(reqs)) if i not in bad]
+    for i in sorted(bad):
+        failed[reqs[i].request_id] = "the model produced non-finite logits"
     if not rows:
         return token_ids, logprobs, failed
+    if greedy is None:
+        groups, results = _sample_rows(sampler, logits, reqs, rows, grammar, failed)
+    for group, (ids, entries) in zip(groups, results, strict=True):
+        for req, token_id, entry in zip(group, ids, entries, strict=True):
+            if not 0 <= token_id < vocab:
+                failed[req.request_id] = (
+                    f"sampling produced token id {token_id}, outside the vocabulary [0, {vocab})"
+                )
+                continue
+            token_ids[req.request_id] = token_id
+            if entry is not None:
+                logprobs[req.request_id] = entry
+    return token_ids, logprobs, failed
+
+
+def _sample_rows(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    reqs: list[ScheduledRequest],
+    rows: list[int],
+    grammar: GrammarBitmask | None,
+    failed: dict[str, str],
+) -> tuple[list[list[ScheduledRequest]], list[tuple[list[int], list[LogprobsEntry | None]]]]:
+    """``rows`` of ``logits`` through ``Sampler.sample``, as one batch, or row by row when the
+    batch raises (a row that raises alone fails, in ``failed``): the request groups and their
+    (ids, logprobs entries)."""
     sub = logits if len(rows) == len(reqs) else logits[rows]  # [M, V]
     sub_reqs = [reqs[i] for i in rows]
+    results: list[tuple[list[int], list[LogprobsEntry | None]]] = []
+    groups: list[list[ScheduledRequest]] = []
     try:
-        results = [sampler.sample(sub, sub_reqs, match_bitmask_rows(grammar, sub_reqs))]
-        groups = [sub_reqs]
+        results.append(sampler.sample(sub, sub_reqs, match_bitmask_rows(grammar, sub_reqs)))
+        groups.append(sub_reqs)
     except Exception:  # noqa: BLE001 - isolated below, row by row
         logger.warning("sampling a batch of %d rows raised; retrying row by row", len(rows))
         results, groups = [], []
@@ -77,14 +121,4 @@ def sample_guarded(
             except Exception as e:  # noqa: BLE001 - this request's own fault
                 logger.warning("sampling failed for %s: %r", req.request_id, e)
                 failed[req.request_id] = f"sampling failed: {e!r}"
-    for group, (ids, entries) in zip(groups, results, strict=True):
-        for req, token_id, entry in zip(group, ids, entries, strict=True):
-            if not 0 <= token_id < vocab:
-                failed[req.request_id] = (
-                    f"sampling produced token id {token_id}, outside the vocabulary [0, {vocab})"
-                )
-                continue
-            token_ids[req.request_id] = token_id
-            if entry is not None:
-                logprobs[req.request_id] = entry
-    return token_ids, logprobs, failed
+    return groups, results

@@ -87,22 +87,13 @@ class Sampler:
         The caller's tensor is not modified. ``token_bitmask`` (structured output) and each
         request's ``logit_bias`` edit a copy of the logits before everything else.
         """
-        if logits.dim() != 2 or logits.shape[0] != len(reqs):
-            raise ValueError(
-                f"Sampler.sample: logits must be [len(reqs)={len(reqs)}, V], "
-                f"got {tuple(logits.shape)}"
-            )
-        if logits.shape[1] < self.vocab_size:
-            raise ValueError(
-                f"Sampler.sample: logits have {logits.shape[1]} columns, fewer than "
-                f"vocab_size={self.vocab_size}"
-            )
+        self._check_logits(logits, reqs)
         if not reqs:
             return [], []
         raw_logits = logits[:, : self.vocab_size]  # [N, V], the caller's dtype
         plans = [self._plan(r) for r in reqs]
-        edited = token_bitmask is not None or any(r.sampling_params.logit_bias for r in reqs)
-        plain_greedy = all(p.greedy and not p.penalized and p.min_tokens_ids is None for p in plans)
+        edited = _edited(reqs, token_bitmask)
+        plain_greedy = _plain_greedy(plans)
         if not edited and plain_greedy:
             # Fast path: the common all-greedy batch is a single argmax, on the logits as the
             # model wrote them.
@@ -126,6 +117,57 @@ class Sampler:
         else:
             token_ids = self._sample_mixed(logits, reqs, plans)
         return token_ids, _logprobs_entries(raw_logits, token_ids, reqs)
+
+    def sample_greedy_checked(
+        self,
+        logits: torch.Tensor,
+        reqs: list[ScheduledRequest],
+        token_bitmask: RowBitmask | None = None,
+    ) -> tuple[list[int], list[LogprobsEntry | None], list[int]] | None:
+        """``sample``'s all-greedy path with the non-finite check in the same pass over the
+        logits: (token id per row, logprobs entry per row, the rows holding a NaN or an
+        infinity among the first ``vocab_size`` logits, whose id and entry mean nothing).
+
+        None where that path does not apply (a bitmask, a logit bias, a penalty, min_tokens or
+        a sampled row) or the native kernel cannot take the logits: the caller then checks the
+        logits itself and calls ``sample``.
+        """
+        self._check_logits(logits, reqs)
+        if not reqs or _edited(reqs, token_bitmask):
+            return None
+        if not _plain_greedy([self._plan(r) for r in reqs]):
+            return None
+        raw_logits = logits[:, : self.vocab_size]  # [N, V], the caller's dtype
+        checked = _argmax_checked(raw_logits)
+        if checked is None:
+            return None
+        ids, finite = checked
+        token_ids: list[int] = ids.tolist()
+        bad = [i for i, ok in enumerate(finite.tolist()) if not ok]
+        if not bad:
+            return token_ids, _logprobs_entries(raw_logits, token_ids, reqs), []
+        bad_rows = set(bad)
+        good = [i for i in range(len(reqs)) if i not in bad_rows]
+        entries: list[LogprobsEntry | None] = [None] * len(reqs)
+        if good:
+            sub = _logprobs_entries(
+                raw_logits[good], [token_ids[i] for i in good], [reqs[i] for i in good]
+            )
+            for i, entry in zip(good, sub, strict=True):
+                entries[i] = entry
+        return token_ids, entries, bad
+
+    def _check_logits(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> None:
+        if logits.dim() != 2 or logits.shape[0] != len(reqs):
+            raise ValueError(
+                f"Sampler.sample: logits must be [len(reqs)={len(reqs)}, V], "
+                f"got {tuple(logits.shape)}"
+            )
+        if logits.shape[1] < self.vocab_size:
+            raise ValueError(
+                f"Sampler.sample: logits have {logits.shape[1]} columns, fewer than "
+                f"vocab_size={self.vocab_size}"
+            )
 
     def _plan(self, req: ScheduledRequest) -> _RowPlan:
         p = req.sampling_params
@@ -403,6 +445,38 @@ def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return logits[rows]
 
 
+def _edited(reqs: list[ScheduledRequest], token_bitmask: RowBitmask | None) -> bool:
+    """Whether the logits are edited before sampling (a grammar bitmask or a logit bias)."""
+    return token_bitmask is not None or any(r.sampling_params.logit_bias for r in reqs)
+
+
+def _plain_greedy(plans: list[_RowPlan]) -> bool:
+    """Whether every row is a plain argmax (greedy, no penalty, no min_tokens)."""
+    return all(p.greedy and not p.penalized and p.min_tokens_ids is None for p in plans)
+
+
+def _native_rows(logits: torch.Tensor) -> bool:
+    """Whether the native argmax kernel takes ``logits``: CPU [M, V>0] with contiguous rows."""
+    return (
+        logits.device.type == "cpu"
+        and logits.dim() == 2
+        and logits.shape[1] > 0
+        and logits.stride(-1) == 1
+        and native.available()
+    )
+
+
+def _argmax_checked(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``_argmax`` and, from the same pass, whether each row is finite: ([M] long, [M] bool);
+    None where the native kernel cannot take ``logits``."""
+    if not _native_rows(logits):
+        return None
+    out = torch.empty(logits.shape[0], dtype=torch.long)  # [M]
+    finite = torch.empty(logits.shape[0], dtype=torch.bool)  # [M]
+    native.ops().argmax_rows(out, logits, finite)
+    return out, finite
+
+
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """Per-row argmax of ``logits`` [M, V] -> [M] long: the first maximal index, NaN counting
     as maximal, exactly as ``torch.argmax``.
@@ -412,13 +486,7 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     float32 (two threads, the AMX Xeon, session 22), where ``max(dim).indices`` took 1.3 ms
     and ``argmax`` 2.3 ms (one thread, Zen 4); elsewhere ``max(dim).indices``.
     """
-    if (
-        logits.device.type == "cpu"
-        and logits.dim() == 2
-        and logits.shape[1] > 0
-        and logits.stride(-1) == 1
-        and native.available()
-    ):
+    if _native_rows(logits):
         out = torch.empty(logits.shape[0], dtype=torch.long)  # [M]
         native.ops().argmax_rows(out, logits)
         return out

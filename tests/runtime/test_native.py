@@ -432,8 +432,14 @@ def test_argmax_rows_is_torchs_first_max_with_nan_maximal(dtype: torch.dtype) ->
     _ops().argmax_rows(out, logits)
     assert out.tolist() == logits.max(dim=-1).indices.tolist()
     assert out.tolist()[:4] == [out[0].item(), 30, 5, 0]
+    finite = torch.empty(7, dtype=torch.bool)
+    _ops().argmax_rows(out, logits, finite)
+    assert out.tolist() == logits.max(dim=-1).indices.tolist()
+    assert finite.tolist() == [True, True, False, False, False, True, True]
     with pytest.raises(RuntimeError, match="out must be a contiguous int64"):
         _ops().argmax_rows(torch.empty(7, dtype=torch.int32), logits)
+    with pytest.raises(RuntimeError, match="finite must be a contiguous bool tensor of 7"):
+        _ops().argmax_rows(out, logits, torch.empty(6, dtype=torch.bool))
 
 
 @settings(max_examples=80, deadline=None)
@@ -444,13 +450,14 @@ def test_argmax_rows_is_torchs_first_max_with_nan_maximal(dtype: torch.dtype) ->
     specials=st.lists(
         st.tuples(st.sampled_from(["nan", "inf", "-inf"]), st.integers(0, 69)), max_size=4
     ),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
 )
 def test_argmax_rows_over_vector_tails_and_late_specials(
     seed: int, n: int, num_values: int, specials: list[tuple[str, int]], dtype: torch.dtype
 ) -> None:
     """Rows shorter and longer than a 16-lane vector, ties across lanes and vectors, a NaN or
-    an infinity anywhere (the one-pass kernel keeps a maximum and its first index per lane)."""
+    an infinity anywhere (the one-pass kernel keeps a maximum and its first index per lane);
+    the rows' finite flags from the same pass (float16 takes the portable loop)."""
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randint(-2, num_values, (4, n), generator=gen).float()  # [4, n]
     logits[3] = -float("inf")
@@ -458,5 +465,7 @@ def test_argmax_rows_over_vector_tails_and_late_specials(
         logits[k % 3, col % n] = float(value)
     logits = logits.to(dtype)
     out = torch.empty(4, dtype=torch.long)
-    _ops().argmax_rows(out, logits)
+    finite = torch.empty(4, dtype=torch.bool)
+    _ops().argmax_rows(out, logits, finite)
     assert out.tolist() == logits.max(dim=-1).indices.tolist()
+    assert finite.tolist() == torch.isfinite(logits).all(dim=-1).tolist()

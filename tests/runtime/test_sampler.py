@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.core.outputs import ScheduledRequest
+from kvserve.runtime.guard import sample_guarded
 from kvserve.runtime.sampler import Sampler, _top_k_top_p, apply_penalties, seeded_uniform
 from kvserve.sampling_params import SamplingParams
 
@@ -126,6 +129,67 @@ def test_greedy_fast_path_matches_the_general_path(seed: int, num_logprobs: int 
         assert fast_lps == [None] * num_greedy
     else:
         assert all(e is not None and fast_ids[i] in e for i, e in enumerate(fast_lps))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    num_logprobs=st.sampled_from([None, 2]),
+    bad=st.lists(st.tuples(st.integers(0, 5), st.sampled_from(["nan", "inf", "-inf"])), max_size=3),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_guard_greedy_fast_path_matches_the_checked_general_path(
+    seed: int,
+    num_logprobs: int | None,
+    bad: list[tuple[int, str]],
+    dtype: torch.dtype,
+) -> None:
+    """``sample_guarded`` on an all-greedy batch finds the non-finite rows in the argmax's own
+    pass (``Sampler.sample_greedy_checked``): the same ids, logprobs and failures as the
+    general path (a sum over the logits, then ``Sampler.sample`` on the finite rows). A
+    non-finite value past the vocabulary (a padding column) fails nothing."""
+    logits = random_logits(6, VOCAB + 3, seed=seed).to(dtype)  # [6, V + 3 padding columns]
+    logits[0, VOCAB + 1] = float("nan")
+    for row, value in bad:
+        logits[row, (seed + row) % VOCAB] = float(value)
+    reqs = [
+        make_req(f"r{i}", SamplingParams(temperature=0.0, logprobs=num_logprobs)) for i in range(6)
+    ]
+    sampler = Sampler(VOCAB)
+    assert sampler.sample_greedy_checked(logits, reqs) is not None  # the fast path applies
+    fast = sample_guarded(sampler, logits, reqs)
+    with mock.patch.object(Sampler, "sample_greedy_checked", return_value=None):
+        general = sample_guarded(sampler, logits, reqs)
+    assert fast == general
+    expected_bad = {f"r{row}" for row, _ in bad}
+    assert set(fast[2]) == expected_bad
+    assert set(fast[0]) == {f"r{i}" for i in range(6)} - expected_bad
+
+
+def test_guard_greedy_fast_path_falls_back_when_it_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    logits = random_logits(3)
+    logits[2, 4] = float("inf")
+    reqs = [make_req(f"r{i}", SamplingParams(temperature=0.0)) for i in range(3)]
+
+    def boom(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("fast path broke")
+
+    monkeypatch.setattr(Sampler, "sample_greedy_checked", boom)
+    ids, _, failed = sample_guarded(Sampler(VOCAB), logits, reqs)
+    assert ids == {f"r{i}": logits[i].argmax().item() for i in range(2)}
+    assert failed == {"r2": "the model produced non-finite logits"}
+
+
+def test_greedy_checked_leaves_other_batches_to_the_general_path() -> None:
+    logits = random_logits(2)
+    greedy = make_req("g", SamplingParams(temperature=0.0))
+    assert Sampler(VOCAB).sample_greedy_checked(logits, [greedy, greedy]) is not None
+    for other in (
+        make_req("t", SamplingParams(temperature=0.7)),
+        make_req("p", SamplingParams(temperature=0.0, repetition_penalty=1.3)),
+        make_req("b", SamplingParams(temperature=0.0, logit_bias={3: 5.0})),
+    ):
+        assert Sampler(VOCAB).sample_greedy_checked(logits, [greedy, other]) is None
 
 
 def test_top_k_one_is_greedy_inside_a_mixed_batch() -> None:

@@ -15,7 +15,7 @@ import math
 import torch
 
 from kvserve.core.outputs import GrammarBitmask, LogprobsEntry, ScheduledRequest
-from kvserve.runtime.logits_constraints import match_bitmask_rows
+from kvserve.runtime.logits_constraints import RowBitmask, match_bitmask_rows
 from kvserve.runtime.sampler import Sampler
 
 logger = logging.getLogger("kvserve.guard")
@@ -54,10 +54,11 @@ def sample_guarded(
     failed: dict[str, str] = {}
     token_ids: dict[str, int] = {}
     logprobs: dict[str, LogprobsEntry] = {}
+    bitmask = match_bitmask_rows(grammar, reqs)
     try:
         # NOTE: the common all-greedy batch: the argmax finds the non-finite rows in its own
         # pass over the logits (one cold read of them instead of two).
-        greedy = sampler.sample_greedy_checked(logits, reqs, match_bitmask_rows(grammar, reqs))
+        greedy = sampler.sample_greedy_checked(logits, reqs, bitmask)
     except Exception:  # noqa: BLE001 - the general path below checks and isolates
         logger.warning("the greedy fast path raised on %d rows; sampling them in turn", len(reqs))
         greedy = None
@@ -77,7 +78,7 @@ def sample_guarded(
     if not rows:
         return token_ids, logprobs, failed
     if greedy is None:
-        groups, results = _sample_rows(sampler, logits, reqs, rows, grammar, failed)
+        groups, results = _sample_rows(sampler, logits, reqs, rows, grammar, bitmask, failed)
     for group, (ids, entries) in zip(groups, results, strict=True):
         for req, token_id, entry in zip(group, ids, entries, strict=True):
             if not 0 <= token_id < vocab:
@@ -97,17 +98,20 @@ def _sample_rows(
     reqs: list[ScheduledRequest],
     rows: list[int],
     grammar: GrammarBitmask | None,
+    bitmask: RowBitmask | None,
     failed: dict[str, str],
 ) -> tuple[list[list[ScheduledRequest]], list[tuple[list[int], list[LogprobsEntry | None]]]]:
     """``rows`` of ``logits`` through ``Sampler.sample``, as one batch, or row by row when the
     batch raises (a row that raises alone fails, in ``failed``): the request groups and their
-    (ids, logprobs entries)."""
-    sub = logits if len(rows) == len(reqs) else logits[rows]  # [M, V]
+    (ids, logprobs entries). ``bitmask``: ``grammar``'s rows for all of ``reqs``."""
+    whole = len(rows) == len(reqs)
+    sub = logits if whole else logits[rows]  # [M, V]
     sub_reqs = [reqs[i] for i in rows]
     results: list[tuple[list[int], list[LogprobsEntry | None]]] = []
     groups: list[list[ScheduledRequest]] = []
     try:
-        results.append(sampler.sample(sub, sub_reqs, match_bitmask_rows(grammar, sub_reqs)))
+        batch_mask = bitmask if whole else match_bitmask_rows(grammar, sub_reqs)
+        results.append(sampler.sample(sub, sub_reqs, batch_mask))
         groups.append(sub_reqs)
     except Exception:  # noqa: BLE001 - isolated below, row by row
         logger.warning("sampling a batch of %d rows raised; retrying row by row", len(rows))

@@ -915,6 +915,11 @@ void decode_seq_wide(const WideKernels<scalar_t>& wide, const scalar_t* q, scala
 // NOTE: why. `#pragma omp simd` over the scalar row ran at ~1 G elements/s a thread (the
 // clamps and selects of exp_approx, see exp16), slower than torch's two passes (F.silu,
 // then a multiply): [512, 1536] took 392 us on 2 threads, torch 327.
+// The lanes of a 16-wide step with `left` elements left in the row: all 16, or the first `left`.
+inline __mmask16 tail_mask16(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+}
+
 template <typename scalar_t>
 inline __m512 load16(const scalar_t* p, __mmask16 m);
 
@@ -985,8 +990,7 @@ void silu_mul_row_wide(const scalar_t* gu, scalar_t* o, int64_t inter) {
   const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
   const __m512 one = _mm512_set1_ps(1.0f);
   for (int64_t i = 0; i < inter; i += 16) {
-    const __mmask16 m = inter - i >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                        : static_cast<__mmask16>((1u << (inter - i)) - 1);
+    const __mmask16 m = tail_mask16(inter - i);
     const __m512 x = load16(gu + i, m);
     const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), sign));
     const __m512 silu = round16<scalar_t>(_mm512_div_ps(x, _mm512_add_ps(one, exp16(neg))));
@@ -1008,8 +1012,7 @@ void rms_row_wide(scalar_t* h, const scalar_t* r, const scalar_t* w, scalar_t* o
   __m512d acc[4] = {_mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd(),
                     _mm512_setzero_pd()};
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                    : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __mmask16 m = tail_mask16(n - i);
     __m512 x = load16(h + i, m);
     if (r != nullptr) {
       x = round16<scalar_t>(_mm512_add_ps(x, load16(r + i, m)));
@@ -1026,8 +1029,7 @@ void rms_row_wide(scalar_t* h, const scalar_t* r, const scalar_t* w, scalar_t* o
   const float mean = static_cast<float>(sumsq / static_cast<double>(n));
   const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(mean + eps));
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                    : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __mmask16 m = tail_mask16(n - i);
     store16(o + i, m, _mm512_mul_ps(_mm512_mul_ps(load16(h + i, m), scale), load16(w + i, m)));
   }
 }
@@ -1405,8 +1407,7 @@ int64_t argmax_row_wide(const scalar_t* x, int64_t n, bool& finite) {
   __mmask16 special = 0;  // lanes that held +-inf (a NaN returns at once)
   finite = false;
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                    : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __mmask16 m = tail_mask16(n - i);
     const __m512 v = _mm512_mask_blend_ps(m, _mm512_set1_ps(-kInf), load16(x + i, m));
     const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     if (nan != 0) return i + __builtin_ctz(nan);

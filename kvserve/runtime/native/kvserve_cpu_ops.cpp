@@ -678,8 +678,9 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
   // NOTE: p * 2^n in one vscalefps instead of exp_approx's exponent-bits add, its n < -126
   // select and the float -> int conversion (4 of ~20 instructions; silu_mul's [32, 1536] bf16
-  // row set 28 -> 26 us, one thread). Same bits: after the clamp n >= -126 and r > 0 at
-  // n = -126, so p * 2^n is a normal float, which the bits add builds exactly too.
+  // row set 28 -> 26 us, one thread, bench/probes/silu_variants.cpp). Same bits: after the
+  // clamp n >= -126 and r > 0 at n = -126, so p * 2^n is a normal float, which the bits add
+  // builds exactly too.
   return _mm512_scalef_ps(p, n);
 }
 
@@ -953,7 +954,8 @@ inline __m512 round16<float>(__m512 v) {
 }
 
 // NOTE: with AVX512_BF16, vcvtneps2bf16 rounds to nearest even in one instruction where
-// bf16_bits16 takes six (silu_mul's [32, 1536] bf16 rows 35 -> 28 us, one thread). Same bits
+// bf16_bits16 takes six (silu_mul's [32, 1536] bf16 rows 35 -> 28 us, one thread,
+// bench/probes/silu_variants.cpp). Same bits
 // but for NaN (a quiet NaN keeping its sign, not 0x7FC0) and denormals (flushed to zero:
 // the instruction ignores MXCSR), which no activation of a real model reaches.
 #if defined(__AVX512BF16__)
@@ -1004,8 +1006,9 @@ void silu_mul_row_wide(const scalar_t* gu, scalar_t* o, int64_t inter) {
 // order, and for float rows its order changes it by ~1e-16, below the float mean's rounding.
 // The tail runs masked (zeros add nothing).
 // NOTE: why. GCC's `omp simd` loops kept one double accumulator (a 4-cycle FMA chain) and
-// rounded with six integer instructions per 16 values: [32, 576] bf16 took 11-13 us, one
-// thread; four accumulators and vcvtneps2bf16 take about half (bench/results/session23).
+// rounded with six integer instructions per 16 values: a [32, 576] bf16 call took 11.3-12.2
+// us from Python, one thread, and takes 8.2-8.6 with four accumulators and vcvtneps2bf16
+// (bench/results/session23/layer_ops_probe_ab.txt).
 template <typename scalar_t>
 void rms_row_wide(scalar_t* h, const scalar_t* r, const scalar_t* w, scalar_t* o, int64_t n,
                   float eps) {

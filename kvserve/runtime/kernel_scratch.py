@@ -122,7 +122,7 @@ def native_decode_scratch_bytes(
     Each thread's tasks share one ``std::vector<float>`` sized for a task's query heads
     (at most all ``num_heads`` of a sequence) times ``context + 2 * head_dim`` (scores, then
     float queries and accumulators); ``max_context`` bounds the context (the block table's
-    width in tokens). Each thread's line stream (``LineStream``, on AVX-512 CPUs) holds the
+    width in tokens). Each thread's line stream (``LineStream``, on AVX-512 and AVX2 CPUs) holds the
     runs of two tasks and builds a third's, up to ``2 * (max_blocks + 1)`` runs of 32 bytes
     each (``max_blocks``: the block table's width).
     """

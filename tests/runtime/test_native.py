@@ -137,6 +137,26 @@ def test_silu_mul_in_place_over_the_gate_half(dtype: torch.dtype) -> None:
     torch.testing.assert_close(gate, expected, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_does_not_depend_on_where_in_the_row(dtype: torch.dtype) -> None:
+    """Widths around the 8- and 16-lane kernels' steps: the tail elements (masked or padded)
+    get the bits the same values get in a full vector step, and match torch."""
+    gen = torch.Generator().manual_seed(11)
+    values = (torch.randn(40, generator=gen) * 6).to(dtype)
+    ups = torch.randn(40, generator=gen).to(dtype)
+    tol = {"rtol": 2e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    results = {}
+    for inter in (1, 7, 8, 9, 15, 17, 19, 25, 33, 40):
+        gate_up = torch.cat([values[:inter], ups[:inter]]).unsqueeze(0)  # [1, 2 x inter]
+        out = torch.empty(1, inter, dtype=dtype)
+        _ops().silu_mul(out, gate_up)
+        results[inter] = out[0]
+        expected = F.silu(values[:inter].float()) * ups[:inter].float()
+        torch.testing.assert_close(out[0].float(), expected, **tol)
+    for inter, out in results.items():
+        assert torch.equal(out, results[40][:inter]), inter
+
+
 def test_write_kv_puts_each_token_at_its_slot() -> None:
     cache = torch.zeros(2, 6, 4, 2, 8)
     gen = torch.Generator().manual_seed(4)
@@ -217,9 +237,9 @@ def _decode_tolerance(dtype: torch.dtype) -> dict[str, float]:
 @given(
     lens=st.lists(st.integers(1, 70), min_size=1, max_size=9),
     block_size=st.sampled_from([1, 4, 16]),
-    # NOTE: float32 and bf16 groups of 1-8 heads take the AVX-512 kernels with head_dim 64 on
-    # AVX-512 CPUs, the v8f group kernels with head_dim 8 and 80 (and 64 elsewhere); 16 heads
-    # per KV head and head_dim 12 take the per-head loops.
+    # NOTE: float32 and bf16 groups of 1-8 heads take the wide kernels: with head_dim 64 on
+    # AVX-512 CPUs, 8, 64 and 80 on AVX2-only ones, where AVX-512 CPUs take the v8f group
+    # kernels for 8 and 80; 16 heads per KV head and head_dim 12 take the per-head loops.
     heads=st.sampled_from([(2, 2), (6, 2), (9, 3), (8, 1), (14, 2), (16, 1)]),
     head_dim=st.sampled_from([8, 12, 64, 80]),
     window=st.sampled_from([None, 1, 5, 24]),
@@ -245,15 +265,18 @@ def test_paged_decode_attention_matches_dense(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
+@pytest.mark.parametrize("head_dim", [8, 16, 24, 32, 64, 96, 128])
 @pytest.mark.parametrize("group", range(1, 9))
-def test_decode_attention_every_group_of_the_avx512_kernels(group, head_dim, dtype) -> None:
-    """Every group size and head_dim % 32 == 0: the AVX-512 kernels on AVX-512 CPUs (their V
-    pass takes 64 columns at a time for head_dim % 64 == 0 and up to 4 heads, else 32). The
-    K pass scores 16 visible rows at a time: lengths around multiples of 16, then blocks of 5
-    and a window edge inside a block, so that the groups of 16 straddle blocks."""
+def test_decode_attention_every_group_of_the_wide_kernels(group, head_dim, dtype) -> None:
+    """Every group size and head_dim % 8 == 0, the shapes of the wide kernels (decode_seq_wide).
+
+    AVX-512 CPUs take head_dim % 32 == 0 (their V pass takes 64 columns at a time for head_dim
+    % 64 == 0 and up to 4 heads, else 32), AVX2-only ones every head_dim here (16 columns at a
+    time for head_dim % 16 == 0 and up to 3 heads, else 8). The K pass scores 16 (AVX2: 8)
+    visible rows at a time: lengths around multiples of 8 and 16, then blocks of 5 and a
+    window edge inside a block, so that the groups straddle blocks."""
     for lens, block_size, window, sinks in (
-        ([1, 15, 16, 17, 47], 16, None, 0),
+        ([1, 7, 8, 9, 15, 16, 17, 47], 16, None, 0),
         ([40, 33, 70], 5, 21, 3),
     ):
         q, cache, tables, seq_lens, expected = _decode_case(

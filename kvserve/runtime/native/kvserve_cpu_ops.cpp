@@ -34,7 +34,7 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -254,8 +254,8 @@ inline Visible visible_ranges(int64_t seq_len, int64_t window, int64_t sinks) {
 // j counts visible positions from 0, row points at the run's first [kvh, d] row in `plane`
 // (the next rows follow at a stride of kvh * d). With `prefetch_to` != 0, each run's rows
 // `prefetch_to` elements further on (the other plane) and the next run's rows are
-// prefetched while f works on this one (the portable kernels of decode_seq; the AVX-512 ones
-// of decode_seq_wide stream their lines instead: LineStream).
+// prefetched while f works on this one (the portable kernels of decode_seq; the wide ones
+// of decode_seq_wide, AVX-512 or AVX2, stream their lines instead: LineStream).
 // NOTE: a run is at most one block (12 KB of K for the embedded model in fp32, 6 in bf16),
 // in whatever order the allocator gave out blocks: too short for the hardware prefetcher to
 // ramp up on. At B=32 the K/V of a layer come cold from DRAM (the weight stream evicted
@@ -591,6 +591,16 @@ inline void softmax_rows(float* scores, int64_t nq, int64_t n) {
   }
 }
 
+// The wide attention kernels of one shape (decode_seq_wide): `dot` scores up to kWideRows key
+// rows for a kv head's query heads, `axpy` adds a run of value rows to their accumulators.
+template <typename q_t, typename kv_t>
+struct AttnKernels {
+  void (*dot)(const q_t*, const kv_t* const*, int64_t, int64_t, int64_t, float, float*, int64_t,
+              LineStream&);
+  void (*axpy)(const float*, int64_t, const kv_t*, int64_t, int64_t, int64_t, float*,
+               LineStream&);
+};
+
 #if defined(__AVX512F__)
 // AVX-512 path (float32 / bfloat16, d % 32 == 0, 1-8 heads per KV head): 16-float vectors,
 // the scores of 16 key rows reduced together instead of one horizontal sum each, and the
@@ -803,12 +813,7 @@ void axpy_group16(const float* p, int64_t pstride, const kv_t* v, int64_t stride
 }
 
 template <typename kv_t>
-struct WideKernels {
-  void (*dot)(const WideQuery<kv_t>*, const kv_t* const*, int64_t, int64_t, int64_t, float,
-              float*, int64_t, LineStream&);
-  void (*axpy)(const float*, int64_t, const kv_t*, int64_t, int64_t, int64_t, float*,
-               LineStream&);
-};
+using WideKernels = AttnKernels<WideQuery<kv_t>, kv_t>;
 
 // The AVX-512 kernels for `group` query heads per KV head (nullptr: none).
 template <typename kv_t>
@@ -835,8 +840,268 @@ inline const WideKernels<kv_t>* wide_kernels(int64_t group, int64_t d) {
   return group <= 4 && d % 64 == 0 ? &table64[group - 1] : &table[group - 1];
 }
 
-// decode_seq (below) with the AVX-512 kernels: the same passes and buffers. The softmax scale
-// multiplies the float scores (vdpbf16ps takes the bf16 queries as they are).
+// Rows the K pass scores at a time (dot_group16).
+constexpr int64_t kWideRows = 16;
+
+// n query elements (n % 32 == 0) as float in load32's order, for dot32.
+template <typename scalar_t>
+inline void wide_queries(const scalar_t* q, float* qf, int64_t n) {
+  for (int64_t i = 0; i < n; i += 32) {
+    __m512 lo, hi;
+    load32(q + i, lo, hi);
+    _mm512_storeu_ps(qf + i, lo);
+    _mm512_storeu_ps(qf + i + 16, hi);
+  }
+}
+
+// acc [n] float in load32's order -> out [n] in element order, rounded to scalar_t.
+template <typename scalar_t>
+inline void wide_store(const float* acc, scalar_t* out, int64_t n) {
+  for (int64_t i = 0; i < n; i += 32) {
+    float chunk[32];
+    unsplit32<scalar_t>(acc + i, chunk);
+    for (int e = 0; e < 32; ++e) out[i + e] = from_float<scalar_t>(chunk[e]);
+  }
+}
+#define KVSERVE_WIDE_ATTN 1
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 path (float32 / bfloat16, d % 8 == 0, 1-8 heads per KV head; the AVX2-only CPUs, such
+// as Zen 3): decode_seq_wide's passes on 8-float vectors. The scores of 8 key rows are
+// reduced together (sum8) instead of one horizontal sum each (hsum8 of the portable kernels,
+// ~7 operations a score, as many as the score's FMAs at d = 64), the softmax's exponentials
+// 8 at a time (exp8), and the reads streamed as on AVX-512 (LineStream). Queries and
+// accumulators stay in element order: bf16 widens in order with one vpmovzxwd.
+
+// Rows the K pass scores at a time (dot_group8).
+constexpr int64_t kWideRows = 8;
+
+template <typename kv_t>
+using WideQuery = float;
+
+inline __m256 load8f(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 load8f(const c10::BFloat16* p) {  // exact, like to_float
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+// Lane i of the result: the sum of v[i]'s 8 lanes (6 vhaddps, 2 vperm2f128, 1 add).
+inline __m256 sum8(const __m256* v) {
+  // t: pair sums of two vectors per 128-bit lane; u: their quad sums, v[0..3] low / high half.
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// exp_approx on 8 lanes, its operations in its order (p * 2^n by the exponent-bits add).
+// NOTE: no n < -126 select: after the clamp n >= -126 (exp16's note).
+inline __m256 exp8(__m256 x) {
+  // max(lo, x) and min(hi, x) return x when x is NaN, like std::max(x, lo) and std::min.
+  x = _mm256_min_ps(_mm256_set1_ps(88.37626f), _mm256_max_ps(_mm256_set1_ps(-87.33654f), x));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
+}
+
+// The lanes of an 8-wide step with `left` elements left: all 8, or the first `left`.
+inline __m256i tail_mask8(int64_t left) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(left, 8))),
+                            lane);
+}
+
+// softmax_rows with exp8 (the exponentials summed in 8 lanes).
+inline void softmax_rows_wide(float* scores, int64_t nq, int64_t n) {
+  const int64_t full = n - n % 8;
+  const __m256i tail = tail_mask8(n % 8);
+  for (int64_t iq = 0; iq < nq; ++iq) {
+    float* sq = scores + iq * n;
+    const __m256 mv = _mm256_set1_ps(row_max(sq, n));
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t t = 0; t < full; t += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sq + t), mv));
+      _mm256_storeu_ps(sq + t, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    if (full < n) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_maskload_ps(sq + full, tail), mv));
+      _mm256_maskstore_ps(sq + full, tail, e);
+      sum = _mm256_add_ps(sum, _mm256_and_ps(e, _mm256_castsi256_ps(tail)));
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, sum);
+    normalize_row(sq, n, hsum8(load8(lanes)));
+  }
+}
+
+// scores[g * sstride + r] = scale * q_g . k_r for g < G and r < n, k_r = rows[r] + off;
+// rows: 8 pointers, those past the first n repeat an earlier row (their scores are dropped).
+// q: [G, d] float. NOTE: dot_group16's shape at half the width: head by head, 8 rows at a
+// time, 8 accumulators, then one sum8.
+template <int G, typename kv_t>
+void dot_group8(const float* q, const kv_t* const* rows, int64_t off, int64_t n, int64_t d,
+                float scale, float* scores, int64_t sstride, LineStream& lines) {
+  const __m256i mask = tail_mask8(n);
+  for (int g = 0; g < G; ++g) {
+    __m256 acc[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + g * d + i);
+#pragma GCC unroll 8
+      for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(qv, load8f(rows[r] + off + i), acc[r]);
+      if (i % 16 == 8) lines.pump(kPumpLines);
+    }
+    const __m256 s = _mm256_mul_ps(sum8(acc), _mm256_set1_ps(scale));
+    _mm256_maskstore_ps(scores + g * sstride, mask, s);
+  }
+}
+
+// acc[g] += sum_r p[g * pstride + r] * v_r for g < G, n rows v_r = v + r * stride.
+// acc: [G, d] float; d % (8 K) == 0. NOTE: 8 K columns per pass over the rows with K G
+// accumulators, doubled (even and odd rows) while they fit 12 of the 16 ymm registers.
+template <int G, int K, typename kv_t>
+void axpy_group8(const float* p, int64_t pstride, const kv_t* v, int64_t stride, int64_t n,
+                 int64_t d, float* acc, LineStream& lines) {
+  constexpr int S = 2 * K * G <= 12 ? 2 : 1;
+  for (int64_t i = 0; i < d; i += 8 * K) {
+    __m256 a[S][G][K];
+    for (int g = 0; g < G; ++g) {
+      for (int k = 0; k < K; ++k) {
+        a[0][g][k] = _mm256_loadu_ps(acc + g * d + i + 8 * k);
+        for (int s = 1; s < S; ++s) a[s][g][k] = _mm256_setzero_ps();
+      }
+    }
+    auto row = [&](int s, int64_t r) {
+      __m256 x[K];
+      for (int k = 0; k < K; ++k) x[k] = load8f(v + r * stride + i + 8 * k);
+      for (int g = 0; g < G; ++g) {
+        const __m256 pg = _mm256_broadcast_ss(p + g * pstride + r);
+        for (int k = 0; k < K; ++k) a[s][g][k] = _mm256_fmadd_ps(pg, x[k], a[s][g][k]);
+      }
+    };
+    int64_t r = 0;
+    for (; r + S <= n; r += S) {
+      lines.pump(kPumpLines);
+      for (int s = 0; s < S; ++s) row(s, r + s);
+    }
+    for (; r < n; ++r) row(0, r);
+    for (int g = 0; g < G; ++g) {
+      for (int k = 0; k < K; ++k) {
+        for (int s = 1; s < S; ++s) a[0][g][k] = _mm256_add_ps(a[0][g][k], a[s][g][k]);
+        _mm256_storeu_ps(acc + g * d + i + 8 * k, a[0][g][k]);
+      }
+    }
+  }
+}
+
+// 8 floats -> 8 bf16 words rounded as from_float rounds (nearest even, NaN -> 0x7FC0).
+inline __m128i bf16_words8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb);
+  __m256i words = _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  words = _mm256_blendv_epi8(words, _mm256_set1_epi32(0x7FC0), nan);
+  // Packed per 128-bit lane: words 0-3 in quadword 0, 4-7 in quadword 2.
+  const __m256i packed = _mm256_packus_epi32(words, words);
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+
+inline __m256 round8(__m256 v, float) { return v; }  // to float's precision: itself
+
+inline __m256 round8(__m256 v, c10::BFloat16) {  // to bf16's precision and back
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf16_words8(v)), 16));
+}
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+
+inline void store8(c10::BFloat16* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bf16_words8(v));
+}
+
+// silu_mul_row on 8 lanes with exp8: the scalar row's operations in its order, so the same
+// results bit for bit. The row's tail runs through the same code on a zero-padded copy.
+// NOTE: why. The scalar row's `omp simd` loop ran at ~0.34 G elements/s a thread on AVX2
+// (x86-64-v3 build on the AMX Xeon: [32, 1536] fp32 146 us, bf16 292, one thread): more
+// than 2 ms of a B=32 step of the embedded model, 25 % of a bf16 prefill chunk.
+#define KVSERVE_AVX2_SILU 1
+template <typename scalar_t>
+void silu_mul_row_wide(const scalar_t* gu, scalar_t* o, int64_t inter) {
+  const scalar_t* u = gu + inter;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 one = _mm256_set1_ps(1.0f);
+  auto step = [&](const scalar_t* g8, const scalar_t* u8, scalar_t* o8) {
+    const __m256 x = load8f(g8);
+    const __m256 e = exp8(_mm256_xor_ps(x, sign));
+    const __m256 silu = round8(_mm256_div_ps(x, _mm256_add_ps(one, e)), scalar_t{});
+    store8(o8, _mm256_mul_ps(silu, load8f(u8)));
+  };
+  int64_t i = 0;
+  for (; i + 8 <= inter; i += 8) step(gu + i, u + i, o + i);
+  if (i < inter) {
+    const size_t left = static_cast<size_t>(inter - i) * sizeof(scalar_t);
+    scalar_t g8[8], u8[8], o8[8];
+    std::memset(g8, 0, sizeof(g8));
+    std::memset(u8, 0, sizeof(u8));
+    std::memcpy(g8, gu + i, left);
+    std::memcpy(u8, u + i, left);
+    step(g8, u8, o8);
+    std::memcpy(o + i, o8, left);
+  }
+}
+
+template <typename kv_t>
+using WideKernels = AttnKernels<float, kv_t>;
+
+// The AVX2 kernels for `group` query heads per KV head (nullptr: none).
+template <typename kv_t>
+inline const WideKernels<kv_t>* wide_kernels(int64_t group, int64_t d) {
+  static const WideKernels<kv_t> table[] = {
+      {dot_group8<1, kv_t>, axpy_group8<1, 1, kv_t>},
+      {dot_group8<2, kv_t>, axpy_group8<2, 1, kv_t>},
+      {dot_group8<3, kv_t>, axpy_group8<3, 1, kv_t>},
+      {dot_group8<4, kv_t>, axpy_group8<4, 1, kv_t>},
+      {dot_group8<5, kv_t>, axpy_group8<5, 1, kv_t>},
+      {dot_group8<6, kv_t>, axpy_group8<6, 1, kv_t>},
+      {dot_group8<7, kv_t>, axpy_group8<7, 1, kv_t>},
+      {dot_group8<8, kv_t>, axpy_group8<8, 1, kv_t>},
+  };
+  // d % 16 == 0: the V pass takes 16 columns at a time for groups of up to 3 heads.
+  static const WideKernels<kv_t> table16[] = {
+      {dot_group8<1, kv_t>, axpy_group8<1, 2, kv_t>},
+      {dot_group8<2, kv_t>, axpy_group8<2, 2, kv_t>},
+      {dot_group8<3, kv_t>, axpy_group8<3, 2, kv_t>},
+  };
+  if (group < 1 || group > 8 || d % 8 != 0) return nullptr;
+  return group <= 3 && d % 16 == 0 ? &table16[group - 1] : &table[group - 1];
+}
+
+template <typename scalar_t>
+inline void wide_queries(const scalar_t* q, float* qf, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) qf[i] = to_float(q[i]);
+}
+
+template <typename scalar_t>
+inline void wide_store(const float* acc, scalar_t* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = from_float<scalar_t>(acc[i]);
+}
+#define KVSERVE_WIDE_ATTN 1
+#endif  // __AVX512F__ / __AVX2__
+
+#if defined(KVSERVE_WIDE_ATTN)
+// decode_seq (below) with the wide kernels (AVX-512 or AVX2): the same passes and buffers. The
+// softmax scale multiplies the float scores (vdpbf16ps takes the bf16 queries as they are).
 template <typename scalar_t>
 void decode_seq_wide(const WideKernels<scalar_t>& wide, const scalar_t* q, scalar_t* out,
                      const scalar_t* k_plane, const scalar_t* v_plane, const int32_t* table,
@@ -850,28 +1115,23 @@ void decode_seq_wide(const WideKernels<scalar_t>& wide, const scalar_t* q, scala
   const int64_t nq = (h1 - h0) * group;
   buf.resize(static_cast<size_t>(nq * (n_vis + 2 * d)));
   float* scores = buf.data();        // [nq, n_vis]
-  float* acc = scores + nq * n_vis;  // [nq, d] in load32's order
-  const q_t* qk;                     // [nq, d] the queries as dot32 takes them
+  float* acc = scores + nq * n_vis;  // [nq, d] in the kernels' order (wide_queries)
+  const q_t* qk;                     // [nq, d] the queries as the dot kernel takes them
   if constexpr (std::is_same_v<q_t, scalar_t>) {
     qk = q + h0 * group * d;
   } else {
-    float* qf = acc + nq * d;  // float queries in load32's order
-    const scalar_t* q0 = q + h0 * group * d;
-    for (int64_t i = 0; i < nq * d; i += 32) {
-      __m512 lo, hi;
-      load32(q0 + i, lo, hi);
-      _mm512_storeu_ps(qf + i, lo);
-      _mm512_storeu_ps(qf + i + 16, hi);
-    }
+    float* qf = acc + nq * d;
+    wide_queries(q + h0 * group * d, qf, nq * d);
     qk = qf;
   }
   const int64_t row_elems = kvh * d;
-  // NOTE: the K pass takes 16 visible rows at a time, across blocks: a block size under 16
-  // or a window boundary inside a block costs no partial groups but the sequence's last.
-  const scalar_t* rows[16];  // [kvh, d] rows of visible positions j0 .. j0 + count - 1
+  // NOTE: the K pass takes kWideRows visible rows at a time, across blocks: a block size
+  // under that or a window boundary inside a block costs no partial groups but the
+  // sequence's last.
+  const scalar_t* rows[kWideRows];  // [kvh, d] rows of visible positions j0 .. j0 + count - 1
   int64_t j0 = 0, count = 0;
   auto score_rows = [&] {
-    for (int64_t r = count; r < 16; ++r) rows[r] = rows[count - 1];
+    for (int64_t r = count; r < kWideRows; ++r) rows[r] = rows[count - 1];
     for (int64_t h = h0; h < h1; ++h) {
       const int64_t iq = (h - h0) * group;
       wide.dot(qk + iq * d, rows, h * d, count, d, scale, scores + iq * n_vis + j0, n_vis,
@@ -885,7 +1145,7 @@ void decode_seq_wide(const WideKernels<scalar_t>& wide, const scalar_t* q, scala
                        [&](int64_t, const scalar_t* row, int64_t n) {
     for (int64_t r = 0; r < n; ++r) {
       rows[count++] = row + r * row_elems;
-      if (count == 16) score_rows();
+      if (count == kWideRows) score_rows();
     }
   });
   if (count > 0) score_rows();
@@ -900,13 +1160,11 @@ void decode_seq_wide(const WideKernels<scalar_t>& wide, const scalar_t* q, scala
       lines.consumed(n * head_lines);
     }
   });
-  scalar_t* o0 = out + h0 * group * d;
-  for (int64_t i = 0; i < nq * d; i += 32) {
-    float chunk[32];
-    unsplit32<scalar_t>(acc + i, chunk);
-    for (int e = 0; e < 32; ++e) o0[i + e] = from_float<scalar_t>(chunk[e]);
-  }
+  wide_store(acc, out + h0 * group * d, nq * d);
 }
+#endif  // KVSERVE_WIDE_ATTN
+
+#if defined(__AVX512F__)
 
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
 #define KVSERVE_WIDE_SILU 1
@@ -1039,10 +1297,10 @@ void rms_row_wide(scalar_t* h, const scalar_t* r, const scalar_t* w, scalar_t* o
 #endif  // __AVX512BW__ && __AVX512VL__
 #endif  // __AVX512F__
 
-// Whether decode_seq takes the AVX-512 kernels (decode_seq_wide) for this shape.
+// Whether decode_seq takes the wide kernels (decode_seq_wide, AVX-512 or AVX2) for this shape.
 template <typename scalar_t>
 bool uses_wide_kernels(int64_t group, int64_t d) {
-#if defined(__AVX512F__)
+#if defined(KVSERVE_WIDE_ATTN)
   if constexpr (kHasGroupKernels<scalar_t>) return wide_kernels<scalar_t>(group, d) != nullptr;
 #endif
   return false;
@@ -1079,9 +1337,10 @@ void task_runs(const scalar_t* k_plane, const scalar_t* v_plane, const int32_t* 
 }
 
 // Decode attention of one sequence for kv heads [h0, h1): each kv head's `group` query heads
-// attend over the visible positions, read in place from the cache blocks. Where the AVX-512
-// kernels take the shape (decode_seq_wide), they do; the choice depends on the model only, so
-// a sequence's result does not depend on the batch it is in or on the thread count.
+// attend over the visible positions, read in place from the cache blocks. Where the wide
+// kernels (AVX-512 or AVX2) take the shape (decode_seq_wide), they do; the choice depends on
+// the model only, so a sequence's result does not depend on the batch it is in or on the
+// thread count.
 template <typename scalar_t>
 void decode_seq(const scalar_t* q,        // [H, d] this sequence's query heads
                 scalar_t* out,            // [H, d]
@@ -1090,7 +1349,7 @@ void decode_seq(const scalar_t* q,        // [H, d] this sequence's query heads
                 const int32_t* table, int64_t seq_len, int64_t block_size, int64_t kvh,
                 int64_t h0, int64_t h1, int64_t group, int64_t d, float scale, int64_t window,
                 int64_t sinks, std::vector<float>& buf, LineStream& lines) {
-#if defined(__AVX512F__)
+#if defined(KVSERVE_WIDE_ATTN)
   if constexpr (kHasGroupKernels<scalar_t>) {
     if (const WideKernels<scalar_t>* wide = wide_kernels<scalar_t>(group, d)) {
       decode_seq_wide<scalar_t>(*wide, q, out, k_plane, v_plane, table, seq_len, block_size,
@@ -1356,7 +1615,7 @@ void silu_mul(Tensor out, Tensor gate_up) {
     scalar_t* o = out.data_ptr<scalar_t>();
     const int64_t gs = gate_up.stride(0), os = out.stride(0);
     at::parallel_for(0, rows, grain_for(inter), [&](int64_t begin, int64_t end) {
-#if defined(KVSERVE_WIDE_SILU)
+#if defined(KVSERVE_WIDE_SILU) || defined(KVSERVE_AVX2_SILU)
       if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
         for (int64_t t = begin; t < end; ++t) {
           silu_mul_row_wide<scalar_t>(gu + t * gs, o + t * os, inter);

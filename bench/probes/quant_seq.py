@@ -3,9 +3,10 @@ interleaved: what a step's projections cost per kernel, as a step runs them.
 
     PYTHONPATH=. .venv/bin/python bench/probes/quant_seq.py [--rows 1 8 32 128 512]
         [--qtype q4_1] [--dtype bfloat16] [--threads 2] [--passes 5] [--huge-pages]
-        [--only SUBSTRING]
+        [--only SUBSTRING] [--layers 30]
 
-30 layers of qkv 960x576, o 576x576, gate/up 3072x576 and down 576x1536 in ``--qtype``
+30 layers (``--layers``: more, to exceed the L3 and read every weight from DRAM) of qkv
+960x576, o 576x576, gate/up 3072x576 and down 576x1536 in ``--qtype``
 (random weights, quantized and laid out as the engine lays them out on this CPU), each
 layer's four calls in the model's order, so each weight comes from memory as in the model
 (the dense copies are 212 MB in bf16, the Q4_1 blocks 60 MB; this CPU's L3 may hold some).
@@ -37,11 +38,13 @@ LAYERS = 30
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def build(qtype: str, dtype: torch.dtype, only: str) -> dict[str, list[list[LinearMethod]]]:
+def build(
+    qtype: str, dtype: torch.dtype, only: str, layers: int = LAYERS
+) -> dict[str, list[list[LinearMethod]]]:
     """Candidate name -> [layer][projection] methods, prepared."""
     gen = torch.Generator().manual_seed(0)
     by_name: dict[str, list[list[LinearMethod]]] = {}
-    for _ in range(LAYERS):
+    for _ in range(layers):
         row: dict[str, list[LinearMethod]] = {}
         for n, k in SHAPES:
             weight = kernel_layout(quantize_dense(torch.randn(n, k, generator=gen) * 0.02, qtype))
@@ -64,17 +67,18 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=5)
     ap.add_argument("--huge-pages", action="store_true")
     ap.add_argument("--only", default="")
+    ap.add_argument("--layers", type=int, default=LAYERS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
-    by_name = build(args.qtype, dtype, args.only)
+    by_name = build(args.qtype, dtype, args.only, args.layers)
     if args.huge_pages:
         methods = [m for layers in by_name.values() for row in layers for m in row]
         # NOTE: the gather walks Linears; one stand-in holding every method is enough.
         moved = gather_into_huge_pages([SimpleNamespace(methods=lambda: methods)])  # type: ignore[list-item]
         print(f"huge pages: {moved / 2**20:.1f} MiB moved")
     names = sorted(by_name)
-    print(f"{args.qtype} x {LAYERS} layers, {args.dtype}, {args.threads} threads; ms a pass:")
+    print(f"{args.qtype} x {args.layers} layers, {args.dtype}, {args.threads} threads; ms a pass:")
     print("rows  " + "  ".join(f"{n:>24}" for n in names))
     for m in args.rows:
         xs = {k: torch.randn(m, k).to(dtype) for k in (576, 1536)}  # [M, K]

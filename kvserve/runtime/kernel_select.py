@@ -433,7 +433,21 @@ def cache_key(
         # NOTE: sorted: the registration order follows the import order, not the selection.
         "candidates": sorted(f"{f.__module__}.{f.__qualname__}" for f in factories),
         "onednn": bool(torch.backends.mkldnn.is_available()),
+        # NOTE: the native kernels' build target decides which of them can run (an older
+        # kind's build caps the quantized kernels' instruction set: kvserve_quant_ops.cpp).
+        "native_march": _native_march(),
     }
+
+
+def _native_march() -> str:
+    """The native kernels' -march target ("invalid" for a bad $KVSERVE_NATIVE_MARCH, which
+    the kernels' loader reports on its own)."""
+    from kvserve.runtime import native
+
+    try:
+        return native.march()
+    except ValueError:
+        return "invalid"
 
 
 def cache_dir() -> Path:

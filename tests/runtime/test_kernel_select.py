@@ -182,7 +182,17 @@ def test_second_selection_reads_the_cache_without_measuring(tmp_path) -> None:
 
 @pytest.mark.parametrize(
     "change",
-    ["dtype", "shapes", "candidates", "threads", "torch", "cpu_model", "cpu_flags", "max_rows"],
+    [
+        "dtype",
+        "shapes",
+        "candidates",
+        "threads",
+        "torch",
+        "cpu_model",
+        "cpu_flags",
+        "max_rows",
+        "native_march",
+    ],
 )
 def test_cache_is_invalidated_when_any_key_part_changes(tmp_path, monkeypatch, change) -> None:
     _select(tmp_path, mode="auto")
@@ -203,6 +213,8 @@ def test_cache_is_invalidated_when_any_key_part_changes(tmp_path, monkeypatch, c
         monkeypatch.setattr(kernel_select, "cpu_flags", lambda: "sse2 other_flag")
     elif change == "max_rows":
         kw["max_rows"] = {SHAPES[0]: 8}
+    elif change == "native_march":
+        monkeypatch.setenv("KVSERVE_NATIVE_MARCH", "x86-64-v3")
     extra = kw.pop("shapes_extra", None)
     calls: list[str] = []
     shapes = [*SHAPES, extra] if extra else SHAPES

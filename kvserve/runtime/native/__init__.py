@@ -48,12 +48,17 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
+def march() -> str:
+    """The gcc ``-march`` target the kernels build for: ``$KVSERVE_NATIVE_MARCH`` or ``native``."""
+    target = os.environ.get(MARCH_ENV, "").strip() or "native"
+    if not all(ch.isalnum() or ch in "-_." for ch in target):
+        raise ValueError(f"{MARCH_ENV}={target!r} is not a gcc -march target name")
+    return target
+
+
 def cflags() -> tuple[str, ...]:
     """The compiler flags: ``-march`` from ``$KVSERVE_NATIVE_MARCH`` (default ``native``)."""
-    march = os.environ.get(MARCH_ENV, "").strip() or "native"
-    if not all(ch.isalnum() or ch in "-_." for ch in march):
-        raise ValueError(f"{MARCH_ENV}={march!r} is not a gcc -march target name")
-    return ("-O3", f"-march={march}", "-fopenmp")
+    return ("-O3", f"-march={march()}", "-fopenmp")
 
 
 def cpu_flags() -> str:

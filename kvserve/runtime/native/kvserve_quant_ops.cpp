@@ -16,7 +16,8 @@
 //   q4_1: d_w d_x sum(n_w q_x) + m_w s_x
 // with exact integer dot products and fp32 accumulation of the scaled block sums.
 //
-// Instruction sets, chosen at run time by CPU flags (each can be forced for tests):
+// Instruction sets, chosen at run time by CPU flags within the build's -march target (each can
+// be forced for tests):
 //   avx512_vnni: 64 values (two blocks) per vpdpbusd, 4 rows x up to 4 tokens per tile;
 //   avx_vnni:    32 values per VEX vpdpbusd (Alder Lake and later without AVX-512);
 //   avx2:        32 values per vpmaddubsw + vpmaddwd;
@@ -85,7 +86,39 @@ bool amx_tiles_ready() {
 #endif
 }
 
-bool isa_supported(int isa) {
+// Whether the build's -march target has the instruction set.
+// NOTE: why. The kernels are compiled for every instruction set (target attributes) and chosen
+// by the CPU's flags, but a build for an older CPU kind than this one (KVSERVE_NATIVE_MARCH,
+// kvserve/runtime/native/__init__.py) is there to run that kind's code paths here, the tests
+// of the other kinds and their speed: without this cap an x86-64-v3 build ran the AVX-512
+// VNNI kernels on an AVX-512 CPU. With -march=native the target is the CPU: no change.
+constexpr bool target_has(int isa) {
+  switch (isa) {
+    case kIsaAvx2:
+#if defined(__AVX2__) && defined(__FMA__)
+      return true;
+#else
+      return false;
+#endif
+    case kIsaAvxVnni:
+#if defined(__AVX2__) && defined(__FMA__) && defined(__AVXVNNI__)
+      return true;
+#else
+      return false;
+#endif
+    case kIsaAvx512Vnni:
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__) && defined(__AVX512VNNI__)
+      return true;
+#else
+      return false;
+#endif
+    default:
+      return true;
+  }
+}
+
+bool cpu_has(int isa) {
   __builtin_cpu_init();
   switch (isa) {
     case kIsaScalar:
@@ -103,6 +136,8 @@ bool isa_supported(int isa) {
       return false;
   }
 }
+
+bool isa_supported(int isa) { return cpu_has(isa) && target_has(isa); }
 
 int best_isa() {
   static const int best = [] {

@@ -1,10 +1,10 @@
 """The per-layer native ops on the embedded model's shapes, hot: us per call of
 ``add_rms_norm`` ([rows, 576] with a residual) and ``silu_mul`` ([rows, 2 x 1536] -> [rows,
-1536]) in bf16, at decode (32 rows) and prefill (512 rows) sizes, one and two threads. The
-inputs stay in cache, so this is the ops' arithmetic, plus ~2-3 us of Python and dispatcher
-per call.
+1536]) in bf16 (``--dtype``: each given dtype in turn), at decode (32 rows) and prefill (512
+rows) sizes, one and two threads. The inputs stay in cache, so this is the ops' arithmetic,
+plus ~2-3 us of Python and dispatcher per call.
 
-    PYTHONPATH=. .venv/bin/python bench/probes/layer_ops_hot.py
+    PYTHONPATH=. .venv/bin/python bench/probes/layer_ops_hot.py [--dtype bfloat16 float32]
 
 Run from a tree's root with that tree on PYTHONPATH (and its own KVSERVE_CACHE_DIR) to time
 that tree's kernels (bench/ab_tree.sh).
@@ -12,6 +12,7 @@ that tree's kernels (bench/ab_tree.sh).
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Callable
 
@@ -33,15 +34,15 @@ def best_us(fn: Callable[[], None], calls: int = 200) -> float:
     return best * 1e6
 
 
-def time_ops(rows: int, gen: torch.Generator) -> tuple[float, float]:
-    """us per call of add_rms_norm and of silu_mul on ``rows`` rows."""
+def time_ops(rows: int, gen: torch.Generator, dtype: torch.dtype) -> tuple[float, float]:
+    """us per call of add_rms_norm and of silu_mul on ``rows`` rows of ``dtype``."""
     ops = native.ops()
-    hidden = torch.randn(rows, 576, generator=gen).bfloat16()  # [rows, 576]
-    residual = torch.randn(rows, 576, generator=gen).bfloat16()  # [rows, 576]
-    weight = torch.rand(576, generator=gen).bfloat16()  # [576]
+    hidden = torch.randn(rows, 576, generator=gen).to(dtype)  # [rows, 576]
+    residual = torch.randn(rows, 576, generator=gen).to(dtype)  # [rows, 576]
+    weight = torch.rand(576, generator=gen).to(dtype)  # [576]
     normed = torch.empty_like(hidden)  # [rows, 576]
-    gate_up = torch.randn(rows, 3072, generator=gen).bfloat16()  # [rows, 2 x 1536]
-    act = torch.empty(rows, 1536, dtype=torch.bfloat16)  # [rows, 1536]
+    gate_up = torch.randn(rows, 3072, generator=gen).to(dtype)  # [rows, 2 x 1536]
+    act = torch.empty(rows, 1536, dtype=dtype)  # [rows, 1536]
     # NOTE: the residual add repeats in place; N(0, 1) residuals keep it far from overflow
     # over these few thousand calls.
     norm = best_us(lambda: ops.add_rms_norm(hidden, residual, weight, 1e-5, normed))
@@ -50,15 +51,19 @@ def time_ops(rows: int, gen: torch.Generator) -> tuple[float, float]:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=["bfloat16", "float32"])
+    args = ap.parse_args()
     if not native.load():
         raise SystemExit(f"no native kernels: {native.reason()}")
     gen = torch.Generator().manual_seed(0)
-    for threads in (1, 2):
-        torch.set_num_threads(threads)
-        for rows in (32, 512):
-            norm, silu = time_ops(rows, gen)
-            print(f"threads={threads} rows={rows:3d}: add_rms_norm {norm:6.1f} us  "
-                  f"silu_mul {silu:6.1f} us")  # fmt: skip
+    for name in args.dtype:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for rows in (32, 512):
+                norm, silu = time_ops(rows, gen, getattr(torch, name))
+                print(f"{name} threads={threads} rows={rows:3d}: add_rms_norm {norm:6.1f} us  "
+                      f"silu_mul {silu:6.1f} us")  # fmt: skip
 
 
 if __name__ == "__main__":

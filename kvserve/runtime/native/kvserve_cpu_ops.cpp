@@ -1032,9 +1032,10 @@ inline void store8(c10::BFloat16* p, __m256 v) {
 
 // silu_mul_row on 8 lanes with exp8: the scalar row's operations in its order, so the same
 // results bit for bit. The row's tail runs through the same code on a zero-padded copy.
-// NOTE: why. The scalar row's `omp simd` loop ran at ~0.34 G elements/s a thread on AVX2
-// (x86-64-v3 build on the AMX Xeon: [32, 1536] fp32 146 us, bf16 292, one thread): more
-// than 2 ms of a B=32 step of the embedded model, 25 % of a bf16 prefill chunk.
+// NOTE: why. The scalar row's `omp simd` loop took [32, 1536] in 176-178 us (fp32) and
+// 328-343 (bf16) on one thread of an x86-64-v3 build, 26 and 70 here (the AMX Xeon,
+// bench/results/session24/layer_ops_avx2_ab.txt): ~3 ms of a fp32 B=32 step of the
+// embedded model on two threads, ~7 % of a 512-token prefill chunk (~0.68 s there).
 #define KVSERVE_AVX2_SILU 1
 template <typename scalar_t>
 void silu_mul_row_wide(const scalar_t* gu, scalar_t* o, int64_t inter) {

@@ -38,13 +38,15 @@ KERNEL_TESTS = (
 
 @dataclass(frozen=True)
 class Kind:
-    """A CPU kind: the gcc target, the flags this CPU needs to run it, and the flag whose
-    presence means the normal suite runs wider code than this kind's."""
+    """A CPU kind: the gcc target, the flags this CPU needs to run it, the flag whose
+    presence means the normal suite runs wider code than this kind's, the libraries' caps, and
+    the quantized kernels' instruction set there (the build target caps it)."""
 
     march: str
     needs: frozenset[str]
     wider: str
     env: tuple[tuple[str, str], ...]
+    quant_isa: str
 
 
 KINDS = (
@@ -53,7 +55,12 @@ KINDS = (
         "x86-64-v3",
         frozenset({"avx2", "fma", "f16c", "bmi2"}),
         "avx512f",
-        (("ONEDNN_MAX_CPU_ISA", "AVX2"), ("ATEN_CPU_CAPABILITY", "avx2")),
+        (
+            ("ONEDNN_MAX_CPU_ISA", "AVX2"),
+            ("ATEN_CPU_CAPABILITY", "avx2"),
+            ("MKL_ENABLE_INSTRUCTIONS", "AVX2"),
+        ),
+        "avx2",
     ),
     # Zen 4 / a Xeon without AMX: AVX-512 with VNNI and BF16, no AMX (gcc 12 has no znver4).
     Kind(
@@ -61,6 +68,7 @@ KINDS = (
         frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"}),
         "amx_tile",
         (("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16"),),
+        "avx512_vnni",
     ),
 )
 
@@ -86,11 +94,13 @@ def _skip_reason(kind: Kind) -> str | None:
     return None
 
 
-# Builds both libraries and says which it loaded and whether the AMX kernel is there.
+# Builds both libraries and says which it loaded, whether the AMX kernel is there and the
+# quantized kernels' instruction set.
 PROBE = (
     "from kvserve.runtime import native, amx_linear; from kvserve.runtime.native import "
     "quant_ops; assert native.load() and quant_ops.load(), (native.reason(), "
-    "quant_ops.reason()); print(native.build_dir().name, amx_linear.amx_available())"
+    "quant_ops.reason()); print(native.build_dir().name, amx_linear.amx_available(), "
+    "quant_ops.best_isa())"
 )
 
 
@@ -123,9 +133,10 @@ def test_kernel_tests_pass_on_an_older_kinds_build(
     # NOTE: the build is checked first: a failed build makes the kernel tests skip, not fail.
     cache, rc, out, err = builds[kind.march]
     assert rc == 0, err[-3000:]
-    name, amx = out.split()
+    name, amx, quant_isa = out.split()
     assert (cache / "native" / name).is_dir()
     assert amx == "False"  # neither kind has AMX: its tile kernels must be compiled out
+    assert quant_isa == kind.quant_isa  # not this CPU's wider one
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS],
         cwd=ROOT, env=_env(kind, cache), capture_output=True, text=True, timeout=600,

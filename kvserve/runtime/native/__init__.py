@@ -57,8 +57,16 @@ def march() -> str:
 
 
 def cflags() -> tuple[str, ...]:
-    """The compiler flags: ``-march`` from ``$KVSERVE_NATIVE_MARCH`` (default ``native``)."""
-    return ("-O3", f"-march={march()}", "-fopenmp")
+    """The compiler flags: ``-march`` from ``$KVSERVE_NATIVE_MARCH`` (default ``native``).
+
+    A build for a named target also defines ``KVSERVE_EMULATED_TARGET``: the quantized kernels
+    then take only the instruction sets that target has (kvserve_quant_ops.cpp, ``target_has``),
+    so an older kind's build runs that kind's kernels on a newer CPU. A native build picks them
+    by the CPU's flags alone.
+    """
+    target = march()
+    emulated = () if target == "native" else ("-DKVSERVE_EMULATED_TARGET",)
+    return ("-O3", f"-march={target}", "-fopenmp", *emulated)
 
 
 def cpu_flags() -> str:

@@ -86,13 +86,19 @@ bool amx_tiles_ready() {
 #endif
 }
 
-// Whether the build's -march target has the instruction set.
+// Whether a build for a named target (KVSERVE_EMULATED_TARGET: KVSERVE_NATIVE_MARCH set,
+// kvserve/runtime/native/__init__.py) has the instruction set; a native build: always.
 // NOTE: why. The kernels are compiled for every instruction set (target attributes) and chosen
-// by the CPU's flags, but a build for an older CPU kind than this one (KVSERVE_NATIVE_MARCH,
-// kvserve/runtime/native/__init__.py) is there to run that kind's code paths here, the tests
-// of the other kinds and their speed: without this cap an x86-64-v3 build ran the AVX-512
-// VNNI kernels on an AVX-512 CPU. With -march=native the target is the CPU: no change.
+// by the CPU's flags, but a build for an older CPU kind than this one is there to run that
+// kind's code paths here, the tests of the other kinds and their speed: without this cap an
+// x86-64-v3 build ran the AVX-512 VNNI kernels on an AVX-512 CPU. A native build is left to
+// the CPU's flags alone, so a compiler that knows a CPU less well than cpuid does (gcc 12 has
+// no znver4 target) loses no kernel.
 constexpr bool target_has(int isa) {
+#if !defined(KVSERVE_EMULATED_TARGET)
+  static_cast<void>(isa);
+  return true;
+#endif
   switch (isa) {
     case kIsaAvx2:
 #if defined(__AVX2__) && defined(__FMA__)

@@ -62,22 +62,19 @@ def sample_guarded(
     except Exception:  # noqa: BLE001 - the general path below checks and isolates
         logger.warning("the greedy fast path raised on %d rows; sampling them in turn", len(reqs))
         greedy = None
-    groups: list[list[ScheduledRequest]] = []
-    results: list[tuple[list[int], list[LogprobsEntry | None]]] = []
-    if greedy is not None:
-        ids, entries, bad_rows = greedy
-        bad = set(bad_rows)
-        rows = [i for i in range(len(reqs)) if i not in bad]
-        groups.append([reqs[i] for i in rows])
-        results.append(([ids[i] for i in rows], [entries[i] for i in rows]))
-    else:
-        bad = set(nonfinite_rows(logits, vocab))
-        rows = [i for i in range(len(reqs)) if i not in bad]
+    bad = set(greedy[2] if greedy is not None else nonfinite_rows(logits, vocab))
+    rows = [i for i in range(len(reqs)) if i not in bad]
     for i in sorted(bad):
         failed[reqs[i].request_id] = "the model produced non-finite logits"
     if not rows:
         return token_ids, logprobs, failed
-    if greedy is None:
+    groups: list[list[ScheduledRequest]]
+    results: list[tuple[list[int], list[LogprobsEntry | None]]]
+    if greedy is not None:
+        ids, entries, _ = greedy
+        groups = [[reqs[i] for i in rows]]
+        results = [([ids[i] for i in rows], [entries[i] for i in rows])]
+    else:
         groups, results = _sample_rows(sampler, logits, reqs, rows, grammar, bitmask, failed)
     for group, (ids, entries) in zip(groups, results, strict=True):
         for req, token_id, entry in zip(group, ids, entries, strict=True):

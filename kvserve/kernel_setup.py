@@ -223,7 +223,7 @@ def dtype_speedup(
     chose fp32 for a GGUF whose int8-dot kernels run bf16 activations at least as fast (Q4_1
     sequence at M=32: 15.1 ms fp32, 10.6 bf16) and whose B=32 decode attention at 256 tokens
     took 19-20 ms a step in fp32 against 12-14 in bf16 (a bf16 cache halves the bytes read;
-    README, "Kernels and dtype").
+    docs/KERNELS_HISTORY.md, session 14).
     """
     if attention_timer is None and device.type == "cpu":
         attention_timer = DecodeAttentionProbe.if_available(arch)

@@ -5,7 +5,7 @@ alone, in us per call and TFLOPS.
 
 One weight per shape (qkv 960x576 and gate/up 3072x576, bf16), called 200 times after 20
 warm-up calls: what each kernel computes at M rows once the weight need not come from
-memory (README, "Kernels and dtype", session 10: what bounds the kernel above 32 rows).
+memory (docs/KERNELS_HISTORY.md, session 10: what bounds the kernel above 32 rows).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 For the embedded model's bf16 projection shapes at a few M: torch.mm (``DenseMmMethod``) and
 oneDNN prepacked (``OneDnnPrepackedMethod``), best of 5 passes, us per call. "hot": one
 weight, called again and again; "cold": calls rotate through copies holding about ``--mb``
-MB, as the model's layers do (README, "Kernels and dtype": why the selection times cold).
+MB, as the model's layers do (docs/KERNELS_HISTORY.md: why the selection times cold weights).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ turns the fused call off (for A/B measurements).
 
 NOTE: why. At B=1 the embedded model's step dispatched 343 ops from Python: ~2 us of
 dispatch each plus the wrappers around them; its kernels alone took 3.6 ms of a 5.3 ms step
-(README.md, "Kernels and dtype", session 17).
+(docs/KERNELS_HISTORY.md, session 17).
 """
 
 from __future__ import annotations

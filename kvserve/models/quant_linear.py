@@ -276,7 +276,7 @@ class DequantPrepackedMethod(DenseCopyMethod):
     NOTE: why a second layout: where the selector prefers a copy (M above the int8 kernel's
     range), the dense model's own selection runs oneDNN prepacked at decode sizes, and with
     only the ``torch.mm`` copy a quantized model ran those steps slower than the dense model
-    (README, "Kernels and dtype": 694.5 vs 786.6 tok/s at B=32 on the AMX Xeon).
+    (docs/KERNELS_HISTORY.md, session 7: 694.5 vs 786.6 tok/s at B=32 on the AMX Xeon).
     """
 
     allocates = True

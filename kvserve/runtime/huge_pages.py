@@ -5,7 +5,7 @@ over a pool of hundreds of MB, and a decode step streams every weight once: with
 nearly every block, and every 4 KiB of weight, is a TLB miss. Asked for 2 MiB pages
 (``madvise(MADV_HUGEPAGE)`` before the first touch; Linux's default THP mode is ``madvise``,
 so nothing gets them unasked), attention over a 530 MB pool and the AMX projections both
-ran faster (README, "Kernels and dtype", session 10: ``bench/probes/attn_cold.py
+ran faster (docs/KERNELS_HISTORY.md, session 10: ``bench/probes/attn_cold.py
 --huge-pages``, ``bench/probes/amx_model_ab.py --huge-pages``). Where the kernel does not
 give them (THP off, another OS, CUDA tensors), the buffer is an ordinary one.
 """

@@ -1780,7 +1780,7 @@ void project(const Tensor& out, const Tensor& x, at::TensorList weights, at::Int
 // so the same results bit for bit; only the Python between them is gone.
 // NOTE: why. A B=1 step of the embedded model dispatched 343 ops from Python, each ~2 us of
 // dispatch plus the wrappers around it: its kernels alone took 3.6 ms of a 5.3 ms step
-// (README.md, "Kernels and dtype", session 17).
+// (docs/KERNELS_HISTORY.md, session 17).
 // hidden [T, h] residual stream, updated in place; residual: the MLP output to add first, or
 // none; cos, sin [T, 1, d]. Per layer l: input_norms[l], post_norms[l] [h]; the qkv, o,
 // gate_up and down projections, projection j made of part_counts[j] consecutive weights and

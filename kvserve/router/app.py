@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager, suppress
 from typing import Any
 
@@ -24,6 +24,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+from kvserve.cors import allow_cross_origin
 from kvserve.router.keys import request_key
 from kvserve.router.policy import RoutingPolicy
 from kvserve.router.replicas import ReplicaPool
@@ -146,8 +147,10 @@ def build_router_app(
     *,
     connect_timeout_s: float = 5.0,
     request_timeout_s: float | None = None,
+    allowed_origins: Sequence[str] = (),
 ) -> FastAPI:
-    """The router app over ``pool`` (already validated) with ``policy``."""
+    """The router app over ``pool`` (already validated) with ``policy``; browsers on
+    ``allowed_origins`` may call it (CORS)."""
     metrics = RouterMetrics(pool, policy.name)
     pool.on_leave.append(policy.remove_replica)
     state: dict[str, Any] = {}
@@ -366,6 +369,7 @@ def build_router_app(
     async def chat_completions(request: Request) -> Response:
         return await proxy(request, "/v1/chat/completions")
 
+    allow_cross_origin(app, allowed_origins)
     return app
 
 

@@ -7,6 +7,7 @@ import asyncio
 import sys
 from collections.abc import Callable
 
+from kvserve.cors import add_cors_arg
 from kvserve.router.policy import ROUTING_POLICIES
 
 
@@ -60,6 +61,7 @@ def register(
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
+    add_cors_arg(p)
     add_router_args(p)
     p.set_defaults(func=cmd_router)
 
@@ -85,7 +87,8 @@ def build_validated_app(urls: list[str], args: argparse.Namespace):  # noqa: ANN
         max_tree_tokens=args.max_tree_tokens,
         min_match_ratio=getattr(args, "min_match_ratio", 0.5),
     )
-    return build_router_app(pool, policy)
+    origins = getattr(args, "allowed_origins", ())
+    return build_router_app(pool, policy, allowed_origins=origins)
 
 
 def cmd_router(args: argparse.Namespace) -> int:

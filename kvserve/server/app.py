@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
@@ -15,6 +15,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.async_engine import AsyncLLMEngine, EngineLike
+from kvserve.cors import allow_cross_origin
 from kvserve.server.context import ServingContext
 from kvserve.server.errors import (
     ENGINE_ERRORS,
@@ -44,13 +45,15 @@ def build_app(
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
     chat_template: str | None = None,
     tool_call_parser: str = "hermes",
+    allowed_origins: Sequence[str] = (),
 ) -> FastAPI:
     """An OpenAI-compatible app serving ``engine`` (an LLMEngine or the same interface).
 
     The step loop starts with the app (lifespan) or on the first request. The API key
     guards ``/v1/*`` and the debug routes (and ``/health`` and ``/metrics`` with
     ``protect_metrics``), checked before the body is read; see request_guard.py and
-    lifecycle.py (``app.state.lifecycle``: draining on SIGTERM, exit code).
+    lifecycle.py (``app.state.lifecycle``: draining on SIGTERM, exit code). Browsers on
+    ``allowed_origins`` may call it (CORS; none by default).
     """
     metrics = ServerMetrics()
     async_engine = AsyncLLMEngine(
@@ -81,6 +84,7 @@ def build_app(
         max_request_bytes=max_request_bytes,
         is_draining=lambda: lifecycle.draining,
     )
+    allow_cross_origin(app, allowed_origins)
     _install_error_handlers(app)
     return app
 

@@ -87,7 +87,10 @@ def plan_chat(req: p.ChatCompletionRequest) -> ChatPlan:
         raise APIError(str(e), param=_param_of(str(e), req)) from e
     if len(constraints) > 1:
         names = " and ".join(name for name, _ in constraints)
-        raise APIError(f"only one output constraint per request: got {names}", param="tool_choice")
+        # NOTE: the param named is the second constraint's: the first is the one kept.
+        raise APIError(
+            f"only one output constraint per request: got {names}", param=constraints[1][0]
+        )
     if constraints:
         plan.constraint_param, plan.constraint = constraints[0]
     return plan

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+from kvserve.cors import add_cors_arg
 from kvserve.server.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT_S
 from kvserve.server.tools import TOOL_CALL_PARSERS
 
@@ -75,6 +76,7 @@ def register(
         help="how tool calls are read from the output (hermes: <tool_call>{...}</tool_call>)",
     )
     g.add_argument("--log-level", default="warning", help="uvicorn log level")
+    add_cors_arg(g)
     g.add_argument(
         "--data-parallel-size",
         type=_positive_int,
@@ -145,6 +147,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         shutdown_timeout=args.shutdown_timeout,
         chat_template=chat_template,
         tool_call_parser=args.tool_call_parser,
+        allowed_origins=args.allowed_origins,
     )
     print(
         f"[kvserve] serving {app.state.ctx.model_name!r} on http://{args.host}:{args.port}",

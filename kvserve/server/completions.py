@@ -45,6 +45,7 @@ async def create_completion(
     if req.best_of is not None and req.best_of != req.n:
         raise APIError("best_of must equal n (best-of sampling is not supported)", param="best_of")
     prompts = await off_engine(ctx, lambda: _completion_prompts(ctx, req))
+    texts = _prompt_texts(req, len(prompts))
     constraint = _completion_constraint(req)
     await check_constraint(ctx, constraint, "structured_outputs")
     # NOTE: echo with logprobs reports the prompt tokens' logprobs too (OpenAI).
@@ -65,13 +66,14 @@ async def create_completion(
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = await add_engine_requests(ctx, request_id, prompts, params_list, req)
     if req.stream:
-        return sse_response(_completion_stream(ctx, req, request_id, prompts, streams))
+        return sse_response(_completion_stream(ctx, req, request_id, prompts, texts, streams))
     finals = await collect_or_disconnect(raw, streams)
     choices = [
         _with_prompt_parts(
             ctx,
             req,
             out,
+            texts[i],
             p.CompletionChoice(
                 index=i * req.n + c.index,
                 text=c.text,
@@ -116,15 +118,26 @@ def _completion_prompts(ctx: ServingContext, req: p.CompletionRequest) -> list[l
     return out
 
 
+def _prompt_texts(req: p.CompletionRequest, count: int) -> list[str | None]:
+    """Each prompt of the batch as the request spelled it (None: given as token ids)."""
+    if isinstance(req.prompt, str):
+        return [req.prompt]
+    if req.prompt and isinstance(req.prompt[0], str):
+        return list(cast("list[str]", req.prompt))
+    return [None] * count
+
+
 def _completion_stream(
     ctx: ServingContext,
     req: p.CompletionRequest,
     request_id: str,
     prompts: list[list[int]],
+    texts: list[str | None],
     streams: list[RequestStream],
 ) -> AsyncGenerator[str, None]:
     created = int(time.time())
-    echoed: set[int] = set()
+    # Each choice's text sent so far (chars): where its next tokens' text_offset starts.
+    sent: dict[int, int] = {}
 
     def chunk(choices: list[p.CompletionChoice], usage_info: p.UsageInfo | None = None) -> str:
         resp = p.CompletionResponse(
@@ -134,16 +147,19 @@ def _completion_stream(
 
     def choice_event(d: ChoiceDelta) -> str:
         c = d.completion
+        before = sent.get(d.index)
         choice = p.CompletionChoice(
             index=d.index,
             text=c.delta_text,
-            logprobs=completion_logprobs(ctx, c.token_ids, c.logprobs, d.start, req.logprobs),
+            logprobs=completion_logprobs(
+                ctx, c.token_ids, c.logprobs, d.start, req.logprobs, before or 0
+            ),
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
         )
-        if d.index not in echoed:  # the first chunk of a choice carries the prompt parts
-            echoed.add(d.index)
-            choice = _with_prompt_parts(ctx, req, d.output, choice)
+        if before is None:  # the first chunk of a choice carries the prompt parts
+            choice = _with_prompt_parts(ctx, req, d.output, texts[d.index // req.n], choice)
+        sent[d.index] = (before or 0) + len(choice.text)
         return chunk([choice])
 
     return stream_events(
@@ -166,10 +182,15 @@ def _completion_constraint(req: p.CompletionRequest) -> StructuredOutputsParams 
 
 
 def _with_prompt_parts(
-    ctx: ServingContext, req: p.CompletionRequest, out: RequestOutput, choice: p.CompletionChoice
+    ctx: ServingContext,
+    req: p.CompletionRequest,
+    out: RequestOutput,
+    prompt_text: str | None,
+    choice: p.CompletionChoice,
 ) -> p.CompletionChoice:
     """``choice`` with echo (prompt text, and its logprobs when logprobs are asked) and
-    vLLM's ``prompt_logprobs`` added, as the request asks."""
+    vLLM's ``prompt_logprobs`` added, as the request asks. ``prompt_text``: the prompt as
+    the request spelled it, echoed as is; None (token ids): their text, special tokens kept."""
     lps = out.prompt_logprobs
     if req.prompt_logprobs is not None and lps is not None:
         num_top = req.prompt_logprobs
@@ -187,21 +208,23 @@ def _with_prompt_parts(
         ]
     if not req.echo:
         return choice
-    prompt_text = (
-        out.prompt if out.prompt is not None else ctx.tokenizer.decode(out.prompt_token_ids)
-    )
+    if prompt_text is None:
+        prompt_text = ctx.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
     choice.text = prompt_text + choice.text
-    if choice.logprobs is not None and lps is not None:
+    if choice.logprobs is None:
+        return choice
+    tail = choice.logprobs
+    tail.text_offset = [o + len(prompt_text) for o in tail.text_offset]
+    if lps is not None:
         head = completion_logprobs(
             ctx, out.prompt_token_ids, [e or {} for e in lps], 0, req.logprobs
         )
         assert head is not None
         head.token_logprobs[0] = None
         head.top_logprobs[0] = None
-        shift = len(prompt_text)
-        head.tokens += choice.logprobs.tokens
-        head.token_logprobs += choice.logprobs.token_logprobs
-        head.top_logprobs += choice.logprobs.top_logprobs
-        head.text_offset += [o + shift for o in choice.logprobs.text_offset]
+        head.tokens += tail.tokens
+        head.token_logprobs += tail.token_logprobs
+        head.top_logprobs += tail.top_logprobs
+        head.text_offset += tail.text_offset
         choice.logprobs = head
     return choice

@@ -52,17 +52,22 @@ def completion_logprobs(
     entries: Sequence[LogprobsEntry] | None,
     start: int,
     num_top: int | None,
+    offset: int = 0,
 ) -> p.CompletionLogProbs | None:
-    """The completions API's logprobs of ``token_ids[start:]`` (None unless asked for)."""
+    """The completions API's logprobs of ``token_ids[start:]`` (None unless asked for);
+    ``text_offset`` counts from ``offset``, the length of the choice's text before them."""
     if num_top is None or entries is None:
         return None
     out = p.CompletionLogProbs()
-    offset = 0
     for tok in token_logprobs(ctx, token_ids, entries, start, num_top):
         out.tokens.append(tok.text)
         out.token_logprobs.append(tok.logprob)
-        # NOTE: logprobs=0 asks for the chosen tokens only: no top_logprobs dicts.
-        out.top_logprobs.append(dict(tok.top) if num_top else None)
+        # NOTE: as OpenAI's legacy API, the chosen token is always among its step's
+        # alternatives, so a dict holds up to logprobs + 1 entries (logprobs=0: the chosen).
+        top = dict(tok.top)
+        if tok.logprob is not None:
+            top.setdefault(tok.text, tok.logprob)
+        out.top_logprobs.append(top)
         out.text_offset.append(offset)
         offset += len(tok.text)
     return out

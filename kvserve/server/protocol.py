@@ -8,10 +8,11 @@ The fields beyond OpenAI's that are accepted are vLLM's extras listed in ``VLLM_
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
 from kvserve.sampling_params import MAX_LOGPROBS
 
@@ -19,6 +20,40 @@ TokenId = Annotated[int, Strict()]
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
 _FORBID = ConfigDict(extra="forbid", strict=True)
+
+
+class RequestModel(BaseModel):
+    """A request body's model: a JSON ``null`` for an optional field means "not set".
+
+    NOTE: OpenAI's API marks its optional fields nullable and clients send unset ones as
+    ``null`` (``"n": null``, ``"stream": null``); a field whose default is not None would
+    reject that under strict types, so the key is dropped before validation and the default
+    applies. A required field keeps its type error.
+    """
+
+    model_config = _FORBID
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        defaulted = _defaulted_keys(cls)
+        return {k: v for k, v in data.items() if v is not None or k not in defaulted}
+
+
+@functools.cache
+def _defaulted_keys(model: type[BaseModel]) -> frozenset[str]:
+    """The names (and aliases) of ``model``'s optional fields whose default is not None."""
+    keys: set[str] = set()
+    for name, field in model.model_fields.items():
+        if field.is_required() or field.get_default(call_default_factory=False) is None:
+            continue
+        keys.add(name)
+        if field.alias:
+            keys.add(field.alias)
+    return frozenset(keys)
+
 
 # The request fields beyond OpenAI's API that kvserve implements, with vLLM's names and
 # meaning; any other field not in OpenAI's API is a 400 (README, "OpenAI server").
@@ -41,13 +76,11 @@ VLLM_EXTRAS: dict[str, tuple[str, ...]] = {
 }
 
 
-class StreamOptions(BaseModel):
-    model_config = _FORBID
-
+class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
-class StructuredOutputsRequest(BaseModel):
+class StructuredOutputsRequest(RequestModel):
     """vLLM's ``structured_outputs`` extra: exactly one constraint."""
 
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
@@ -59,10 +92,8 @@ class StructuredOutputsRequest(BaseModel):
     grammar: str | None = None
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(RequestModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
-
-    model_config = _FORBID
 
     model: str | None = None
     n: int = Field(1, ge=1, le=128)
@@ -105,36 +136,42 @@ class CompletionRequest(SamplingRequest):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
-class TextContentPart(BaseModel):
-    model_config = _FORBID
-
+class TextContentPart(RequestModel):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(BaseModel):
-    model_config = _FORBID
-
+class FunctionCall(RequestModel):
     name: str
     arguments: str  # JSON text, as OpenAI
 
 
-class ToolCall(BaseModel):
-    model_config = _FORBID
-
+class ToolCall(RequestModel):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(BaseModel):
-    model_config = _FORBID
-
+class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
     tool_call_id: str | None = None  # role "tool": the call this result answers
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        # NOTE: said before the union is tried, which would list each member's complaint.
+        if isinstance(value, list):
+            for part in value:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise ValueError(
+                        f"content parts of type {kind!r} are not supported: the served "
+                        "model reads text only (parts of type 'text' are)"
+                    )
+        return value
 
     def text(self) -> str:
         """The content as one string (text parts joined)."""
@@ -145,36 +182,28 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class FunctionDefinition(BaseModel):
-    model_config = _FORBID
-
+class FunctionDefinition(RequestModel):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; None = no arguments
     strict: bool | None = None
 
 
-class ChatTool(BaseModel):
-    model_config = _FORBID
-
+class ChatTool(RequestModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(BaseModel):
-    model_config = _FORBID
-
+class NamedFunction(RequestModel):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = _FORBID
-
+class NamedToolChoice(RequestModel):
     type: Literal["function"]
     function: NamedFunction
 
 
-class JsonSchemaSpec(BaseModel):
+class JsonSchemaSpec(RequestModel):
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
     name: str = Field(min_length=1, max_length=64)
@@ -183,7 +212,7 @@ class JsonSchemaSpec(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(RequestModel):
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
     type: Literal["text", "json_object", "json_schema"]
@@ -339,10 +368,8 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TokenizeCompletionRequest(BaseModel):
+class TokenizeCompletionRequest(RequestModel):
     """POST /tokenize with a prompt (vLLM)."""
-
-    model_config = _FORBID
 
     model: str | None = None
     prompt: str
@@ -350,10 +377,8 @@ class TokenizeCompletionRequest(BaseModel):
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(BaseModel):
+class TokenizeChatRequest(RequestModel):
     """POST /tokenize with chat messages (vLLM): the rendered chat template's tokens."""
-
-    model_config = _FORBID
 
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
@@ -369,9 +394,7 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = _FORBID
-
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[TokenId]
 

@@ -7,9 +7,10 @@ Runs before any route reads the body, in this order:
 2. Draining (SIGTERM received): 503 with ``Retry-After`` for every ``/v1/*`` request.
 3. Body size: a ``Content-Length`` above ``max_request_bytes`` is a 413 at once; a body sent
    without one is read only until it passes the limit, then 413.
-4. JSON hygiene of POST bodies: invalid UTF-8, nesting deeper than ``MAX_JSON_DEPTH``, numbers
-   longer than ``MAX_NUMBER_DIGITS`` digits and lone UTF-16 surrogates (``"\\ud800"``, valid
-   JSON that no tokenizer can encode) are 400s naming the problem and the field.
+4. JSON hygiene of every POST body (``/tokenize`` too): invalid UTF-8, nesting deeper than
+   ``MAX_JSON_DEPTH``, numbers longer than ``MAX_NUMBER_DIGITS`` digits and lone UTF-16
+   surrogates (``"\\ud800"``, valid JSON that no tokenizer can encode) are 400s naming the
+   problem and the field; a body with a Content-Type other than JSON is a 415.
 
 Everything else (malformed JSON, wrong types) is left to the app's own validation.
 """
@@ -75,7 +76,11 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         body, error = await self._read_body(scope, receive)
-        if error is None and api:
+        if error is None and body:
+            error = _check_content_type(_header(scope, b"content-type"))
+        # NOTE: every POST route's body, not only /v1/*: /tokenize and /detokenize read JSON
+        # too, and a lone surrogate or a deep nesting there raised past their handlers (500).
+        if error is None:
             if len(body) > _THREAD_THRESHOLD_BYTES:
                 # NOTE: a big body is checked on a worker thread, so the event loop (other
                 # requests' streams) gets the GIL back every switch interval meanwhile.
@@ -119,6 +124,20 @@ class RequestGuard:
             if not message.get("more_body", False):
                 break
         return b"".join(chunks), None
+
+
+def _check_content_type(value: str) -> APIError | None:
+    """A 415 for a body not sent as JSON (``curl -d`` sends a form type), as vLLM answers:
+    the app would read it as something other than JSON and report a confusing type error."""
+    media = value.partition(";")[0].strip().lower()
+    if media == "application/json" or media.endswith("+json"):
+        return None
+    got = f"Content-Type {media!r}" if media else "no Content-Type"
+    return APIError(
+        f"the request body must be JSON (Content-Type: application/json); got {got}",
+        status_code=415,
+        code="unsupported_media_type",
+    )
 
 
 def check_json_body(body: bytes) -> APIError | None:

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+import kvserve
 from kvserve.server import protocol as p
 from kvserve.server.chat import create_chat_completion
 from kvserve.server.completions import create_completion
@@ -44,6 +45,12 @@ async def health(request: Request, ctx: Ctx) -> Response:
             "draining: the server is shutting down", status_code=503, code="draining"
         ).response()
     return JSONResponse({"status": "ok"})
+
+
+@ops_router.get("/version")
+async def version() -> Response:
+    """The server's version, as vLLM's ``/version``."""
+    return JSONResponse({"version": kvserve.__version__})
 
 
 @ops_router.get("/metrics")

@@ -56,5 +56,7 @@ async def detokenize(ctx: ServingContext, req: p.DetokenizeRequest) -> Response:
                 f"tokens: token id {t} is outside the vocabulary [0, {ctx.vocab_size})",
                 param="tokens",
             )
-    text = await off_engine(ctx, lambda: ctx.tokenizer.decode(req.tokens))
+    # NOTE: special tokens kept, as vLLM's /detokenize: /tokenize's ids come back as sent.
+    decode = ctx.tokenizer.decode
+    text = await off_engine(ctx, lambda: decode(req.tokens, skip_special_tokens=False))
     return JSONResponse(p.dump(p.DetokenizeResponse(prompt=text)))

@@ -376,8 +376,38 @@ def test_tokenize_detokenize(http: httpx.Client) -> None:
     }
     chat = http.post("/tokenize", json={"messages": ASK}).json()
     assert chat["count"] > resp["count"]
+    # special tokens come back as sent (vLLM): /detokenize inverts /tokenize
+    text = http.post("/detokenize", json={"tokens": chat["tokens"]}).json()["prompt"]
+    assert text.startswith("<|im_start|>") and "<|im_end|>" in text
+    assert http.post("/tokenize", json={"prompt": text}).json()["tokens"] == chat["tokens"]
     _error(http.post("/detokenize", json={"tokens": [10**6]}), "tokens")
     assert http.get("/debug/integrity").json() == {"ok": True}
+
+
+SPECIAL_PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_echo_returns_the_prompt_as_sent(http: httpx.Client) -> None:
+    ids = http.post("/tokenize", json={"prompt": SPECIAL_PROMPT}).json()["tokens"]
+    for prompt in (SPECIAL_PROMPT, ids):
+        for stream in (False, True):
+            body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": True,
+                    "logprobs": 1, "stream": stream}  # fmt: skip
+            resp = http.post("/v1/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            if stream:
+                lines = [ln[6:] for ln in resp.text.splitlines() if ln.startswith("data: ")]
+                choices = [json.loads(ln)["choices"][0] for ln in lines[:-1]]
+            else:
+                choices = [resp.json()["choices"][0]]
+            text = "".join(ch["text"] for ch in choices)
+            tokens = [t for ch in choices for t in ch["logprobs"]["tokens"]]
+            offsets = [o for ch in choices for o in ch["logprobs"]["text_offset"]]
+            assert text.startswith(SPECIAL_PROMPT), (prompt, stream, text)
+            assert len(tokens) == len(ids) + 3
+            # each token's text starts at its offset (ASCII here: token texts spell the text)
+            assert "".join(tokens) == text
+            assert all(text[o:].startswith(t) for o, t in zip(offsets, tokens, strict=True))
 
 
 def test_chat_template_file_with_native_tools() -> None:

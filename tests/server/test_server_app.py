@@ -177,7 +177,8 @@ def test_malformed_json_and_unknown_route() -> None:
             headers={"content-type": "application/json"},
         )
         _assert_error(r, 400)
-        _assert_error(await c.post("/v1/completions", content=b"[1, 2]"), 400)
+        json_type = {"content-type": "application/json"}
+        _assert_error(await c.post("/v1/completions", content=b"[1, 2]", headers=json_type), 400)
         _assert_error(await c.get("/v1/nothing"), 404)
         assert (await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})).is_success
 

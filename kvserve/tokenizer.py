@@ -130,10 +130,13 @@ class Tokenizer:
         *,
         chat_template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """The chat prompt as text. ``chat_template`` replaces the model's template;
-        ``tools`` (OpenAI tool dicts) reach templates that render them. Raises ValueError
-        for malformed messages, a template that fails, or when there is no template."""
+        ``tools`` (OpenAI tool dicts) reach templates that render them;
+        ``continue_final_message`` leaves the last message open (no end-of-turn after it), for
+        the model to continue. Raises ValueError for malformed messages, a template that fails,
+        or when there is no template."""
         validate_messages(messages)
         if not (chat_template or self.chat_template):
             raise ValueError("tokenizer: this model has no chat template; send a plain prompt")
@@ -142,6 +145,8 @@ class Tokenizer:
             extra["chat_template"] = chat_template
         if tools:
             extra["tools"] = tools
+        if continue_final_message:
+            extra["continue_final_message"] = True
         try:
             text = self.hf_tokenizer.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
@@ -161,10 +166,15 @@ class Tokenizer:
         *,
         chat_template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """Token ids of the chat prompt (the template already holds any BOS it needs)."""
         text = self.render_chat_template(
-            messages, add_generation_prompt, chat_template=chat_template, tools=tools
+            messages,
+            add_generation_prompt,
+            chat_template=chat_template,
+            tools=tools,
+            continue_final_message=continue_final_message,
         )
         # NOTE: add_special_tokens=False: the template writes BOS/markers itself; adding them
         # again would duplicate BOS on models whose tokenizer prepends one.

@@ -33,7 +33,7 @@ from kvserve.server.validation import (
 
 def _chat_prompt(ctx: ServingContext, req: p.ChatCompletionRequest, plan: ChatPlan) -> list[int]:
     """Runs on a tokenizer thread: render the chat template and check the result."""
-    ids = render_chat(ctx, req, plan, req.add_generation_prompt)
+    ids = render_chat(ctx, req, plan)
     check_prompt_ids(ctx, ids, "messages")
     return ids
 

@@ -126,9 +126,9 @@ def structured_params(req: p.StructuredOutputsRequest) -> StructuredOutputsParam
 
 
 def prompt_messages(
-    req: p.ChatCompletionRequest, plan: ChatPlan, template: str | None
+    chat: list[p.ChatMessage], plan: ChatPlan, template: str | None
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """(messages, extra apply_chat_template kwargs) for the prompt."""
+    """(messages, extra apply_chat_template kwargs) for the prompt of the messages ``chat``."""
     messages = [
         {
             "role": "system" if m.role == "developer" else m.role,
@@ -136,7 +136,7 @@ def prompt_messages(
             **({"tool_calls": [c.model_dump() for c in m.tool_calls]} if m.tool_calls else {}),
             **({"tool_call_id": m.tool_call_id} if m.tool_call_id else {}),
         }
-        for m in req.messages
+        for m in chat
     ]
     has_tool_turns = any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
     if not plan.tools and not has_tool_turns:

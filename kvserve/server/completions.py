@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from kvserve.async_engine import RequestStream
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.server import protocol as p
 from kvserve.server.chat_tools import structured_params
 from kvserve.server.context import ServingContext, check_model, off_engine, usage
@@ -44,6 +44,12 @@ async def create_completion(
         raise APIError("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise APIError("best_of must equal n (best-of sampling is not supported)", param="best_of")
+    if req.max_tokens == 0 and not req.echo:
+        raise APIError(
+            "max_tokens must be >= 1 (0 only with echo: the prompt scored, nothing generated)",
+            param="max_tokens",
+        )
+    scoring = req.max_tokens == 0  # echo only: the prompt and its logprobs, nothing generated
     prompts = await off_engine(ctx, lambda: _completion_prompts(ctx, req))
     texts = _prompt_texts(req, len(prompts))
     constraint = _completion_constraint(req)
@@ -56,7 +62,9 @@ async def create_completion(
         sampling_params(
             ctx,
             req,
-            resolve_max_tokens(ctx, len(ids), req.max_tokens, "max_tokens"),
+            # NOTE: echo with max_tokens 0 scores the prompt: one token is generated (the
+            # engine samples after every prefill) and left out of the answer, as vLLM does.
+            resolve_max_tokens(ctx, len(ids), 1 if scoring else req.max_tokens, "max_tokens"),
             req.logprobs,
             constraint,
             prompt_lps,
@@ -74,21 +82,47 @@ async def create_completion(
             req,
             out,
             texts[i],
-            p.CompletionChoice(
-                index=i * req.n + c.index,
-                text=c.text,
-                logprobs=completion_logprobs(ctx, c.token_ids, c.logprobs, 0, req.logprobs),
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-            ),
+            _choice(ctx, req, i * req.n + c.index, c, c.text, 0, scoring),
         )
         for i, out in enumerate(finals)
         for c in out.outputs
     ]
+    total = usage(prompts, finals)
     resp = p.CompletionResponse(
-        id=request_id, model=ctx.model_name, choices=choices, usage=usage(prompts, finals)
+        id=request_id,
+        model=ctx.model_name,
+        choices=choices,
+        usage=_prompt_only(total) if scoring else total,
     )
     return JSONResponse(p.dump(resp))
+
+
+def _choice(
+    ctx: ServingContext,
+    req: p.CompletionRequest,
+    index: int,
+    c: CompletionOutput,
+    text: str,
+    start: int,
+    scoring: bool,
+    offset: int = 0,
+) -> p.CompletionChoice:
+    """The choice ``index`` with ``text`` and the logprobs of ``c.token_ids[start:]``
+    (their ``text_offset`` from ``offset``); ``scoring`` (echo, max_tokens 0): nothing of
+    what was generated, finished for its length."""
+    ids = [] if scoring else c.token_ids
+    return p.CompletionChoice(
+        index=index,
+        text="" if scoring else text,
+        logprobs=completion_logprobs(ctx, ids, c.logprobs, start, req.logprobs, offset),
+        finish_reason="length" if scoring and c.finish_reason else c.finish_reason,
+        stop_reason=None if scoring else c.stop_reason,
+    )
+
+
+def _prompt_only(total: p.UsageInfo) -> p.UsageInfo:
+    """``total`` without its generated tokens (a scored prompt's one sampled token)."""
+    return total.model_copy(update={"completion_tokens": 0, "total_tokens": total.prompt_tokens})
 
 
 def _completion_prompts(ctx: ServingContext, req: p.CompletionRequest) -> list[list[int]]:
@@ -136,6 +170,7 @@ def _completion_stream(
     streams: list[RequestStream],
 ) -> AsyncGenerator[str, None]:
     created = int(time.time())
+    scoring = req.max_tokens == 0
     # Each choice's text sent so far (chars): where its next tokens' text_offset starts.
     sent: dict[int, int] = {}
 
@@ -148,15 +183,7 @@ def _completion_stream(
     def choice_event(d: ChoiceDelta) -> str:
         c = d.completion
         before = sent.get(d.index)
-        choice = p.CompletionChoice(
-            index=d.index,
-            text=c.delta_text,
-            logprobs=completion_logprobs(
-                ctx, c.token_ids, c.logprobs, d.start, req.logprobs, before or 0
-            ),
-            finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason,
-        )
+        choice = _choice(ctx, req, d.index, c, c.delta_text, d.start, scoring, before or 0)
         if before is None:  # the first chunk of a choice carries the prompt parts
             choice = _with_prompt_parts(ctx, req, d.output, texts[d.index // req.n], choice)
         sent[d.index] = (before or 0) + len(choice.text)
@@ -168,7 +195,9 @@ def _completion_stream(
         req.n,
         choice_event,
         with_logprobs=req.logprobs is not None,
-        usage_event=(lambda u: chunk([], u)) if req.include_usage else None,
+        usage_event=(lambda u: chunk([], _prompt_only(u) if scoring else u))
+        if req.include_usage
+        else None,
     )
 
 

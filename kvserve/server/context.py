@@ -103,20 +103,50 @@ def check_model(ctx: ServingContext, model: str | None) -> None:
 
 
 def render_chat(
-    ctx: ServingContext, req: p.ChatCompletionRequest, plan: ChatPlan, add_generation_prompt: bool
+    ctx: ServingContext,
+    req: p.ChatCompletionRequest | p.TokenizeChatRequest,
+    plan: ChatPlan,
 ) -> list[int]:
     """Runs on a tokenizer thread: the chat prompt's token ids (the server's template, else
     the model's); a template error is a 400 on ``messages``."""
+    add_generation_prompt, continue_final = generation_flags(req)
     template = ctx.chat_template or ctx.tokenizer.chat_template
-    messages, extra = prompt_messages(req, plan, template)
+    messages, extra = prompt_messages(req.messages, plan, template)
     if ctx.chat_template is not None:
         extra["chat_template"] = ctx.chat_template
+    if continue_final:
+        extra["continue_final_message"] = True
     try:
         return ctx.tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, **extra
         )
     except ValueError as e:
         raise APIError(str(e), param="messages") from e
+
+
+def generation_flags(req: p.ChatCompletionRequest | p.TokenizeChatRequest) -> tuple[bool, bool]:
+    """(add_generation_prompt, continue_final_message) of a chat request, as vLLM takes them.
+
+    ``continue_final_message`` (assistant prefill: the model continues the last message, which
+    must be the assistant's) turns ``add_generation_prompt`` off when the request leaves it
+    unset; both set true is a 400, as vLLM answers.
+    """
+    if not req.continue_final_message:
+        return req.add_generation_prompt, False
+    if req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
+        raise APIError(
+            "continue_final_message and add_generation_prompt cannot both be true (continue "
+            "the last message, or start a new assistant turn)",
+            param="continue_final_message",
+        )
+    last = req.messages[-1].role
+    if last != "assistant":
+        raise APIError(
+            f"continue_final_message continues the last message, which must be the assistant's "
+            f"(the text to continue); it is {last!r}",
+            param="messages",
+        )
+    return False, True
 
 
 def usage(prompts: list[list[int]], finals: list[RequestOutput]) -> p.UsageInfo:

@@ -72,7 +72,7 @@ VLLM_EXTRAS: dict[str, tuple[str, ...]] = {
         "structured_outputs",
     ),
     "completions": ("prompt_logprobs",),
-    "chat": ("add_generation_prompt",),
+    "chat": ("add_generation_prompt", "continue_final_message"),
 }
 
 
@@ -128,7 +128,7 @@ class CompletionRequest(SamplingRequest):
     """POST /v1/completions. ``prompt``: text, token ids, or a batch of either."""
 
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0: only with echo (score the prompt)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
@@ -232,6 +232,7 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM: the last (assistant) message is continued
 
 
 # ---- responses ----------------------------------------------------------------------------
@@ -383,6 +384,7 @@ class TokenizeChatRequest(RequestModel):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     tools: list[ChatTool] | None = None
     return_token_strs: bool = False
 

@@ -32,10 +32,7 @@ async def tokenize(ctx: ServingContext, body: dict[str, Any]) -> Response:
         plan = ChatPlan(tool_mode="auto" if req.tools else "none")
         if req.tools:
             plan.tools = tools_as_dicts(req.tools)
-        chat = p.ChatCompletionRequest.model_construct(
-            messages=req.messages, add_generation_prompt=req.add_generation_prompt
-        )
-        return render_chat(ctx, chat, plan, req.add_generation_prompt)
+        return render_chat(ctx, req, plan)
 
     ids = await off_engine(ctx, run)
     strs = None

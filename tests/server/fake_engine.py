@@ -33,7 +33,10 @@ class FakeTokenizer:
         return "".join(chr(i) for i in ids)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,  # no end-of-turn markers to leave out here
     ) -> list[int]:
         if not messages:
             raise ValueError("messages must be a non-empty list")

@@ -384,6 +384,50 @@ def test_tokenize_detokenize(http: httpx.Client) -> None:
     assert http.get("/debug/integrity").json() == {"ok": True}
 
 
+def test_continue_final_message(http: httpx.Client) -> None:
+    prefill = [{"role": "user", "content": "What is the capital of France?"},
+               {"role": "assistant", "content": "The capital of France is"}]  # fmt: skip
+    for flags in ({}, {"add_generation_prompt": False}):
+        body = {"messages": prefill, "continue_final_message": True, **flags}
+        text = "".join(
+            http.post("/tokenize", json={**body, "return_token_strs": True}).json()["token_strs"]
+        )
+        assert text.endswith("<|im_start|>assistant\nThe capital of France is"), text
+        resp = http.post(
+            "/v1/chat/completions", json={**body, "max_tokens": 4, "temperature": 0}
+        ).json()
+        assert "Paris" in resp["choices"][0]["message"]["content"], resp
+    closed = http.post("/tokenize", json={"messages": prefill, "return_token_strs": True})
+    assert "".join(closed.json()["token_strs"]).endswith("<|im_start|>assistant\n")
+    both = {"messages": prefill, "continue_final_message": True, "add_generation_prompt": True}
+    assert "both" in _error(http.post("/v1/chat/completions", json=both), "continue_final_message")
+    user_last = {"messages": prefill[:1], "continue_final_message": True}
+    assert "'user'" in _error(http.post("/v1/chat/completions", json=user_last), "messages")
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt(http: httpx.Client) -> None:
+    prompt = "The capital of France is Paris."
+    ids = http.post("/tokenize", json={"prompt": prompt}).json()["tokens"]
+    body = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1}
+    full = http.post("/v1/completions", json=body).json()
+    (choice,) = full["choices"]
+    assert choice["text"] == prompt and choice["finish_reason"] == "length"
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None
+    assert all(x <= 0 for x in lp["token_logprobs"][1:])
+    assert full["usage"]["completion_tokens"] == 0
+    assert full["usage"]["total_tokens"] == full["usage"]["prompt_tokens"] == len(ids)
+    stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    lines = [ln[6:] for ln in http.post("/v1/completions", json=stream).text.splitlines()
+             if ln.startswith("data: ")]  # fmt: skip
+    events = [json.loads(ln) for ln in lines[:-1]]
+    assert "".join(ev["choices"][0]["text"] for ev in events if ev["choices"]) == prompt
+    streamed = [t for ev in events if ev["choices"] for t in ev["choices"][0]["logprobs"]["tokens"]]
+    assert streamed == lp["tokens"] and events[-1]["usage"] == full["usage"]
+    no_echo = {"prompt": prompt, "max_tokens": 0}
+    assert "echo" in _error(http.post("/v1/completions", json=no_echo), "max_tokens")
+
+
 SPECIAL_PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
 
 

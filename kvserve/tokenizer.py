@@ -24,6 +24,16 @@ __all__ = ["CHAT_ROLES", "IncrementalDetokenizer", "Tokenizer", "tokenizer_cache
 logger = logging.getLogger(__name__)
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+# apply_chat_template's own parameters and the variables the request sets: never taken from
+# a request's chat_template_kwargs.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages", "conversation", "tools", "documents", "add_generation_prompt",
+        "continue_final_message", "chat_template", "tokenize", "padding", "truncation",
+        "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)  # fmt: skip
 
 # (absolute path, gguf file name or "", mtime_ns) -> loaded HF tokenizer
 _PROCESS_CACHE: dict[tuple[str, str, int], Any] = {}
@@ -131,11 +141,14 @@ class Tokenizer:
         chat_template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The chat prompt as text. ``chat_template`` replaces the model's template;
         ``tools`` (OpenAI tool dicts) reach templates that render them;
         ``continue_final_message`` leaves the last message open (no end-of-turn after it), for
-        the model to continue. Raises ValueError for malformed messages, a template that fails,
+        the model to continue; ``template_kwargs`` are more variables for the template (e.g.
+        ``enable_thinking``), none of ``apply_chat_template``'s own parameters. Raises
+        ValueError for malformed messages, a template that fails, a reserved template kwarg,
         or when there is no template."""
         validate_messages(messages)
         if not (chat_template or self.chat_template):
@@ -147,6 +160,13 @@ class Tokenizer:
             extra["tools"] = tools
         if continue_final_message:
             extra["continue_final_message"] = True
+        for key, value in (template_kwargs or {}).items():
+            if key in RESERVED_TEMPLATE_KWARGS:
+                raise ValueError(
+                    f"chat_template_kwargs: {key!r} is set by the request itself, not as a "
+                    "template variable"
+                )
+            extra[key] = value
         try:
             text = self.hf_tokenizer.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
@@ -167,6 +187,7 @@ class Tokenizer:
         chat_template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of the chat prompt (the template already holds any BOS it needs)."""
         text = self.render_chat_template(
@@ -175,6 +196,7 @@ class Tokenizer:
             chat_template=chat_template,
             tools=tools,
             continue_final_message=continue_final_message,
+            template_kwargs=template_kwargs,
         )
         # NOTE: add_special_tokens=False: the template writes BOS/markers itself; adding them
         # again would duplicate BOS on models whose tokenizer prepends one.

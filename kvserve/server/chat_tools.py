@@ -74,7 +74,7 @@ def plan_chat(req: p.ChatCompletionRequest) -> ChatPlan:
     constraints: list[tuple[str, StructuredOutputsParams]] = []
     try:
         if req.response_format is not None and req.response_format.type != "text":
-            constraints.append(("response_format", _response_format(req.response_format)))
+            constraints.append(("response_format", response_format_params(req.response_format)))
         if req.structured_outputs is not None:
             constraints.append(("structured_outputs", structured_params(req.structured_outputs)))
         if plan.tool_mode == "named":
@@ -104,7 +104,8 @@ def _param_of(message: str, req: p.ChatCompletionRequest) -> str:
     return "tools"
 
 
-def _response_format(fmt: p.ResponseFormat) -> StructuredOutputsParams:
+def response_format_params(fmt: p.ResponseFormat) -> StructuredOutputsParams:
+    """The engine's StructuredOutputsParams of OpenAI's ``response_format`` (not "text")."""
     if fmt.type == "json_object":
         return StructuredOutputsParams(json_object=True)
     if fmt.json_schema is None or fmt.json_schema.json_schema is None:

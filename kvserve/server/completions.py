@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from kvserve.async_engine import RequestStream
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.server import protocol as p
-from kvserve.server.chat_tools import structured_params
+from kvserve.server.chat_tools import response_format_params, structured_params
 from kvserve.server.context import ServingContext, check_model, off_engine, usage
 from kvserve.server.errors import APIError
 from kvserve.server.logprobs import completion_logprobs
@@ -52,8 +52,8 @@ async def create_completion(
     scoring = req.max_tokens == 0  # echo only: the prompt and its logprobs, nothing generated
     prompts = await off_engine(ctx, lambda: _completion_prompts(ctx, req))
     texts = _prompt_texts(req, len(prompts))
-    constraint = _completion_constraint(req)
-    await check_constraint(ctx, constraint, "structured_outputs")
+    constraint, constraint_param = _completion_constraint(req)
+    await check_constraint(ctx, constraint, constraint_param)
     # NOTE: echo with logprobs reports the prompt tokens' logprobs too (OpenAI).
     prompt_lps = req.prompt_logprobs
     if req.echo and req.logprobs is not None:
@@ -201,13 +201,28 @@ def _completion_stream(
     )
 
 
-def _completion_constraint(req: p.CompletionRequest) -> StructuredOutputsParams | None:
-    if req.structured_outputs is None:
-        return None
+def _completion_constraint(
+    req: p.CompletionRequest,
+) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The request's output constraint and the field it came from: vLLM's
+    ``structured_outputs`` or ``response_format`` (vLLM takes it on completions too)."""
+    fmt = (
+        req.response_format if req.response_format and req.response_format.type != "text" else None
+    )
+    if fmt is not None and req.structured_outputs is not None:
+        raise APIError(
+            "only one output constraint per request: got response_format and structured_outputs",
+            param="structured_outputs",
+        )
+    param = "response_format" if fmt is not None else "structured_outputs"
     try:
-        return structured_params(req.structured_outputs)
+        if fmt is not None:
+            return response_format_params(fmt), param
+        if req.structured_outputs is not None:
+            return structured_params(req.structured_outputs), param
     except ValueError as e:
-        raise APIError(str(e), param="structured_outputs") from e
+        raise APIError(str(e), param=param) from e
+    return None, None
 
 
 def _with_prompt_parts(

@@ -19,6 +19,7 @@ from kvserve.server import protocol as p
 from kvserve.server.chat_tools import ChatPlan, prompt_messages
 from kvserve.server.errors import APIError
 from kvserve.structured.spec import StructuredOutputsParams
+from kvserve.tokenizer import RESERVED_TEMPLATE_KWARGS
 
 
 @dataclass
@@ -116,6 +117,15 @@ def render_chat(
         extra["chat_template"] = ctx.chat_template
     if continue_final:
         extra["continue_final_message"] = True
+    if req.chat_template_kwargs:
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & req.chat_template_kwargs.keys())
+        if reserved:
+            raise APIError(
+                f"chat_template_kwargs: {', '.join(map(repr, reserved))} cannot be set here "
+                "(the request's own fields set them)",
+                param="chat_template_kwargs",
+            )
+        extra["template_kwargs"] = req.chat_template_kwargs
     try:
         return ctx.tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, **extra

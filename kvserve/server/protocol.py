@@ -71,8 +71,8 @@ VLLM_EXTRAS: dict[str, tuple[str, ...]] = {
         "cache_salt",
         "structured_outputs",
     ),
-    "completions": ("prompt_logprobs",),
-    "chat": ("add_generation_prompt", "continue_final_message"),
+    "completions": ("prompt_logprobs", "response_format"),
+    "chat": ("add_generation_prompt", "continue_final_message", "chat_template_kwargs"),
 }
 
 
@@ -134,6 +134,7 @@ class CompletionRequest(SamplingRequest):
     best_of: int | None = None
     suffix: str | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None  # vLLM takes it on completions too
 
 
 class TextContentPart(RequestModel):
@@ -233,6 +234,7 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM: the last (assistant) message is continued
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM: more variables for the template
 
 
 # ---- responses ----------------------------------------------------------------------------
@@ -385,6 +387,7 @@ class TokenizeChatRequest(RequestModel):
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = None
     return_token_strs: bool = False
 

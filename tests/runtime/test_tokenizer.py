@@ -91,6 +91,20 @@ def test_chat_template_from_gguf_metadata(tok: Tokenizer) -> None:
     assert own_system.startswith("<|im_start|>system\nBe brief.<|im_end|>")
 
 
+def test_continue_final_message_and_template_kwargs(tok: Tokenizer) -> None:
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I"}]
+    text = tok.render_chat_template(messages, False, continue_final_message=True)
+    assert text.endswith("<|im_start|>assistant\nHello, I")
+    closed = tok.render_chat_template(messages, False)
+    assert closed.endswith("<|im_start|>assistant\nHello, I<|im_end|>\n")
+    template = "{{ greeting }}{% for m in messages %}|{{ m['content'] }}{% endfor %}"
+    kwargs = {"greeting": "hey"}
+    out = tok.render_chat_template(messages, chat_template=template, template_kwargs=kwargs)
+    assert out == "hey|Hi|Hello, I"
+    with pytest.raises(ValueError, match="'tools' is set by the request"):
+        tok.render_chat_template(messages, template_kwargs={"tools": []})
+
+
 @pytest.mark.parametrize(
     ("messages", "match"),
     [

@@ -37,6 +37,7 @@ class FakeTokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,  # no end-of-turn markers to leave out here
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         if not messages:
             raise ValueError("messages must be a non-empty list")

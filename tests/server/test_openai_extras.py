@@ -428,6 +428,30 @@ def test_echo_with_max_tokens_0_scores_the_prompt(http: httpx.Client) -> None:
     assert "echo" in _error(http.post("/v1/completions", json=no_echo), "max_tokens")
 
 
+def test_chat_template_kwargs(http: httpx.Client) -> None:
+    body = {"messages": ASK, "chat_template_kwargs": {"enable_thinking": False}}
+    plain = http.post("/tokenize", json={"messages": ASK}).json()["tokens"]
+    assert http.post("/tokenize", json=body).json()["tokens"] == plain  # a variable it ignores
+    resp = http.post("/v1/chat/completions", json={**body, "max_tokens": 2})
+    assert resp.status_code == 200, resp.text
+    bad = {"messages": ASK, "chat_template_kwargs": {"add_generation_prompt": False}}
+    assert "'add_generation_prompt'" in _error(
+        http.post("/v1/chat/completions", json=bad), "chat_template_kwargs"
+    )
+
+
+def test_response_format_on_completions(http: httpx.Client) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}  # fmt: skip
+    body = {"prompt": "A JSON object with a number n:", "max_tokens": 20, "temperature": 0,
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "n", "schema": schema}}}  # fmt: skip
+    text = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    jsonschema.validate(json.loads(text), schema)
+    both = {**body, "structured_outputs": {"regex": "[0-9]+"}}
+    assert "only one" in _error(http.post("/v1/completions", json=both), "structured_outputs")
+
+
 SPECIAL_PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
 
 

@@ -24,9 +24,10 @@ from kvserve.server.tools import (
     hermes_messages,
     native_messages,
     new_call_id,
-    parse_required_output,
     parse_tool_calls,
+    required_calls,
     required_calls_schema,
+    scan_required_calls,
     template_supports_tools,
     tools_as_dicts,
 )
@@ -171,7 +172,7 @@ def response_message(
     elif plan.tool_mode == "named":
         calls, content = [ParsedCall(plan.function_name or "", text)], None
     elif plan.tool_mode == "required":
-        calls = parse_required_output(text)
+        calls = required_calls(text)
         content = None if calls else text
     if not calls:
         return p.ChatResponseMessage(content=text), finish_reason
@@ -189,6 +190,7 @@ class ToolStream:
         self.buffer = ""
         self.num_calls = 0
         self.named_id: str | None = None
+        self.args_sent: list[int] = []  # required: each call's arguments characters sent
 
     def delta(
         self, text: str, finish_reason: str | None
@@ -219,12 +221,9 @@ class ToolStream:
                 calls.append(p.DeltaToolCall(index=0, function=p.DeltaFunctionCall(arguments=text)))
         elif mode == "required":
             self.buffer += text
-            if finish_reason is not None:
-                parsed = parse_required_output(self.buffer)
-                if parsed:
-                    calls = [self._whole_call(c) for c in parsed]
-                else:
-                    content = self.buffer
+            calls = self._required_deltas()
+            if finish_reason is not None and not self.num_calls:
+                content = self.buffer  # not even a name written: nothing is lost
         if finish_reason == "stop" and self.num_calls:
             finish_reason = "tool_calls"
         if not content and not calls:
@@ -238,6 +237,32 @@ class ToolStream:
             type="function",
             function=p.DeltaFunctionCall(name=name, arguments=""),
         )
+
+    def _required_deltas(self) -> list[p.DeltaToolCall]:
+        """What the buffer holds that was not sent: a call's header once its name is written
+        (the ``required`` output is constrained JSON, scanned as it grows), then its
+        arguments' JSON text as it comes."""
+        deltas = []
+        for index, span in enumerate(scan_required_calls(self.buffer)):
+            if index == self.num_calls:
+                if span.name is None:
+                    break
+                deltas.append(self._header(new_call_id(), span.name))
+                self.num_calls += 1
+                self.args_sent.append(0)
+            args = span.arguments(self.buffer)
+            new = args[self.args_sent[index] :]
+            if not new:
+                continue
+            self.args_sent[index] = len(args)
+            if deltas and deltas[-1].index == index:
+                assert deltas[-1].function is not None
+                deltas[-1].function.arguments = new
+            else:
+                deltas.append(
+                    p.DeltaToolCall(index=index, function=p.DeltaFunctionCall(arguments=new))
+                )
+        return deltas
 
     def _whole_call(self, call: ParsedCall) -> p.DeltaToolCall:
         delta = self._header(call.id, call.name)

@@ -155,19 +155,97 @@ def required_calls_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[s
     return schema
 
 
-def parse_required_output(text: str) -> list[ParsedCall] | None:
-    """The calls of a ``required`` output (a JSON array); None if it does not parse (cut
-    short by max_tokens)."""
-    try:
-        items = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(items, list):
-        return None
+@dataclass
+class RequiredCallSpan:
+    """One call of a ``required`` output being written: its name once the name's string has
+    closed, and where its ``arguments`` value lies in the text (``args_end`` None while the
+    value is still open)."""
+
+    name: str | None = None
+    args_start: int | None = None
+    args_end: int | None = None
+
+    def arguments(self, text: str) -> str:
+        """The arguments' JSON text written so far (all of it once closed)."""
+        if self.args_start is None:
+            return ""
+        return text[self.args_start : self.args_end if self.args_end is not None else len(text)]
+
+
+def scan_required_calls(text: str) -> list[RequiredCallSpan]:
+    """The calls of a ``required`` output (``[{"name": ..., "arguments": {...}}, ...]``, as
+    its schema constrains it), also while it is being written or once cut short: one
+    character pass tracking strings and nesting, so a stream can send each call's name as
+    soon as it is complete and its arguments as they come."""
+    calls: list[RequiredCallSpan] = []
+    depth = 0  # 1: inside the array, 2: inside a call object
+    in_string = escaped = False
+    string_start = 0
+    expect = "key"  # in a call object: "key", "colon", "value" or "comma"
+    key: str | None = None
+    args_depth = 0  # the depth an open container arguments value started at, else 0
+    scalar_args = False  # an arguments value that is a bare number / true / false / null
+
+    def close_scalar(at: int) -> None:
+        nonlocal scalar_args
+        if scalar_args:
+            calls[-1].args_end, scalar_args = at, False
+
+    for i, ch in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+                if depth == 2:
+                    value = text[string_start : i + 1]
+                    if expect == "key":
+                        key, expect = json.loads(value), "colon"
+                    else:  # a string value of the call object
+                        if key == "name":
+                            calls[-1].name = json.loads(value)
+                        elif key == "arguments":
+                            calls[-1].args_end = i + 1
+                        expect = "comma"
+            continue
+        if ch == '"':
+            in_string, string_start = True, i
+            if depth == 2 and expect == "value" and key == "arguments":
+                calls[-1].args_start = i
+        elif ch in "[{":
+            if depth == 1 and ch == "{":
+                calls.append(RequiredCallSpan())
+                expect, key = "key", None
+            elif depth == 2 and expect == "value" and key == "arguments":
+                calls[-1].args_start, args_depth = i, depth + 1
+            depth += 1
+        elif ch in "]}":
+            if depth == 2:
+                close_scalar(i)
+            depth -= 1
+            if depth == 2 and args_depth == depth + 1:
+                calls[-1].args_end, args_depth, expect = i + 1, 0, "comma"
+        elif depth == 2:
+            if ch == ":":
+                expect = "value"
+            elif ch == ",":
+                close_scalar(i)
+                expect = "key"
+            elif not ch.isspace() and expect == "value":
+                if key == "arguments" and not scalar_args:
+                    calls[-1].args_start, scalar_args = i, True
+    return calls
+
+
+def required_calls(text: str) -> list[ParsedCall]:
+    """The named calls of a ``required`` output, each with its arguments' JSON text as
+    written (cut short too, when max_tokens ended the output, as a named function's)."""
     return [
-        ParsedCall(i["name"], json.dumps(i["arguments"], ensure_ascii=False))
-        for i in items
-        if isinstance(i, dict) and isinstance(i.get("name"), str) and "arguments" in i
+        ParsedCall(span.name, span.arguments(text))
+        for span in scan_required_calls(text)
+        if span.name is not None
     ]
 
 

@@ -240,15 +240,28 @@ def test_named_tool_choice_round_trip(client: openai.OpenAI, model: str) -> None
 
 
 def test_required_tool_choice(client: openai.OpenAI, model: str) -> None:
-    resp = client.chat.completions.create(
+    kwargs: dict[str, Any] = dict(
         model=model, messages=ASK, tools=TOOLS, tool_choice="required",
         parallel_tool_calls=False, temperature=0, max_tokens=60,
     )  # fmt: skip
-    choice = resp.choices[0]
+    choice = client.chat.completions.create(**kwargs).choices[0]
     assert choice.finish_reason == "tool_calls"
     (call,) = choice.message.tool_calls or []
     assert call.function.name in ("get_weather", "get_time")
     _check_call(call, call.function.name)
+    # streamed: the call's header as soon as its name is written, then its arguments in pieces
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    pieces = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert pieces[0].id and pieces[0].function.name == call.function.name
+    assert len(pieces) > 2, pieces
+    calls, finish, content = _stream_calls(iter(chunks))
+    assert finish == "tool_calls" and not content and len(calls) == 1
+    assert calls[0]["arguments"] == call.function.arguments
+    # cut short by max_tokens: the named call with the arguments written so far
+    cut = client.chat.completions.create(**{**kwargs, "max_tokens": 12}).choices[0]
+    assert cut.finish_reason == "length" and cut.message.content is None
+    (partial,) = cut.message.tool_calls or []
+    assert call.function.arguments.startswith(partial.function.arguments)
 
 
 def test_auto_tool_calls_parsed_from_text(client: openai.OpenAI, model: str) -> None:

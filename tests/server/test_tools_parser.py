@@ -7,13 +7,17 @@ import json
 
 import jsonschema
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from kvserve.server.chat_tools import ChatPlan, ToolStream
 from kvserve.server.tools import (
     StreamingToolParser,
     hermes_messages,
-    parse_required_output,
     parse_tool_calls,
+    required_calls,
     required_calls_schema,
+    scan_required_calls,
     template_supports_tools,
 )
 
@@ -101,6 +105,61 @@ def test_required_schema(parallel: bool) -> None:
         jsonschema.validate([{"name": "a", "arguments": {"x": "no"}}], schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([], schema)
-    calls = parse_required_output(json.dumps(two))
-    assert calls is not None and [c.name for c in calls] == ["a", "b"]
-    assert parse_required_output('[{"name": "a", "argu') is None
+    calls = required_calls(json.dumps(two))
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {"x": 3}), ("b", {})]
+
+
+ARGS_A = '{"x":3,"y":[1,{"z":"}\\"]"}],"w":null}'
+REQUIRED = '[{"name":"a","arguments":' + ARGS_A + '},{"name":"b","arguments":{}}]'
+
+
+def test_required_calls_as_written_and_cut_short() -> None:
+    assert [(c.name, c.arguments) for c in required_calls(REQUIRED)] == [("a", ARGS_A), ("b", "{}")]
+    spaced = json.dumps(json.loads(REQUIRED))  # whitespace between tokens: the same calls
+    assert [json.loads(c.arguments) for c in required_calls(spaced)] == [json.loads(ARGS_A), {}]
+    scalar = '[{"name":"c","arguments":12},{"name":"d","arguments":true}]'
+    assert [c.arguments for c in required_calls(scalar)] == ["12", "true"]
+    # cut short by max_tokens: the calls named so far, arguments as far as they were written
+    assert [(c.name, c.arguments) for c in required_calls('[{"name": "a", "argu')] == [("a", "")]
+    assert required_calls('[{"name":"a') == []
+    for k in range(len(REQUIRED) + 1):
+        for span, (name, args) in zip(
+            scan_required_calls(REQUIRED[:k]), [("a", ARGS_A), ("b", "{}")], strict=False
+        ):
+            assert span.name in (None, name)
+            assert args.startswith(span.arguments(REQUIRED[:k]))
+            assert (span.args_end is not None) == (span.arguments(REQUIRED[:k]) == args)
+
+
+@given(st.lists(st.integers(1, len(REQUIRED)), max_size=12))
+def test_required_stream_sends_names_then_arguments(cuts: list[int]) -> None:
+    stream = ToolStream(ChatPlan(tool_mode="required"))
+    bounds = [0, *sorted(set(cuts)), len(REQUIRED)]
+    deltas = []
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        last = hi == len(REQUIRED)
+        delta, reason = stream.delta(REQUIRED[lo:hi], "stop" if last else None)
+        if last:
+            assert reason == "tool_calls"
+        if delta is not None:
+            assert delta.content is None
+            deltas += delta.tool_calls or []
+    headers = [d for d in deltas if d.id is not None]
+    assert [(d.index, d.type, d.function.name) for d in headers] == [
+        (0, "function", "a"),
+        (1, "function", "b"),
+    ]
+    args = ["", ""]
+    for d in deltas:
+        args[d.index] += d.function.arguments or ""
+    assert args == [ARGS_A, "{}"]
+    # no argument text before its call's header
+    assert all(deltas.index(h) <= min(i for i, d in enumerate(deltas) if d.index == h.index)
+               for h in headers)  # fmt: skip
+
+
+def test_required_stream_keeps_an_unnamed_output_as_content() -> None:
+    stream = ToolStream(ChatPlan(tool_mode="required"))
+    assert stream.delta('[{"na', None) == (None, None)
+    delta, reason = stream.delta('me":"a', "length")
+    assert delta is not None and delta.content == '[{"name":"a' and reason == "length"

@@ -8,16 +8,36 @@ import sys
 import time
 from collections.abc import Callable
 
+import kvserve
 from kvserve.engine_config import EngineConfig
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument(
+        "--max-tokens",
+        type=int,
+        default=max_tokens,
+        help=f"tokens to generate (default {max_tokens})",
+    )
+    g.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 (the default here, unlike the API's 1.0) is greedy: the same text every run",
+    )
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
+    g.add_argument("--top-k", type=int, default=-1, help="keep the k most likely (-1: all)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top one")
+    g.add_argument(
+        "--presence-penalty", type=float, default=0.0, help="-2..2, on tokens already generated"
+    )
+    g.add_argument(
+        "--frequency-penalty", type=float, default=0.0, help="-2..2, by how often they were"
+    )
+    g.add_argument(
+        "--repetition-penalty", type=float, default=1.0, help=">1 discourages repeats (default 1)"
+    )
     g.add_argument(
         "--sampling-seed",
         dest="sample_seed",
@@ -26,22 +46,27 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
         help="per-request sampling seed",
     )
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-text")
 
 
-def _sampling_params(args: argparse.Namespace):  # noqa: ANN202 - SamplingParams
+def _sampling_params(args: argparse.Namespace, **overrides: object):  # noqa: ANN202 - SamplingParams
     from kvserve.sampling_params import SamplingParams
 
-    return SamplingParams(
+    values: dict[str, object] = dict(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
         min_p=args.min_p,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
         seed=args.sample_seed,
         stop=args.stop,
         ignore_eos=args.ignore_eos,
     )
+    values.update(overrides)
+    return SamplingParams(**values)
 
 
 def _build_llm(args: argparse.Namespace):  # noqa: ANN202 - LLM
@@ -60,7 +85,7 @@ def _build_llm(args: argparse.Namespace):  # noqa: ANN202 - LLM
 def cmd_generate(args: argparse.Namespace) -> int:
     """Generate a completion for one or more prompts and print it with its speed."""
     llm = _build_llm(args)
-    params = _sampling_params(args)
+    params = _sampling_params(args, n=args.n)
     prompts = args.prompt
     t0 = time.perf_counter()
     if args.raw:
@@ -69,9 +94,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
     dt = time.perf_counter() - t0
     num_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    for o in outs:
-        for c in o.outputs:
-            print(c.text)
+    texts = [c.text for o in outs for c in o.outputs]
+    for i, text in enumerate(texts):
+        if len(texts) > 1:  # several prompts or samples: say which is which
+            print(f"--- {i // params.n}.{i % params.n}" if params.n > 1 else f"--- {i}")
+        print(text)
     print(
         f"[kvserve] {num_tokens} tokens in {dt:.2f} s = {num_tokens / dt:.1f} tokens/s "
         f"(prompt {sum(len(o.prompt_token_ids) for o in outs)} tokens, incl. prefill)",
@@ -100,9 +127,35 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if not line.strip() or line.strip() in CHAT_EXIT_COMMANDS:
             break
         history.append({"role": "user", "content": line})
+        try:
+            dropped = fit_history(llm, history, params.max_tokens)
+        except ValueError as e:
+            history.pop()
+            print(f"[{e}]", file=sys.stderr)
+            continue
+        if dropped:
+            print(f"[{dropped} oldest messages dropped to fit --max-model-len]", file=sys.stderr)
         reply = stream_chat_reply(llm, history, params, sys.stdout)
         history.append({"role": "assistant", "content": reply})
     return 0
+
+
+def fit_history(llm, history: list[dict[str, str]], max_tokens: int | None) -> int:  # noqa: ANN001 - LLM
+    """Drop the oldest turns of ``history`` (never the system prompt or the last message)
+    until its prompt and ``max_tokens`` fit the context; returns how many were dropped.
+    ValueError if the last message does not fit even alone."""
+    limit = llm.engine.max_model_len - (max_tokens or 1)
+    first = 1 if history and history[0]["role"] == "system" else 0
+    dropped = 0
+    while len(llm.tokenizer.apply_chat_template(history)) > limit:
+        if len(history) - first <= 1:
+            raise ValueError(
+                f"the message does not fit: with --max-tokens {max_tokens} the prompt may have "
+                f"at most {limit} tokens (--max-model-len {llm.engine.max_model_len})"
+            )
+        del history[first]
+        dropped += 1
+    return dropped
 
 
 def stream_chat_reply(llm, history, params, out) -> str:  # noqa: ANN001 - LLM, SamplingParams, TextIO
@@ -150,13 +203,17 @@ def _engine_parser(
 
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (sub-commands register themselves here)."""
-    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser = argparse.ArgumentParser(
+        prog="kvserve", description="kvserve command line: generate, chat, serve, bench, simulate."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("--version", action="version", version=f"kvserve {kvserve.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = _engine_parser(sub, "generate", "generate a completion on the embedded (or given) model")
     p.add_argument("prompt", nargs="+", help="prompt text (one or more)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("-n", "--n", type=int, default=1, help="samples per prompt (default 1)")
     _sampling_args(p)
     p.set_defaults(func=cmd_generate)
 
@@ -210,6 +267,11 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except ValueError as e:
         print(f"kvserve: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if e.filename is None:
+            raise
+        print(f"kvserve: error: {e.strerror}: {e.filename}", file=sys.stderr)
         return 2
 
 

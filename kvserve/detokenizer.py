@@ -78,11 +78,17 @@ class IncrementalDetokenizer:
         """True after a stop string matched or ``flush()`` was called."""
         return self.stop_matched is not None or self._flushed
 
-    def add_tokens(self, new_token_ids: list[int]) -> str:
-        """Feed output tokens (one or several); return the new text they complete."""
+    def add_tokens(self, new_token_ids: list[int], *, stop_token: bool = False) -> str:
+        """Feed output tokens (one or several); return the new text they complete.
+
+        ``stop_token``: the last one ended the request (EOS or one of ``stop_token_ids``); it
+        joins ``token_ids`` but its text is left out unless ``include_stop_str_in_output``,
+        as a matched stop string's is (vLLM does the same)."""
         self.token_ids.extend(new_token_ids)
         if self.finished or not new_token_ids:
             return ""
+        if stop_token and not self.include_stop:
+            new_token_ids = new_token_ids[:-1]
         self._ids.extend(new_token_ids)
         return self._emit(self._decode_new(force=False), final=False)
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,7 +155,13 @@ class LLMEngine:
 
         On error nothing is queued (the engine's state is unchanged).
         """
-        params = params or SamplingParams()
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        # NOTE: checked before anything is queued: the waiting queue orders by priority, and
+        # one value that does not compare with ints would break every later insert.
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an int, got {priority!r}")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -218,13 +226,19 @@ class LLMEngine:
             if not prompt:
                 raise ValueError("prompt is empty")
             return prompt, self.tokenizer.encode(prompt)
-        if not isinstance(prompt, (list, tuple)) or not prompt:
+        if isinstance(prompt, (bytes, dict)) or not isinstance(prompt, Sequence) or not prompt:
             raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
         vocab = self.arch.vocab_size
+        ids = []
         for t in prompt:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab})")
-        return None, list(prompt)
+            # NOTE: operator.index takes any integer type (numpy's too), not floats or bools.
+            if isinstance(t, bool) or not hasattr(t, "__index__"):
+                raise ValueError(f"prompt token ids must be integers, got {t!r}")
+            tid = operator.index(t)
+            if not 0 <= tid < vocab:
+                raise ValueError(f"prompt token id {tid} is outside the vocabulary [0, {vocab})")
+            ids.append(tid)
+        return None, ids
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request (all its samples) in any state; frees everything it holds."""
@@ -375,7 +389,7 @@ class LLMEngine:
             gap = None if state.last_token_time is None else now - state.last_token_time
             state.last_token_time = now
             self.latency.record_token(gap)
-            state.detok.add_tokens(new_ids)
+            state.detok.add_tokens(new_ids, stop_token=_ended_on_stop_token(req, new_ids[-1]))
             if state.logprobs is not None and logprobs is not None:
                 state.logprobs.append(logprobs)
                 chosen = logprobs.get(new_ids[-1])
@@ -474,3 +488,14 @@ def _metrics(req: Request) -> RequestMetrics:
     if req.finished_time is not None:
         m.e2e = req.finished_time - req.arrival_time
     return m
+
+
+def _ended_on_stop_token(req: Request, token_id: int) -> bool:
+    """Whether ``token_id``, the request's last token, ended it as a stop token (EOS unless
+    ignored, or one of ``stop_token_ids``): a grammar or a stop string ends it otherwise."""
+    if req.status != RequestStatus.FINISHED_STOPPED:
+        return False
+    params = req.sampling_params
+    if token_id == req.eos_token_id and not params.ignore_eos:
+        return True
+    return bool(params.stop_token_ids) and token_id in params.stop_token_ids

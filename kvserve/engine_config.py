@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, fields
 from typing import Any, get_args
 
@@ -106,7 +107,7 @@ class EngineConfig:
     model: str | None = None
     dtype: str = "auto"
     device: str = "cpu"
-    seed: int = 0
+    seed: int | None = 0  # None: a random seed (unseeded sampling not reproducible)
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None
@@ -144,6 +145,13 @@ class EngineConfig:
     kernel_selection: str = "auto"
 
     def __post_init__(self) -> None:
+        _check_field_types(self)
+        if self.seed is None:
+            object.__setattr__(self, "seed", int.from_bytes(os.urandom(7), "little"))
+        if re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is None:
+            raise ValueError(f"device must be 'cpu' or 'cuda' ('cuda:N'), got {self.device!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
@@ -288,6 +296,21 @@ class EngineConfig:
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
         """Build from a namespace filled by :meth:`add_cli_args`."""
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+def _check_field_types(config: EngineConfig) -> None:
+    """ValueError naming a field whose value is not of its declared type (a bool is no int;
+    an int is a float); ``X | None`` fields take None."""
+    for f in fields(config):
+        value = getattr(config, f.name)
+        optional = "None" in str(f.type)
+        if value is None and optional:
+            continue
+        kind = _field_type(f.type)
+        accepted = (int, float) if kind is float else (kind,)
+        if not isinstance(value, accepted) or (kind is not bool and isinstance(value, bool)):
+            allowed = kind.__name__ + (" or None" if optional else "")
+            raise ValueError(f"{f.name} must be {allowed}, got {value!r}")
 
 
 def _field_type(annotation: object) -> type:

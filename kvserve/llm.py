@@ -12,6 +12,7 @@ from kvserve.engine import LLMEngine
 from kvserve.engine_config import EngineConfig
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -45,7 +46,9 @@ class LLM:
         validated before any runs: a bad one raises ValueError naming it, and none runs.
         """
         prompt_list = _as_prompt_list(prompts)
-        params_list = _broadcast(sampling_params or SamplingParams(), len(prompt_list), "params")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = _broadcast(sampling_params, len(prompt_list), "params")
         prio = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(prio) != len(prompt_list):
             raise ValueError(f"priority has {len(prio)} entries for {len(prompt_list)} prompts")
@@ -53,10 +56,13 @@ class LLM:
         try:
             for prompt, params, p in zip(prompt_list, params_list, prio, strict=True):
                 ids.append(self.engine.add_request(prompt, params, priority=p))
-        except ValueError as e:
+        except Exception as e:
+            # NOTE: any failure, not only ValueError: what was queued must not run later.
             for rid in ids:
                 self.engine.abort_request(rid)
-            raise ValueError(f"prompt {len(ids)}: {e}") from e
+            if isinstance(e, ValueError):
+                raise ValueError(f"prompt {len(ids)}: {e}") from e
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(
@@ -65,13 +71,57 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        """Apply the chat template to one conversation or a list of them, then generate.
+
+        As vLLM's: ``chat_template`` replaces the model's; ``continue_final_message`` leaves
+        the last message (the assistant's) open for the model to continue, and then
+        ``add_generation_prompt`` (default: on otherwise) is off unless set; both true is a
+        ValueError. ``chat_template_kwargs`` are more template variables. A message's
+        ``content`` may be a list of ``{"type": "text", "text": ...}`` parts. Each output's
+        ``prompt`` is the rendered prompt text.
+        """
         if not messages:
             raise ValueError("messages is empty")
+        if add_generation_prompt is None:
+            add_generation_prompt = not continue_final_message
+        if add_generation_prompt and continue_final_message:
+            raise ValueError(
+                "continue_final_message and add_generation_prompt cannot both be true (continue "
+                "the last message, or start a new assistant turn)"
+            )
         conversations = [messages] if isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c) for c in conversations]  # type: ignore[arg-type]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        texts = []
+        for conv in conversations:
+            plain = [_plain_message(m, i) for i, m in enumerate(conv)]  # type: ignore[union-attr]
+            if continue_final_message and plain and plain[-1].get("role") != "assistant":
+                raise ValueError(
+                    "continue_final_message continues the last message, which must be the "
+                    "assistant's"
+                )
+            texts.append(
+                self.tokenizer.render_chat_template(
+                    plain,
+                    add_generation_prompt,
+                    chat_template=chat_template,
+                    continue_final_message=continue_final_message,
+                    template_kwargs=chat_template_kwargs,
+                )
+            )
+        # NOTE: add_special_tokens=False: the template writes BOS and markers itself.
+        prompts = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)  # type: ignore[arg-type]
+        for out, text in zip(outputs, texts, strict=True):
+            out.prompt = text
+        return outputs
+
+    def get_tokenizer(self) -> Tokenizer:
+        """The engine's tokenizer (vLLM's ``LLM.get_tokenizer``)."""
+        return self.tokenizer
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(ids)
@@ -106,11 +156,34 @@ class LLM:
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
-    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+    if hasattr(prompts, "tolist"):  # a numpy array or a tensor of token ids (1-D or 2-D)
+        prompts = prompts.tolist()
+    if isinstance(prompts, (list, tuple)) and prompts and all(map(_is_token_id, prompts)):
         return [list(prompts)]  # type: ignore[arg-type]
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a string, a list of token ids, or a non-empty list")
     return list(prompts)
+
+
+def _plain_message(message: Any, index: int) -> Any:
+    """``message`` with its content as one string: a list of text parts joined (a part of any
+    other type is a ValueError naming it); anything else is left to the template's checks."""
+    if not isinstance(message, dict) or not isinstance(message.get("content"), list):
+        return message
+    texts = []
+    for part in message["content"]:
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(
+                f"messages[{index}].content: only text parts are supported, got {kind!r}"
+            )
+        texts.append(part["text"])
+    return {**message, "content": "".join(texts)}
+
+
+def _is_token_id(value: object) -> bool:
+    """An integer of any type (numpy's too), not a bool."""
+    return hasattr(value, "__index__") and not isinstance(value, bool)
 
 
 def _broadcast(
@@ -118,7 +191,14 @@ def _broadcast(
 ) -> list[SamplingParams]:
     if isinstance(value, SamplingParams):
         return [value] * n
+    if not isinstance(value, Sequence):
+        raise TypeError(
+            f"sampling_params must be a SamplingParams or a list of them, got {value!r}"
+        )
     values = list(value)
     if len(values) != n:
         raise ValueError(f"sampling {name} has {len(values)} entries for {n} prompts")
+    for i, v in enumerate(values):
+        if not isinstance(v, SamplingParams):
+            raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {v!r}")
     return values

@@ -322,6 +322,13 @@ def plan_kv_blocks(
         )
     if config.swap_space is not None:
         num_host_blocks = config.swap_space // block_bytes
+        if num_host_blocks == 0 and config.swap_space > 0:
+            # NOTE: vLLM's swap_space is in GiB, kvserve's in bytes: swap_space=4 meant as
+            # GiB would otherwise give no host tier and swap would silently recompute.
+            raise ValueError(
+                f"swap_space={config.swap_space} bytes holds no KV block (one is {block_bytes} "
+                "bytes); it is a byte count (suffixes accepted on the command line: 4GiB)"
+            )
     elif config.preemption_mode == "swap":
         # NOTE: swap mode without a size gets a host tier as large as the device pool, so
         # every running request can be swapped out at least once.

@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
 from contextlib import asynccontextmanager, suppress
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from fastapi import FastAPI, Request
@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.cors import allow_cross_origin
 from kvserve.router.keys import request_key
@@ -33,6 +34,7 @@ logger = logging.getLogger("kvserve.router")
 
 _FORWARD_HEADERS = ("authorization", "content-type", "accept")
 _DONE = "data: [DONE]"
+_T = TypeVar("_T")
 
 
 class _StreamFailed(Exception):
@@ -48,6 +50,11 @@ def _is_engine_dead(status: int, text: str) -> bool:
     return status >= 500 and "engine_dead" in text
 
 
+def _is_busy(status: int, text: str) -> bool:
+    """A replica's 503 for a full queue: another replica may have room (it is not dead)."""
+    return status == 503 and "queue_full" in text
+
+
 def _event_has_token(event: str) -> bool:
     """Whether an SSE event carries generated text (or a finish) for the client."""
     if not event.startswith("data: ") or event.startswith(_DONE):
@@ -58,13 +65,50 @@ def _event_has_token(event: str) -> bool:
         return True
     for choice in payload.get("choices") or []:
         delta = choice.get("delta") or {}
-        if choice.get("text") or delta.get("content") or choice.get("finish_reason"):
+        if choice.get("text") or choice.get("finish_reason"):
+            return True
+        if delta.get("content") or delta.get("tool_calls"):
             return True
     return False
 
 
 def _event_is_dead(event: str) -> bool:
     return event.startswith("data: ") and '"error"' in event and "engine_dead" in event
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Return once the client has gone (its body already read: receive() waits for that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _ClientGone(Exception):
+    """The client disconnected while the router waited on a replica for it."""
+
+
+async def _unless_gone(request: Request, work: Awaitable[_T]) -> _T:
+    """``await work``, cancelled (raising _ClientGone) if the client leaves first.
+
+    NOTE: cancelling the replica call drops its connection, which the replica answers by
+    aborting the request, as it does for a client of its own that leaves.
+    """
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not task.done():
+        task.cancel()
+        with suppress(asyncio.CancelledError, httpx.HTTPError):
+            await task
+        raise _ClientGone
+    return task.result()
+
+
+def _passed_headers(resp: httpx.Response) -> dict[str, str]:
+    """The replica's headers a client acts on (``Retry-After`` of a 503)."""
+    return {k: v for k, v in resp.headers.items() if k.lower() == "retry-after"}
 
 
 async def _events(resp: httpx.Response) -> AsyncIterator[str]:
@@ -193,6 +237,7 @@ def build_router_app(
         return url
 
     @app.get("/health")
+    @app.head("/health", include_in_schema=False)
     async def health() -> Response:
         healthy = [u for u, r in pool.replicas.items() if r.healthy]
         if not healthy:
@@ -201,17 +246,33 @@ def build_router_app(
             )
         return JSONResponse({"status": "ok", "healthy_replicas": healthy})
 
+    async def forward_get(request: Request, path: str) -> Response:
+        """A GET answered by any healthy replica (least loaded first), passed through."""
+        client: httpx.AsyncClient = state["client"]
+        for url in sorted(pool.healthy_loads().items(), key=lambda kv: kv[1]):
+            try:
+                resp = await client.get(url[0] + path, headers=_headers(request))
+            except httpx.HTTPError as e:
+                pool.mark_dead(url[0], repr(e))
+                continue
+            return Response(
+                resp.content,
+                resp.status_code,
+                media_type=resp.headers.get("content-type", "application/json"),
+            )
+        return no_replica([])
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        client: httpx.AsyncClient = state["client"]
-        for url in pool.healthy_loads():
-            try:
-                resp = await client.get(url + "/v1/models", headers=_headers(request))
-            except httpx.HTTPError as e:
-                pool.mark_dead(url, repr(e))
-                continue
-            return Response(resp.content, resp.status_code, media_type="application/json")
-        return no_replica([])
+        return await forward_get(request, "/v1/models")
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        return await forward_get(request, f"/v1/models/{model_id}")
+
+    @app.get("/version")
+    async def version(request: Request) -> Response:
+        return await forward_get(request, "/version")
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -219,7 +280,7 @@ def build_router_app(
 
         async def scrape(url: str) -> tuple[str, str | None]:
             try:
-                resp = await client.get(url + "/metrics", timeout=5.0)
+                resp = await client.get(url + "/metrics", timeout=5.0, headers=pool.headers)
             except httpx.HTTPError:
                 return url, None
             return url, resp.text if resp.status_code == 200 else None
@@ -236,43 +297,55 @@ def build_router_app(
         raw = await request.body()
         try:
             body = json.loads(raw)
-        except ValueError:
-            body = None
+        except (ValueError, RecursionError):
+            body = None  # the replica says what is wrong with it (a 400)
         key = request_key(body) if isinstance(body, dict) else []
-        stream = isinstance(body, dict) and bool(body.get("stream"))
+        stream = isinstance(body, dict) and body.get("stream") is True
         headers = _headers(request)
         tried: list[str] = []
+        busy: Response | None = None  # the last "queue full" 503, answered if all are full
         while True:
             url = pick(key, tried)
             if url is None:
-                return no_replica(tried)
+                return busy if busy is not None else no_replica(tried)
             replica = pool.replicas[url]
             replica.in_flight += 1
             try:
                 req = client.build_request("POST", url + path, content=raw, headers=headers)
-                resp = await client.send(req, stream=True)
+                resp = await _unless_gone(request, client.send(req, stream=True))
             except httpx.HTTPError as e:
                 replica.in_flight -= 1
                 _fail(url, f"{path} failed: {e!r}", tried)
                 continue
+            except _ClientGone:
+                replica.in_flight -= 1
+                return Response(status_code=499)  # nobody reads this
             if resp.status_code != 200 or not stream:
                 try:
-                    content = await resp.aread()
+                    content = await _unless_gone(request, resp.aread())
                 except httpx.HTTPError as e:
-                    replica.in_flight -= 1
-                    await resp.aclose()
                     _fail(url, f"{path} broke off: {e!r}", tried)
                     continue
-                replica.in_flight -= 1
-                await resp.aclose()
-                if _is_engine_dead(resp.status_code, content.decode(errors="replace")):
+                except _ClientGone:
+                    return Response(status_code=499)
+                finally:
+                    replica.in_flight -= 1
+                    await resp.aclose()
+                text = content.decode(errors="replace")
+                if _is_engine_dead(resp.status_code, text):
                     _fail(url, f"{path} answered {resp.status_code} engine_dead", tried)
                     continue
-                return Response(
+                answer = Response(
                     content,
                     resp.status_code,
+                    headers=_passed_headers(resp),
                     media_type=resp.headers.get("content-type", "application/json"),
                 )
+                if _is_busy(resp.status_code, text):
+                    busy = answer
+                    tried.append(url)  # not dead: another replica may have room
+                    continue
+                return answer
             return StreamingResponse(
                 _stream(client, url, resp, raw, headers, path, key, tried),
                 media_type="text/event-stream",
@@ -369,6 +442,21 @@ def build_router_app(
     async def chat_completions(request: Request) -> Response:
         return await proxy(request, "/v1/chat/completions")
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await proxy(request, "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await proxy(request, "/detokenize")
+
+    async def http_error(_request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        code = "not_found" if exc.status_code == 404 else "invalid_request"
+        body = error_body(str(exc.detail), code=code, type_="invalid_request_error")
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    app.add_exception_handler(StarletteHTTPException, http_error)
     allow_cross_origin(app, allowed_origins)
     return app
 

@@ -58,6 +58,12 @@ def register(
     p.add_argument(
         "--replica", action="append", required=True, help="replica base URL (repeatable)"
     )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="the key the replicas require, sent on the router's own calls to them (start-up "
+        "check, probes, metrics); clients' Authorization headers are passed through as sent",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
@@ -74,7 +80,9 @@ def build_validated_app(urls: list[str], args: argparse.Namespace):  # noqa: ANN
     from kvserve.router.policy import make_policy
     from kvserve.router.replicas import ReplicaPool
 
-    pool = ReplicaPool(urls, probe_interval_s=args.probe_interval)
+    pool = ReplicaPool(
+        urls, probe_interval_s=args.probe_interval, api_key=getattr(args, "api_key", None)
+    )
 
     async def validate() -> None:
         async with httpx.AsyncClient() as client:

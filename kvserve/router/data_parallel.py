@@ -58,19 +58,49 @@ def replica_config(config: EngineConfig, num_replicas: int) -> EngineConfig:
 
 
 def server_flags(args: argparse.Namespace) -> list[str]:
-    """The replica-side server flags passed through from ``serve``."""
+    """The replica-side server flags passed through from ``serve``: every flag of the
+    ``server`` group that shapes what a replica answers (``--allowed-origins`` is the
+    router's, in front)."""
     out = ["--quiet", "--log-level", args.log_level]
-    if args.api_key is not None:
-        out += ["--api-key", args.api_key]
-    if args.max_queued_requests is not None:
-        out += ["--max-queued-requests", str(args.max_queued_requests)]
-    if args.served_model_name is not None:
-        out += ["--served-model-name", args.served_model_name]
+    for name, value in replica_server_kwargs(args).items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            out += [flag] if value else []
+        elif value is not None:
+            out += [flag, str(value)]
+    if args.debug_inject_faults:
+        out.append("--debug-inject-faults")
     return out
 
 
-def wait_healthy(urls: list[str], procs: list[subprocess.Popen] | None = None) -> None:
-    """Block until every URL answers /health 200 (RuntimeError if a process exits first)."""
+def replica_server_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``serve`` options each replica's server takes (``build_app``'s keywords; a chat
+    template as given, a file path or the template text)."""
+    return {
+        "api_key": args.api_key,
+        "max_queued_requests": args.max_queued_requests,
+        "served_model_name": args.served_model_name,
+        "max_request_bytes": args.max_request_bytes,
+        "shutdown_timeout": args.shutdown_timeout,
+        "protect_metrics": args.protect_metrics,
+        "debug_endpoints": args.debug_endpoints,
+        "chat_template": args.chat_template,
+        "tool_call_parser": args.tool_call_parser,
+    }
+
+
+def api_headers(api_key: str | None) -> dict[str, str]:
+    """The Authorization header of ``api_key`` (none without one)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def wait_healthy(
+    urls: list[str],
+    procs: list[subprocess.Popen] | None = None,
+    headers: dict[str, str] | None = None,
+) -> None:
+    """Block until every URL answers /health 200 (RuntimeError if a process exits first).
+    ``headers``: the replicas' API key, for servers whose key guards /health too."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     pending = list(urls)
     while pending:
@@ -80,7 +110,7 @@ def wait_healthy(urls: list[str], procs: list[subprocess.Popen] | None = None) -
         still = []
         for url in pending:
             try:
-                if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                if httpx.get(url + "/health", timeout=2.0, headers=headers).status_code == 200:
                     continue
             except httpx.TransportError:
                 pass
@@ -94,7 +124,12 @@ def wait_healthy(urls: list[str], procs: list[subprocess.Popen] | None = None) -
 
 @contextmanager
 def local_replicas(
-    config: EngineConfig, num_replicas: int, extra_flags: list[str], *, log_dir: str | None = None
+    config: EngineConfig,
+    num_replicas: int,
+    extra_flags: list[str],
+    *,
+    log_dir: str | None = None,
+    headers: dict[str, str] | None = None,
 ) -> Iterator[list[str]]:
     """Run ``num_replicas`` ``kvserve serve`` processes; yields their URLs; stops them on exit."""
     flags = engine_flags(replica_config(config, num_replicas))
@@ -114,7 +149,7 @@ def local_replicas(
             logs.append(log)
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=log, preexec_fn=_die_with_parent))
             urls.append(f"http://127.0.0.1:{port}")
-        wait_healthy(urls, procs)
+        wait_healthy(urls, procs, headers)
         yield urls
     finally:
         for p in procs:
@@ -236,11 +271,10 @@ def serve_data_parallel(args: argparse.Namespace) -> int:
         return 0
 
     if backend == "ray":
-        kwargs = {
-            "served_model_name": args.served_model_name,
-            "api_key": args.api_key,
-            "max_queued_requests": args.max_queued_requests,
-        }
+        from kvserve.server.cli import load_chat_template
+
+        kwargs = replica_server_kwargs(args)
+        kwargs["chat_template"] = load_chat_template(args.chat_template)
         actors, urls = ray_replicas(config, n, kwargs)
         try:
             return run(urls)
@@ -249,5 +283,5 @@ def serve_data_parallel(args: argparse.Namespace) -> int:
 
             for a in actors:
                 ray.kill(a)
-    with local_replicas(config, n, server_flags(args)) as urls:
+    with local_replicas(config, n, server_flags(args), headers=api_headers(args.api_key)) as urls:
         return run(urls)

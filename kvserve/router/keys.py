@@ -35,14 +35,27 @@ def request_key(body: dict[str, Any]) -> list[int]:
     if isinstance(prompt, list) and prompt:
         first = prompt[0]
         if isinstance(first, int):
-            return [int(t) for t in prompt[:MAX_KEY_LEN]]
+            return _id_key(prompt)
         if isinstance(first, list):  # a batch of token lists: route on the first
-            return [int(t) for t in first[:MAX_KEY_LEN]]
+            return _id_key(first)
         if isinstance(first, str):  # a batch of strings: route on the first
             return _text_key(first)
     if isinstance(prompt, str):
         return _text_key(prompt)
     return []
+
+
+def _id_key(ids: list[Any]) -> list[int]:
+    """The leading token ids of ``ids`` (up to the first element that is not one).
+
+    NOTE: the router routes and never validates: a bad element is the replica's to reject
+    (a 400 naming it), so the key stops there instead of raising."""
+    key = []
+    for t in ids[:MAX_KEY_LEN]:
+        if not isinstance(t, int) or isinstance(t, bool):
+            break
+        key.append(t)
+    return key
 
 
 def _text_key(text: str) -> list[int]:

@@ -65,13 +65,15 @@ def parse_load(metrics_text: str) -> int | None:
     return int(total) if found else None
 
 
-async def validate_replica(client: httpx.AsyncClient, url: str, timeout_s: float) -> str:
+async def validate_replica(
+    client: httpx.AsyncClient, url: str, timeout_s: float, headers: dict[str, str] | None = None
+) -> str:
     """Check that ``url`` serves the OpenAI API (GET /v1/models answers a model list).
 
     Returns the first model id; raises ReplicaError naming the URL and what it answered.
     """
     try:
-        resp = await client.get(url + "/v1/models", timeout=timeout_s)
+        resp = await client.get(url + "/v1/models", timeout=timeout_s, headers=headers)
     except httpx.HTTPError as e:
         raise ReplicaError(f"replica {url} is not reachable: {e!r}") from e
     if resp.status_code != 200:
@@ -101,7 +103,10 @@ class ReplicaPool:
         probe_interval_s: float = 1.0,
         probe_timeout_s: float = 5.0,
         max_probe_timeouts: int = 3,
+        api_key: str | None = None,
     ) -> None:
+        """``api_key``: the key the replicas require, sent on the router's own calls to them
+        (the start-up check, probes, metrics scrapes); clients' requests carry their own."""
         if not urls:
             raise ValueError("the router needs at least one --replica URL")
         normalized = [normalize_url(u) for u in urls]
@@ -114,6 +119,7 @@ class ReplicaPool:
         self.max_probe_timeouts = max_probe_timeouts
         self.on_leave: list = []  # callbacks(url) when a replica leaves the pool
         self.model_id = ""
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def healthy_loads(self) -> dict[str, int]:
         """url -> load of every healthy replica."""
@@ -131,7 +137,9 @@ class ReplicaPool:
 
     async def validate_all(self, client: httpx.AsyncClient, timeout_s: float = 10.0) -> None:
         """Start-up check of every replica (ReplicaError on the first bad one)."""
-        ids = await asyncio.gather(*(validate_replica(client, u, timeout_s) for u in self.replicas))
+        ids = await asyncio.gather(
+            *(validate_replica(client, u, timeout_s, self.headers) for u in self.replicas)
+        )
         self.model_id = ids[0]
 
     async def probe(self, client: httpx.AsyncClient, url: str) -> None:
@@ -144,7 +152,9 @@ class ReplicaPool:
         """
         r = self.replicas[url]
         try:
-            health = await client.get(url + "/health", timeout=self.probe_timeout_s)
+            health = await client.get(
+                url + "/health", timeout=self.probe_timeout_s, headers=self.headers
+            )
         except httpx.TimeoutException as e:
             r.probe_failures += 1
             if r.probe_failures >= self.max_probe_timeouts:
@@ -161,7 +171,9 @@ class ReplicaPool:
             logger.warning("replica %s rejoined the pool", url)
             r.healthy = True
         try:
-            metrics = await client.get(url + "/metrics", timeout=self.probe_timeout_s)
+            metrics = await client.get(
+                url + "/metrics", timeout=self.probe_timeout_s, headers=self.headers
+            )
         except httpx.HTTPError:
             return
         if metrics.status_code == 200:
@@ -170,7 +182,12 @@ class ReplicaPool:
                 r.reported_load = load
 
     async def probe_forever(self, client: httpx.AsyncClient) -> None:
-        """Probe every replica each ``probe_interval_s`` until cancelled."""
-        while True:
-            await asyncio.gather(*(self.probe(client, u) for u in self.replicas))
-            await asyncio.sleep(self.probe_interval_s)
+        """Probe every replica each ``probe_interval_s`` until cancelled, each on its own
+        loop: a replica whose probes hang delays no other's."""
+
+        async def loop(url: str) -> None:
+            while True:
+                await self.probe(client, url)
+                await asyncio.sleep(self.probe_interval_s)
+
+        await asyncio.gather(*(loop(u) for u in self.replicas))

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from kvserve.router.app import _event_has_token
 from kvserve.router.cli import build_validated_app
+from kvserve.router.keys import request_key
 from kvserve.router.replicas import ReplicaError, parse_load
 from tests.router.fake_replica import fake_app, serve_in_thread
 from tests.server.server_proc import free_port
@@ -114,3 +118,89 @@ def test_streams_pass_through_and_prefix_routing_sticks() -> None:
             ).json()["choices"][0]["text"]
             assert text != f"{first}:"
             assert url_a in client.get("/metrics").text
+
+
+def test_every_route_passes_through_and_errors_are_openai_style() -> None:
+    with serve_in_thread(fake_app("a")) as url:
+        app = build_validated_app([url], _args(probe=30.0))
+        with TestClient(app) as client:
+            assert client.head("/health").status_code == 200
+            assert client.get("/version").json() == {"version": "a"}
+            assert client.get("/v1/models/fake").json()["by"] == "a"
+            tok = client.post("/tokenize", json={"prompt": "hi"}).json()
+            assert tok == {"tokens": [104, 105], "by": "a"}
+            missing = client.get("/v1/nothing")
+            assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+            # bodies the router cannot key on still reach the replica, which answers them
+            for body in ('{"prompt": [1, "a"]}', '{"prompt": [[1, null]]}',
+                         '{"prompt": ' + "[" * 5000 + "]" * 5000 + "}"):  # fmt: skip
+                r = client.post(
+                    "/v1/completions", content=body, headers={"content-type": "application/json"}
+                )
+                assert r.status_code in (200, 400), (r.status_code, r.text)
+
+
+def test_request_key_stops_at_the_first_element_that_is_no_token_id() -> None:
+    assert request_key({"prompt": [5, 6, "a", 7]}) == [5, 6]
+    assert request_key({"prompt": [[1, None], [2]]}) == [1]
+    assert request_key({"prompt": [True, 1]}) == []
+
+
+def test_event_with_tool_calls_counts_as_a_token() -> None:
+    call = {"choices": [{"delta": {"tool_calls": [{"index": 0, "id": "call_1"}]}}]}
+    assert _event_has_token("data: " + json.dumps(call))
+    role = {"choices": [{"delta": {"role": "assistant"}}]}
+    assert not _event_has_token("data: " + json.dumps(role))
+
+
+def test_replica_api_key_is_sent_on_the_routers_own_calls() -> None:
+    with serve_in_thread(fake_app("a", api_key="k")) as url:
+        with pytest.raises(ReplicaError, match="answered 401"):
+            build_validated_app([url], _args())
+        args = _args(probe=30.0)
+        args.api_key = "k"
+        app = build_validated_app([url], args)
+        with TestClient(app) as client:
+            body = {"prompt": "p", "max_tokens": 1}
+            assert client.post("/v1/completions", json=body).status_code == 401
+            ok = client.post("/v1/completions", json=body, headers={"Authorization": "Bearer k"})
+            assert ok.status_code == 200
+
+
+def test_a_full_replica_passes_the_request_on() -> None:
+    with serve_in_thread(fake_app("a", busy=True)) as url_a:
+        with serve_in_thread(fake_app("b")) as url_b:
+            app = build_validated_app([url_a, url_b], _args("round-robin", probe=30.0))
+            with TestClient(app) as client:
+                texts = {_text(client) for _ in range(4)}
+                assert texts == {"b:"} and app.state.pool.replicas[url_a].healthy
+        app = build_validated_app([url_a], _args(probe=30.0))
+        with TestClient(app) as client:
+            r = client.post("/v1/completions", json={"prompt": "p", "max_tokens": 1})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
+            assert r.headers["retry-after"] == "7"
+
+
+def test_a_client_that_leaves_cuts_the_replicas_request() -> None:
+    replica = fake_app("a")
+    with serve_in_thread(replica) as url:
+        with serve_in_thread(build_validated_app([url], _args(probe=30.0))) as router:
+            body = {"prompt": "p", "max_tokens": 1, "slow": True}
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(router + "/v1/completions", json=body, timeout=0.5)
+            _wait(lambda: replica.state.disconnected == 1)
+
+
+def test_data_parallel_replicas_get_every_server_flag() -> None:
+    from kvserve.cli import build_parser
+    from kvserve.router.data_parallel import replica_server_kwargs, server_flags
+
+    parser = build_parser()
+    given = ["serve", "--data-parallel-size", "2", "--api-key", "k", "--max-request-bytes",
+             "2000", "--chat-template", "T{{ messages }}", "--protect-metrics",
+             "--shutdown-timeout", "3.5", "--debug-endpoints", "--max-queued-requests", "4",
+             "--served-model-name", "m"]  # fmt: skip
+    args = parser.parse_args(given)
+    replica = parser.parse_args(["serve", *server_flags(args)])
+    assert replica_server_kwargs(replica) == replica_server_kwargs(args)
+    assert replica.data_parallel_size == 1 and replica.quiet

@@ -160,9 +160,15 @@ class ServerMetrics:
     # ---- OutputObserver -------------------------------------------------------------------
 
     def on_output(self, output: RequestOutput) -> None:
-        """Record inter-token gaps; on the final output, the request's latencies."""
+        """Record inter-token gaps; TTFT and queue time at the request's first token (a
+        stream aborted later still counts, as vLLM records it); e2e on the final output."""
         now = time.monotonic()
         last = self._last_token_time.setdefault(output.request_id, {})
+        m = output.metrics
+        if not last and m is not None and any(c.delta_token_ids for c in output.outputs):
+            for hist, value in ((self.ttft, m.ttft), (self.queue_time, m.queue_time)):
+                if value is not None:
+                    hist.observe(value)
         for completion in output.outputs:
             if not completion.delta_token_ids:
                 continue
@@ -172,15 +178,8 @@ class ServerMetrics:
                 for _ in completion.delta_token_ids:
                     self.itl.observe(gap)
             last[completion.index] = now
-        if output.finished and output.metrics is not None:
-            m = output.metrics
-            for hist, value in (
-                (self.ttft, m.ttft),
-                (self.e2e, m.e2e),
-                (self.queue_time, m.queue_time),
-            ):
-                if value is not None:
-                    hist.observe(value)
+        if output.finished and m is not None and m.e2e is not None:
+            self.e2e.observe(m.e2e)
 
     def on_request_done(self, request_id: str) -> None:
         """Forget a finished or aborted request."""

@@ -14,7 +14,9 @@ import httpx
 import pytest
 
 import kvserve
+from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.server.app import build_app
+from kvserve.server.metrics import ServerMetrics
 from tests.server.fake_engine import FakeEngine
 
 Check = Callable[[httpx.AsyncClient], Awaitable[None]]
@@ -216,3 +218,27 @@ def test_version() -> None:
         assert r.status_code == 200 and r.json() == {"version": kvserve.__version__}
 
     _with_client(check)
+
+
+def test_ttft_is_recorded_at_the_first_token_even_if_the_request_is_aborted() -> None:
+    metrics = ServerMetrics()
+
+    def output(tokens: list[int], finished: bool) -> RequestOutput:
+        done = CompletionOutput(index=0, text="", token_ids=tokens, delta_token_ids=tokens[-1:])
+        m = RequestMetrics(
+            arrival_time=0.0, queue_time=0.01, ttft=0.2, e2e=1.0 if finished else None
+        )
+        return RequestOutput("r", None, [1], [done], finished=finished, metrics=m)
+
+    def count(name: str) -> float:
+        page = metrics.render().decode()
+        line = next(ln for ln in page.splitlines() if ln.startswith(f"kvserve:{name}_count"))
+        return float(line.split()[-1])
+
+    metrics.on_output(output([5], finished=False))
+    metrics.on_output(output([5, 6], finished=False))
+    metrics.on_request_done("r")  # aborted: no final output
+    assert count("time_to_first_token_seconds") == 1
+    assert count("request_queue_time_seconds") == 1
+    assert count("e2e_request_latency_seconds") == 0
+    assert count("inter_token_latency_seconds") == 1

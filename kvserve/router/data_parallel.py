@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import signal
 import socket
@@ -24,6 +25,8 @@ from typing import Any
 import httpx
 
 from kvserve.engine_config import EngineConfig
+
+logger = logging.getLogger("kvserve.router")
 
 STARTUP_TIMEOUT_S = 600.0
 
@@ -131,11 +134,18 @@ def local_replicas(
     log_dir: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> Iterator[list[str]]:
-    """Run ``num_replicas`` ``kvserve serve`` processes; yields their URLs; stops them on exit."""
+    """Run ``num_replicas`` ``kvserve serve`` processes; yields their URLs; stops them on exit.
+
+    A replica that exits while they serve is started again on its port (``_supervise``): the
+    router's probes take it out of the pool and bring it back once it answers.
+    """
     flags = engine_flags(replica_config(config, num_replicas))
     procs: list[subprocess.Popen] = []
+    cmds: list[list[str]] = []
     urls: list[str] = []
     logs = []
+    stop = threading.Event()
+    supervisor: threading.Thread | None = None
     try:
         for i in range(num_replicas):
             port = free_port()
@@ -147,11 +157,19 @@ def local_replicas(
                 else None
             )
             logs.append(log)
+            cmds.append(cmd)
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=log, preexec_fn=_die_with_parent))
             urls.append(f"http://127.0.0.1:{port}")
         wait_healthy(urls, procs, headers)
+        supervisor = threading.Thread(
+            target=_supervise, args=(procs, cmds, logs, stop), daemon=True, name="kvserve-replicas"
+        )
+        supervisor.start()
         yield urls
     finally:
+        stop.set()
+        if supervisor is not None:
+            supervisor.join(timeout=10)  # NOTE: before the clean-up reads procs
         for p in procs:
             p.terminate()
         for p in procs:
@@ -162,6 +180,38 @@ def local_replicas(
         for log in logs:
             if log is not None:
                 log.close()
+
+
+def _supervise(
+    procs: list[subprocess.Popen],
+    cmds: list[list[str]],
+    logs: list[Any],
+    stop: threading.Event,
+    max_backoff_s: float = 60.0,
+) -> None:
+    """Start a replica that exited again with its command (its port), until ``stop``.
+
+    NOTE: a replica that keeps dying waits twice as long before each start (1 s up to
+    ``max_backoff_s``), so a crash loop does not spin; ``procs`` is updated in place, so the
+    caller's clean-up stops the new processes.
+    """
+    backoff = [1.0] * len(procs)
+    next_start = [0.0] * len(procs)
+    while not stop.wait(0.5):
+        for i, p in enumerate(procs):
+            if p.poll() is None or time.monotonic() < next_start[i]:
+                continue
+            logger.warning(
+                "replica %d exited with %s; starting it again on port %s",
+                i,
+                p.returncode,
+                cmds[i][5],
+            )
+            procs[i] = subprocess.Popen(
+                cmds[i], stdout=logs[i], stderr=logs[i], preexec_fn=_die_with_parent
+            )
+            next_start[i] = time.monotonic() + backoff[i]
+            backoff[i] = min(2 * backoff[i], max_backoff_s)
 
 
 def _die_with_parent() -> None:

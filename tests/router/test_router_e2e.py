@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -162,3 +163,35 @@ def test_ray_cluster_runs_two_replicas_and_the_router(monkeypatch: pytest.Monkey
             ray.kill(a)
     finally:
         ray.shutdown()
+
+
+def test_a_data_parallel_replica_that_dies_is_started_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvserve.engine_config import EngineConfig
+    from kvserve.router.data_parallel import local_replicas
+    from tests.tiny_models import make_tiny_model
+
+    config = EngineConfig(model=str(make_tiny_model(tmp_path, "llama")), num_threads=1)
+    monkeypatch.setenv("PYTHONPATH", checkout_env()["PYTHONPATH"])  # replicas run this checkout
+    with local_replicas(config, 1, ["--quiet"]) as (url,):
+        pid = _pid_on(url)
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while True:
+            assert time.monotonic() < deadline, "the replica was not started again"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200 and _pid_on(url) != pid:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+
+
+def _pid_on(url: str) -> int:
+    """The pid of the process listening on ``url``'s port (ps + the command line's --port)."""
+    port = url.rsplit(":", 1)[1]
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    pids = [int(ln.split()[0]) for ln in out.splitlines() if f"--port {port} " in ln + " "]
+    assert len(pids) == 1, out
+    return pids[0]

@@ -79,7 +79,11 @@ def validate_request(
             f"request {rid!r}: prompt ({num_prompt}) + max_tokens ({max_tokens}) exceeds "
             f"max_model_len={cfg.max_model_len}"
         )
-    num_tokens = num_prompt + max_tokens if max_tokens is not None else num_prompt
+    # NOTE: without max_tokens, the prompt and one more token: the first output token's KV
+    # (or, when the prompt's last block comes whole from the prefix cache, the copy it is
+    # recomputed into: an n > 1 child's too) must fit. A block-aligned prompt that filled
+    # the pool exactly was admitted and then could not run alone, which stopped the engine.
+    num_tokens = num_prompt + (max_tokens if max_tokens is not None else 1)
     if kv.num_blocks_for(num_tokens) > kv.num_blocks:
         raise ValueError(
             f"request {rid!r} needs {kv.num_blocks_for(num_tokens)} KV blocks for "

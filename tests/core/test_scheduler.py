@@ -351,6 +351,10 @@ def test_swap_falls_back_to_recompute_when_the_host_tier_is_full() -> None:
         (64, None, 1, "max_model_len=64"),
         (30, 20, 1, "num_kv_blocks=8"),
         (33, None, 1, "num_kv_blocks=8"),
+        # a prompt that fills the pool leaves no room for its first token (nor for the copy
+        # an n > 1 child or a cached last block is recomputed into)
+        (32, None, 1, "9 KV blocks for 33 tokens"),
+        (32, None, 2, "9 KV blocks for 33 tokens"),
         (4, 4, 9, "max_num_seqs=8"),
     ],
 )
@@ -362,6 +366,15 @@ def test_never_fit_requests_are_rejected(
     with pytest.raises(ValueError, match=limit):
         d.scheduler.add_request(r)
     assert not d.scheduler.has_unfinished_requests() and d.scheduler.num_waiting == 0
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_a_prompt_one_token_short_of_the_pool_runs_to_its_end(n: int) -> None:
+    d = make_driver(num_blocks=8, max_model_len=64)
+    d.scheduler.add_request(make_request("x", prompt(31), max_tokens=None, n=n))
+    d.run()
+    assert not d.scheduler.has_unfinished_requests()
+    assert_pool_idle(d.scheduler.kv)
 
 
 def test_duplicate_id_and_unchunkable_prompt_are_rejected() -> None:

@@ -264,7 +264,9 @@ class KVCacheManager(BlockTableManager):
         if self.enable_prefix_caching:
             num_full = min(plan.num_total, request.num_tokens) // bs
             cache_full_blocks(self._cache, table, num_full, bs)
-            if first:
+            # NOTE: a request's first admission only: one preempted by recompute looks its
+            # tokens up again, and counting that made hits exceed the prompt tokens.
+            if first and request.num_preemptions == 0:
                 hits = num_new_computed_tokens
                 self.counters.record_prefix_query(request.num_tokens, hits, num_loads * bs)
         return [b.block_id for b in fresh]

@@ -308,6 +308,10 @@ def test_recompute_counts_wasted_tokens_and_keeps_outputs() -> None:
     assert st["preemptions_per_1k_scheduled"] == pytest.approx(
         1000 * st["preemptions"] / st["num_scheduled_requests"]
     )
+    # the prefix figures count each request's tokens once: a re-admission looks them up
+    # again, which is recompute, not prompt reuse
+    queries = d.scheduler.kv.counters.prefix_cache_queries
+    assert queries == a.num_prompt_tokens + b.num_prompt_tokens
     assert_pool_idle(d.scheduler.kv)
 
 

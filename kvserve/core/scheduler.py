@@ -318,9 +318,20 @@ class Scheduler:
             if num_new and self.kv.allocate_slots(request, num_new) is not None:
                 self._emit(request, num_new, step)
 
+    def _swapped_ahead_of(self, request: Request) -> bool:
+        """Whether a swapped-out request goes before ``request`` (is swapped in first): any
+        under fcfs; under the priority policy one at least as important.
+
+        NOTE: under priority, a more important request that fits is admitted although
+        less important ones wait on the host tier, as it would be were they waiting to be
+        recomputed (it waited for them to finish before)."""
+        if self.config.scheduling_policy != "priority":
+            return bool(self.swapped)
+        return any(r.priority <= request.priority for r in self.swapped)
+
     def _schedule_admissions(self, step: StepPlan) -> None:
         """Admit waiting requests in queue order while budget, seats and blocks allow."""
-        while self.waiting and step.budget > 0 and not self.swapped:
+        while self.waiting and step.budget > 0 and not self._swapped_ahead_of(self.waiting[0]):
             request = self.waiting[0]
             if not self._may_start(request):
                 return

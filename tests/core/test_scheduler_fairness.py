@@ -88,6 +88,32 @@ def test_priority_policy_preempts_less_important_running_requests(policy: str) -
     assert_pool_idle(d.scheduler.kv)
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_priority_admits_an_important_request_while_less_important_ones_are_swapped(
+    policy: str,
+) -> None:
+    d = make_driver(
+        num_blocks=12, num_host_blocks=64, preemption_mode="swap", scheduling_policy=policy
+    )
+    mid = make_request("mid", prompt(8), max_tokens=30, priority=1, arrival_time=0.0)
+    low = make_request("low", prompt(8, base=1), max_tokens=30, priority=2, arrival_time=1.0)
+    d.scheduler.add_request(mid)
+    d.scheduler.add_request(low)
+    while low.status != RequestStatus.SWAPPED:
+        d.step()
+    urgent = make_request("urgent", prompt(4, base=2), max_tokens=2, priority=0)
+    d.scheduler.add_request(urgent)
+    start = len(d.outputs)
+    d.run()
+    waited = first_step_of(d, "urgent") - start
+    if policy == "priority":
+        assert waited == 0  # it fits: admitted at once, low stays on the host tier
+    else:
+        assert waited > 5  # behind the swapped-out request, as fcfs orders them
+    assert_expected(d, mid, low, urgent)
+    assert_pool_idle(d.scheduler.kv)
+
+
 @pytest.mark.parametrize("forget", [True, False])
 def test_failed_step_leaves_no_unwritten_block_in_the_prefix_cache(forget: bool) -> None:
     d = make_driver(num_blocks=32)

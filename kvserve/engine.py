@@ -332,6 +332,7 @@ class LLMEngine:
         if not faults:
             self._num_blamed_steps = 0
             return {}
+        faults = {**faults, **self._readers_of_unwritten_kv(sched, faults)}
         num_failed = sum(1 for sr in sched.scheduled if sr.request_id in faults)
         if num_failed == len(sched.scheduled):
             self._num_blamed_steps += 1
@@ -357,6 +358,37 @@ class LLMEngine:
             out[group.request_id] = group
         self.num_failed_requests += len(out)
         return out
+
+    def _readers_of_unwritten_kv(
+        self, sched: SchedulerOutput, faults: dict[str, str]
+    ) -> dict[str, str]:
+        """The step's other requests whose prefix hit took blocks a faulted request was
+        writing in this step: their forward read KV that was never written, so they fail too.
+
+        NOTE: failing them is the honest outcome the step allows: their sampled tokens came
+        from garbage, and the blocks they matched will never hold the right KV. (A prefix
+        hit on blocks computed in an earlier step is unaffected.)
+        """
+        bs = self.kv_cache_manager.block_size
+        start = {sr.request_id: sr.start_pos for sr in sched.scheduled}
+        unwritten: dict[int, str] = {}
+        for rid in faults:
+            if rid in start:
+                for bid in self.kv_cache_manager.get_block_ids(rid)[start[rid] // bs :]:
+                    unwritten.setdefault(bid, rid)
+        readers = {}
+        for rid, first in start.items():
+            if rid in faults:
+                continue
+            # the blocks of the positions it did not compute itself in this step
+            for bid in self.kv_cache_manager.get_block_ids(rid)[: -(-first // bs)]:
+                if bid in unwritten:
+                    readers[rid] = (
+                        f"its prefix-cache hit was on KV that request {unwritten[bid]!r} was "
+                        "writing in the same step, which failed: the KV was never written"
+                    )
+                    break
+        return readers
 
     def _fail_group(self, group: _Group, reason: str) -> None:
         """Finish every sample of ``group`` with an error; frees their blocks."""

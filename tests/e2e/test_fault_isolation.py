@@ -119,6 +119,30 @@ def test_injected_faults_fail_only_their_requests(model_dir: Path) -> None:
     _assert_no_leak(engine)
 
 
+def test_a_fault_of_the_request_writing_a_shared_prefix_fails_its_readers(
+    model_dir: Path,
+) -> None:
+    expected = _run_all(_engine(model_dir), _n_of)
+    engine = _engine(model_dir)
+    faulty = FaultyRunner(engine.runner.execute, lambda: engine.num_steps)
+    faulty.faults = {(0, "r0")}  # r0 computes the shared prefix the others hit in that step
+    engine.runner.execute = faulty  # type: ignore[method-assign]
+    got = _run_all(engine, _n_of)
+    readers = {rid for rid, out in got.items() if out.error and "prefix-cache hit" in out.error}
+    assert "injected fault" in (got["r0"].error or "") and readers
+    for rid, out in got.items():
+        if out.error is None:  # never the tokens of KV that was not written
+            assert [c.token_ids for c in out.outputs] == [
+                c.token_ids for c in expected[rid].outputs
+            ], rid
+    _assert_no_leak(engine)
+    again = _run_all(engine, _n_of)
+    assert {rid: [c.token_ids for c in o.outputs] for rid, o in again.items()} == {
+        rid: [c.token_ids for c in o.outputs] for rid, o in expected.items()
+    }
+    _assert_no_leak(engine)
+
+
 def test_fault_of_every_request_stops_the_engine(model_dir: Path) -> None:
     engine = _engine(model_dir)
 

@@ -75,6 +75,12 @@ class BlockTableManager:
         check_count("num_tokens", num_tokens)
         return -(-num_tokens // self.block_size)
 
+    def has_room_for(self, request: Request, reserve: int = 0) -> bool:
+        """Whether ``request``'s known tokens (and ``reserve`` blocks more) fit the free blocks
+        now: the priority policy's test of a waiting request (hook: the contiguous manager
+        asks for one free run of its whole reservation)."""
+        return self.num_free_blocks >= self.num_blocks_for(request.num_tokens) + reserve
+
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's device block table (a new list; empty if it has none).
 

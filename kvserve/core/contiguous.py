@@ -162,6 +162,11 @@ class ContiguousKVCacheManager(KVCacheManager):
         """The longest run of consecutive free blocks: the largest reservation possible now."""
         return self._runs.largest_free_run()
 
+    def has_room_for(self, request: Request, reserve: int = 0) -> bool:
+        """One free run for the whole reservation (and ``reserve`` blocks more free)."""
+        need = self.num_reserved_blocks(request)
+        return self.largest_free_run >= need and self.num_free_blocks >= need + reserve
+
     def _take_run(self, num_run: int, num_needed: int, reserve: int) -> list[KVBlock] | None:
         """Hold the first free run of ``num_run`` blocks, or None (nothing changed).
 

@@ -280,8 +280,8 @@ class Scheduler:
         admits nobody, as after any preemption)."""
         while self.waiting:
             head = self.waiting[0]
-            blocks = self.kv.num_blocks_for(head.num_tokens) + self.admission.headroom_blocks
-            if self.admission.has_seat(head, self.running) and self.kv.num_free_blocks >= blocks:
+            room = self.kv.has_room_for(head, self.admission.headroom_blocks)
+            if self.admission.has_seat(head, self.running) and room:
                 return
             victims = [r for r in self.running if r.priority > head.priority]
             if not victims:
@@ -319,12 +319,8 @@ class Scheduler:
                 self._emit(request, num_new, step)
 
     def _swapped_ahead_of(self, request: Request) -> bool:
-        """Whether a swapped-out request goes before ``request`` (is swapped in first): any
-        under fcfs; under the priority policy one at least as important.
-
-        NOTE: under priority, a more important request that fits is admitted although
-        less important ones wait on the host tier, as it would be were they waiting to be
-        recomputed (it waited for them to finish before)."""
+        """Whether a swapped-out request is swapped in before ``request``: any under fcfs,
+        one at least as important under priority (NOTE: as if it awaited recompute)."""
         if self.config.scheduling_policy != "priority":
             return bool(self.swapped)
         return any(r.priority <= request.priority for r in self.swapped)

@@ -334,3 +334,26 @@ def test_random_traces_keep_invariants_and_outputs(seed: int) -> None:
         if r.request_id not in aborted and r.parent_id not in aborted:
             assert r.output_token_ids == expected_output(r, s, VOCAB), r.request_id
     assert_pool_idle(kv)
+
+
+def test_priority_preempts_until_a_run_holds_the_important_reservation() -> None:
+    # Two low-priority requests reserve 8 blocks each of 20; the urgent one needs a run of
+    # 8 while 4 blocks are free: the priority policy must preempt, as with a paged pool.
+    kv = ContiguousKVCacheManager(20, 4, max_model_len=80)
+    d, scheduler = make_driver(kv, max_num_seqs=8, scheduling_policy="priority")
+    low = [
+        make_request(f"low{i}", [i + 1] * 4, max_tokens=28, priority=2, arrival_time=float(i))
+        for i in range(2)
+    ]
+    for r in low:
+        scheduler.add_request(r)
+    d.step()
+    urgent = make_request("urgent", [3] * 4, max_tokens=28, priority=0)
+    scheduler.add_request(urgent)
+    start = len(d.outputs)
+    d.run()
+    first = next(
+        i for i, o in enumerate(d.outputs) if any(sr.request_id == "urgent" for sr in o.scheduled)
+    )
+    assert first - start <= 2 and scheduler.totals.priority_preemptions >= 1
+    kv.check_integrity()

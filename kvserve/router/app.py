@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, suppress
 from typing import Any, TypeVar
 
@@ -434,21 +434,14 @@ def build_router_app(
                 url = nxt
                 break
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await proxy(request, "/v1/completions")
+    def proxied(path: str) -> Callable[[Request], Awaitable[Response]]:
+        async def route(request: Request) -> Response:
+            return await proxy(request, path)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await proxy(request, "/v1/chat/completions")
+        return route
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        return await proxy(request, "/tokenize")
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        return await proxy(request, "/detokenize")
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        app.add_api_route(path, proxied(path), methods=["POST"])
 
     async def http_error(_request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)

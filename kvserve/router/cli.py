@@ -43,6 +43,13 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--probe-interval", type=float, default=1.0, help="seconds between replica probes"
     )
+    g.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds a replica may go without sending a byte of a request's answer before "
+        "it leaves the pool and the request is retried elsewhere (default: no limit)",
+    )
 
 
 def register(
@@ -95,8 +102,12 @@ def build_validated_app(urls: list[str], args: argparse.Namespace):  # noqa: ANN
         max_tree_tokens=args.max_tree_tokens,
         min_match_ratio=getattr(args, "min_match_ratio", 0.5),
     )
-    origins = getattr(args, "allowed_origins", ())
-    return build_router_app(pool, policy, allowed_origins=origins)
+    return build_router_app(
+        pool,
+        policy,
+        request_timeout_s=getattr(args, "request_timeout", None),
+        allowed_origins=getattr(args, "allowed_origins", ()),
+    )
 
 
 def cmd_router(args: argparse.Namespace) -> int:

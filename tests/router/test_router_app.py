@@ -204,3 +204,16 @@ def test_data_parallel_replicas_get_every_server_flag() -> None:
     replica = parser.parse_args(["serve", *server_flags(args)])
     assert replica_server_kwargs(replica) == replica_server_kwargs(args)
     assert replica.data_parallel_size == 1 and replica.quiet
+
+
+def test_a_replica_silent_past_the_request_timeout_leaves_the_pool() -> None:
+    with serve_in_thread(fake_app("a")) as url:
+        args = _args(probe=30.0)
+        args.request_timeout = 0.3
+        app = build_validated_app([url], args)
+        with TestClient(app) as client:
+            body = {"prompt": "p", "max_tokens": 1, "slow": True}  # silent for up to 10 s
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "no_replica"
+            assert not app.state.pool.replicas[url].healthy
+            assert "ReadTimeout" in app.state.pool.replicas[url].last_error

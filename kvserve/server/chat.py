@@ -12,7 +12,14 @@ from fastapi.responses import JSONResponse, Response
 from kvserve.async_engine import RequestStream
 from kvserve.server import protocol as p
 from kvserve.server.chat_tools import ChatPlan, ToolStream, drop_none, plan_chat, response_message
-from kvserve.server.context import ServingContext, check_model, off_engine, render_chat, usage
+from kvserve.server.context import (
+    ServingContext,
+    check_model,
+    off_engine,
+    render_chat,
+    usage,
+    usage_so_far,
+)
 from kvserve.server.errors import APIError
 from kvserve.server.logprobs import chat_logprobs
 from kvserve.server.streaming import (
@@ -120,6 +127,8 @@ def _chat_stream(
             logprobs=chat_logprobs(ctx, c.token_ids, c.logprobs, d.start, num_top),
             finish_reason=finish_reason,
         )
+        if req.continuous_usage:
+            return chunk([choice], usage_so_far(len(prompt_ids), len(c.token_ids)))
         return chunk([choice])
 
     opening = tuple(

@@ -14,7 +14,7 @@ from kvserve.async_engine import RequestStream
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.server import protocol as p
 from kvserve.server.chat_tools import response_format_params, structured_params
-from kvserve.server.context import ServingContext, check_model, off_engine, usage
+from kvserve.server.context import ServingContext, check_model, off_engine, usage, usage_so_far
 from kvserve.server.errors import APIError
 from kvserve.server.logprobs import completion_logprobs
 from kvserve.server.streaming import (
@@ -187,6 +187,9 @@ def _completion_stream(
         if before is None:  # the first chunk of a choice carries the prompt parts
             choice = _with_prompt_parts(ctx, req, d.output, texts[d.index // req.n], choice)
         sent[d.index] = (before or 0) + len(choice.text)
+        if req.continuous_usage:
+            generated = 0 if scoring else len(c.token_ids)
+            return chunk([choice], usage_so_far(len(prompts[d.index // req.n]), generated))
         return chunk([choice])
 
     return stream_events(

@@ -159,6 +159,16 @@ def generation_flags(req: p.ChatCompletionRequest | p.TokenizeChatRequest) -> tu
     return False, True
 
 
+def usage_so_far(num_prompt: int, num_completion: int) -> p.UsageInfo:
+    """One streamed choice's usage at a chunk (``continuous_usage_stats``): its prompt's
+    tokens and the tokens it generated so far, as vLLM reports them."""
+    return p.UsageInfo(
+        prompt_tokens=num_prompt,
+        completion_tokens=num_completion,
+        total_tokens=num_prompt + num_completion,
+    )
+
+
 def usage(prompts: list[list[int]], finals: list[RequestOutput]) -> p.UsageInfo:
     """Token counts of a response (prompt tokens, generated tokens, cached prompt tokens)."""
     num_prompt = sum(len(ids) for ids in prompts)

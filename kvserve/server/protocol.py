@@ -78,6 +78,7 @@ VLLM_EXTRAS: dict[str, tuple[str, ...]] = {
 
 class StreamOptions(RequestModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far
 
 
 class StructuredOutputsRequest(RequestModel):
@@ -122,6 +123,13 @@ class SamplingRequest(RequestModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every streamed chunk carries the usage so far (vLLM's ``continuous_usage_stats``,
+        with ``include_usage``)."""
+        options = self.stream_options
+        return self.include_usage and options is not None and options.continuous_usage_stats
 
 
 class CompletionRequest(SamplingRequest):

@@ -242,3 +242,27 @@ def test_ttft_is_recorded_at_the_first_token_even_if_the_request_is_aborted() ->
     assert count("request_queue_time_seconds") == 1
     assert count("e2e_request_latency_seconds") == 0
     assert count("inter_token_latency_seconds") == 1
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": "abc", "max_tokens": 4}),
+        ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 4}),
+    ],
+)
+def test_continuous_usage_stats(path: str, body: dict[str, Any]) -> None:
+    async def check(c: httpx.AsyncClient) -> None:
+        options = {"include_usage": True, "continuous_usage_stats": True}
+        r = await c.post(path, json={**body, "stream": True, "stream_options": options})
+        events = _events(r.text)
+        final = events[-1]["usage"]
+        counts = [ev["usage"]["completion_tokens"] for ev in events[:-1] if ev.get("usage")]
+        assert counts[-4:] == [1, 2, 3, 4] and final["completion_tokens"] == 4
+        assert all(
+            ev["usage"]["prompt_tokens"] == final["prompt_tokens"] for ev in events if ev["usage"]
+        )
+        plain = await c.post(path, json={**body, "stream": True})
+        assert all(ev.get("usage") is None for ev in _events(plain.text))
+
+    _with_client(check)

@@ -12,7 +12,7 @@ from kvserve.engine import LLMEngine
 from kvserve.engine_config import EngineConfig
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.tokenizer import Tokenizer
+from kvserve.tokenizer import Tokenizer, generation_flags
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -87,28 +87,20 @@ class LLM:
         """
         if not messages:
             raise ValueError("messages is empty")
-        if add_generation_prompt is None:
-            add_generation_prompt = not continue_final_message
-        if add_generation_prompt and continue_final_message:
-            raise ValueError(
-                "continue_final_message and add_generation_prompt cannot both be true (continue "
-                "the last message, or start a new assistant turn)"
-            )
         conversations = [messages] if isinstance(messages[0], dict) else messages
         texts = []
         for conv in conversations:
             plain = [_plain_message(m, i) for i, m in enumerate(conv)]  # type: ignore[union-attr]
-            if continue_final_message and plain and plain[-1].get("role") != "assistant":
-                raise ValueError(
-                    "continue_final_message continues the last message, which must be the "
-                    "assistant's"
-                )
+            last_role = plain[-1].get("role") if plain and isinstance(plain[-1], dict) else None
+            add_prompt, continue_final = generation_flags(
+                add_generation_prompt, continue_final_message, last_role
+            )
             texts.append(
                 self.tokenizer.render_chat_template(
                     plain,
-                    add_generation_prompt,
+                    add_prompt,
                     chat_template=chat_template,
-                    continue_final_message=continue_final_message,
+                    continue_final_message=continue_final,
                     template_kwargs=chat_template_kwargs,
                 )
             )

@@ -160,13 +160,9 @@ class Tokenizer:
             extra["tools"] = tools
         if continue_final_message:
             extra["continue_final_message"] = True
-        for key, value in (template_kwargs or {}).items():
-            if key in RESERVED_TEMPLATE_KWARGS:
-                raise ValueError(
-                    f"chat_template_kwargs: {key!r} is set by the request itself, not as a "
-                    "template variable"
-                )
-            extra[key] = value
+        if template_kwargs:
+            check_template_kwargs(template_kwargs)
+            extra.update(template_kwargs)
         try:
             text = self.hf_tokenizer.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
@@ -201,6 +197,52 @@ class Tokenizer:
         # NOTE: add_special_tokens=False: the template writes BOS/markers itself; adding them
         # again would duplicate BOS on models whose tokenizer prepends one.
         return self.encode(text, add_special_tokens=False)
+
+
+class ChatOptionError(ValueError):
+    """A chat option that conflicts with the request; ``field`` names the option at fault."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def generation_flags(
+    add_generation_prompt: bool | None, continue_final_message: bool, last_role: object
+) -> tuple[bool, bool]:
+    """(add_generation_prompt, continue_final_message) as vLLM takes them; ``None``: not set.
+
+    ``continue_final_message`` (assistant prefill: the model continues the last message, which
+    must be the assistant's, ``last_role``) turns ``add_generation_prompt`` off unless it is
+    set; both true is a ChatOptionError, as vLLM refuses it.
+    """
+    if not continue_final_message:
+        return add_generation_prompt is not False, False
+    if add_generation_prompt:
+        raise ChatOptionError(
+            "continue_final_message and add_generation_prompt cannot both be true (continue "
+            "the last message, or start a new assistant turn)",
+            "continue_final_message",
+        )
+    if last_role != "assistant":
+        raise ChatOptionError(
+            "continue_final_message continues the last message, which must be the assistant's "
+            f"(the text to continue); it is {last_role!r}",
+            "messages",
+        )
+    return False, True
+
+
+def check_template_kwargs(template_kwargs: dict[str, Any]) -> None:
+    """ChatOptionError naming any of ``RESERVED_TEMPLATE_KWARGS`` among ``template_kwargs``."""
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & template_kwargs.keys())
+    if reserved:
+        verb = "is" if len(reserved) == 1 else "are"
+        raise ChatOptionError(
+            f"chat_template_kwargs: {', '.join(map(repr, reserved))} {verb} set by the request "
+            "itself, not as a template variable",
+            "chat_template_kwargs",
+        )
 
 
 def validate_messages(messages: object) -> None:

@@ -19,7 +19,7 @@ from kvserve.server import protocol as p
 from kvserve.server.chat_tools import ChatPlan, prompt_messages
 from kvserve.server.errors import APIError
 from kvserve.structured.spec import StructuredOutputsParams
-from kvserve.tokenizer import RESERVED_TEMPLATE_KWARGS
+from kvserve.tokenizer import ChatOptionError, generation_flags
 
 
 @dataclass
@@ -109,54 +109,29 @@ def render_chat(
     plan: ChatPlan,
 ) -> list[int]:
     """Runs on a tokenizer thread: the chat prompt's token ids (the server's template, else
-    the model's); a template error is a 400 on ``messages``."""
-    add_generation_prompt, continue_final = generation_flags(req)
+    the model's); a template error is a 400 on ``messages``, a conflicting chat option a 400
+    on that option."""
     template = ctx.chat_template or ctx.tokenizer.chat_template
     messages, extra = prompt_messages(req.messages, plan, template)
     if ctx.chat_template is not None:
         extra["chat_template"] = ctx.chat_template
-    if continue_final:
-        extra["continue_final_message"] = True
-    if req.chat_template_kwargs:
-        reserved = sorted(RESERVED_TEMPLATE_KWARGS & req.chat_template_kwargs.keys())
-        if reserved:
-            raise APIError(
-                f"chat_template_kwargs: {', '.join(map(repr, reserved))} cannot be set here "
-                "(the request's own fields set them)",
-                param="chat_template_kwargs",
-            )
-        extra["template_kwargs"] = req.chat_template_kwargs
     try:
+        add_generation_prompt, continue_final = generation_flags(
+            req.add_generation_prompt if "add_generation_prompt" in req.model_fields_set else None,
+            req.continue_final_message,
+            req.messages[-1].role,
+        )
+        if continue_final:
+            extra["continue_final_message"] = True
+        if req.chat_template_kwargs:  # checked by the tokenizer (ChatOptionError)
+            extra["template_kwargs"] = req.chat_template_kwargs
         return ctx.tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, **extra
         )
+    except ChatOptionError as e:
+        raise APIError(str(e), param=e.field) from e
     except ValueError as e:
         raise APIError(str(e), param="messages") from e
-
-
-def generation_flags(req: p.ChatCompletionRequest | p.TokenizeChatRequest) -> tuple[bool, bool]:
-    """(add_generation_prompt, continue_final_message) of a chat request, as vLLM takes them.
-
-    ``continue_final_message`` (assistant prefill: the model continues the last message, which
-    must be the assistant's) turns ``add_generation_prompt`` off when the request leaves it
-    unset; both set true is a 400, as vLLM answers.
-    """
-    if not req.continue_final_message:
-        return req.add_generation_prompt, False
-    if req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
-        raise APIError(
-            "continue_final_message and add_generation_prompt cannot both be true (continue "
-            "the last message, or start a new assistant turn)",
-            param="continue_final_message",
-        )
-    last = req.messages[-1].role
-    if last != "assistant":
-        raise APIError(
-            f"continue_final_message continues the last message, which must be the assistant's "
-            f"(the text to continue); it is {last!r}",
-            param="messages",
-        )
-    return False, True
 
 
 def usage_so_far(num_prompt: int, num_completion: int) -> p.UsageInfo:

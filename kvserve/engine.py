@@ -17,6 +17,7 @@ from typing import Any
 from kvserve.core.metrics import HostTransferStats
 from kvserve.core.outputs import LogprobsEntry, SchedulerOutput
 from kvserve.core.step_cost import chunk_pairs
+from kvserve.core.stop_checks import is_stop_token
 from kvserve.engine_config import EngineConfig
 from kvserve.engine_metrics import LatencyStats
 from kvserve.engine_startup import (
@@ -231,8 +232,7 @@ class LLMEngine:
         vocab = self.arch.vocab_size
         ids = []
         for t in prompt:
-            # NOTE: operator.index takes any integer type (numpy's too), not floats or bools.
-            if isinstance(t, bool) or not hasattr(t, "__index__"):
+            if not is_token_id(t):
                 raise ValueError(f"prompt token ids must be integers, got {t!r}")
             tid = operator.index(t)
             if not 0 <= tid < vocab:
@@ -332,7 +332,6 @@ class LLMEngine:
         if not faults:
             self._num_blamed_steps = 0
             return {}
-        faults = {**faults, **self._readers_of_unwritten_kv(sched, faults)}
         num_failed = sum(1 for sr in sched.scheduled if sr.request_id in faults)
         if num_failed == len(sched.scheduled):
             self._num_blamed_steps += 1
@@ -343,6 +342,8 @@ class LLMEngine:
         else:
             self._num_blamed_steps = 0
         start = {sr.request_id: sr.start_pos for sr in sched.scheduled}
+        # NOTE: after the blame count: they fail for the faulted ones, not on their own.
+        faults = {**faults, **self._readers_of_unwritten_kv(start, faults)}
         forget = getattr(self.kv_cache_manager, "forget_unwritten", None)
         out: dict[str, _Group] = {}
         for rid, reason in faults.items():
@@ -360,17 +361,17 @@ class LLMEngine:
         return out
 
     def _readers_of_unwritten_kv(
-        self, sched: SchedulerOutput, faults: dict[str, str]
+        self, start: dict[str, int], faults: dict[str, str]
     ) -> dict[str, str]:
-        """The step's other requests whose prefix hit took blocks a faulted request was
-        writing in this step: their forward read KV that was never written, so they fail too.
+        """The step's other requests (``start``: each one's first position computed in the
+        step) whose prefix hit took blocks a faulted request was writing in this step: their
+        forward read KV that was never written, so they fail too.
 
         NOTE: failing them is the honest outcome the step allows: their sampled tokens came
         from garbage, and the blocks they matched will never hold the right KV. (A prefix
         hit on blocks computed in an earlier step is unaffected.)
         """
         bs = self.kv_cache_manager.block_size
-        start = {sr.request_id: sr.start_pos for sr in sched.scheduled}
         unwritten: dict[int, str] = {}
         for rid in faults:
             if rid in start:
@@ -421,7 +422,11 @@ class LLMEngine:
             gap = None if state.last_token_time is None else now - state.last_token_time
             state.last_token_time = now
             self.latency.record_token(gap)
-            state.detok.add_tokens(new_ids, stop_token=_ended_on_stop_token(req, new_ids[-1]))
+            # NOTE: a request stopped by a grammar or a stop string did not end on its token.
+            stop_token = req.status == RequestStatus.FINISHED_STOPPED and is_stop_token(
+                req, new_ids[-1]
+            )
+            state.detok.add_tokens(new_ids, stop_token=stop_token)
             if state.logprobs is not None and logprobs is not None:
                 state.logprobs.append(logprobs)
                 chosen = logprobs.get(new_ids[-1])
@@ -522,12 +527,6 @@ def _metrics(req: Request) -> RequestMetrics:
     return m
 
 
-def _ended_on_stop_token(req: Request, token_id: int) -> bool:
-    """Whether ``token_id``, the request's last token, ended it as a stop token (EOS unless
-    ignored, or one of ``stop_token_ids``): a grammar or a stop string ends it otherwise."""
-    if req.status != RequestStatus.FINISHED_STOPPED:
-        return False
-    params = req.sampling_params
-    if token_id == req.eos_token_id and not params.ignore_eos:
-        return True
-    return bool(params.stop_token_ids) and token_id in params.stop_token_ids
+def is_token_id(value: object) -> bool:
+    """An integer of any type (numpy's too: ``operator.index`` takes it), not a bool."""
+    return hasattr(value, "__index__") and not isinstance(value, bool)

@@ -8,7 +8,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from kvserve.engine import LLMEngine
+from kvserve.engine import LLMEngine, is_token_id
 from kvserve.engine_config import EngineConfig
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -150,7 +150,7 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         return [prompts]
     if hasattr(prompts, "tolist"):  # a numpy array or a tensor of token ids (1-D or 2-D)
         prompts = prompts.tolist()
-    if isinstance(prompts, (list, tuple)) and prompts and all(map(_is_token_id, prompts)):
+    if isinstance(prompts, (list, tuple)) and prompts and all(map(is_token_id, prompts)):
         return [list(prompts)]  # type: ignore[arg-type]
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a string, a list of token ids, or a non-empty list")
@@ -171,11 +171,6 @@ def _plain_message(message: Any, index: int) -> Any:
             )
         texts.append(part["text"])
     return {**message, "content": "".join(texts)}
-
-
-def _is_token_id(value: object) -> bool:
-    """An integer of any type (numpy's too), not a bool."""
-    return hasattr(value, "__index__") and not isinstance(value, bool)
 
 
 def _broadcast(

@@ -22,6 +22,15 @@ def append_token(request: Request, token_id: int, now: float) -> None:
     request.last_token_time = now
 
 
+def is_stop_token(request: Request, token_id: int) -> bool:
+    """Whether ``token_id`` ends ``request`` (once it has ``min_tokens``): EOS unless
+    ``ignore_eos``, or one of its ``stop_token_ids``."""
+    params = request.sampling_params
+    if token_id == request.eos_token_id and not params.ignore_eos:
+        return True
+    return bool(params.stop_token_ids) and token_id in params.stop_token_ids
+
+
 def check_stop(
     request: Request, token_id: int, *, max_model_len: int, kv: KVCacheManager
 ) -> RequestStatus | None:
@@ -32,12 +41,10 @@ def check_stop(
     than the whole pool (a request growing without max_tokens) finish with "length".
     """
     params = request.sampling_params
-    if request.num_output_tokens >= params.min_tokens:
-        if not params.ignore_eos and token_id == request.eos_token_id:
-            return RequestStatus.FINISHED_STOPPED
-        if params.stop_token_ids and token_id in params.stop_token_ids:
-            request.stop_reason = token_id
-            return RequestStatus.FINISHED_STOPPED
+    if request.num_output_tokens >= params.min_tokens and is_stop_token(request, token_id):
+        if params.ignore_eos or token_id != request.eos_token_id:
+            request.stop_reason = token_id  # one of stop_token_ids (EOS has no reason)
+        return RequestStatus.FINISHED_STOPPED
     if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
         return RequestStatus.FINISHED_LENGTH
     if request.num_tokens >= max_model_len:

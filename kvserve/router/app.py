@@ -249,11 +249,12 @@ def build_router_app(
     async def forward_get(request: Request, path: str) -> Response:
         """A GET answered by any healthy replica (least loaded first), passed through."""
         client: httpx.AsyncClient = state["client"]
-        for url in sorted(pool.healthy_loads().items(), key=lambda kv: kv[1]):
+        loads = pool.healthy_loads()
+        for url in sorted(loads, key=loads.__getitem__):
             try:
-                resp = await client.get(url[0] + path, headers=_headers(request))
+                resp = await client.get(url + path, headers=_headers(request))
             except httpx.HTTPError as e:
-                pool.mark_dead(url[0], repr(e))
+                pool.mark_dead(url, repr(e))
                 continue
             return Response(
                 resp.content,

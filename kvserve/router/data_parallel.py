@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 
 from kvserve.engine_config import EngineConfig
+from kvserve.router.replicas import api_headers
 
 logger = logging.getLogger("kvserve.router")
 
@@ -90,11 +91,6 @@ def replica_server_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "chat_template": args.chat_template,
         "tool_call_parser": args.tool_call_parser,
     }
-
-
-def api_headers(api_key: str | None) -> dict[str, str]:
-    """The Authorization header of ``api_key`` (none without one)."""
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def wait_healthy(

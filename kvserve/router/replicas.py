@@ -65,6 +65,11 @@ def parse_load(metrics_text: str) -> int | None:
     return int(total) if found else None
 
 
+def api_headers(api_key: str | None) -> dict[str, str]:
+    """The Authorization header of ``api_key`` (none without one)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 async def validate_replica(
     client: httpx.AsyncClient, url: str, timeout_s: float, headers: dict[str, str] | None = None
 ) -> str:
@@ -119,7 +124,7 @@ class ReplicaPool:
         self.max_probe_timeouts = max_probe_timeouts
         self.on_leave: list = []  # callbacks(url) when a replica leaves the pool
         self.model_id = ""
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.headers = api_headers(api_key)
 
     def healthy_loads(self) -> dict[str, int]:
         """url -> load of every healthy replica."""

@@ -50,8 +50,7 @@ async def create_completion(
             param="max_tokens",
         )
     scoring = req.max_tokens == 0  # echo only: the prompt and its logprobs, nothing generated
-    prompts = await off_engine(ctx, lambda: _completion_prompts(ctx, req))
-    texts = _prompt_texts(req, len(prompts))
+    texts, prompts = await off_engine(ctx, lambda: _completion_prompts(ctx, req))
     constraint, constraint_param = _completion_constraint(req)
     await check_constraint(ctx, constraint, constraint_param)
     # NOTE: echo with logprobs reports the prompt tokens' logprobs too (OpenAI).
@@ -125,8 +124,11 @@ def _prompt_only(total: p.UsageInfo) -> p.UsageInfo:
     return total.model_copy(update={"completion_tokens": 0, "total_tokens": total.prompt_tokens})
 
 
-def _completion_prompts(ctx: ServingContext, req: p.CompletionRequest) -> list[list[int]]:
-    """Runs on a tokenizer thread: tokenize and check every prompt of the batch."""
+def _completion_prompts(
+    ctx: ServingContext, req: p.CompletionRequest
+) -> tuple[list[str | None], list[list[int]]]:
+    """Runs on a tokenizer thread: tokenize and check every prompt of the batch. Returns each
+    prompt as the request spelled it (None: given as token ids) and its token ids."""
     prompt = req.prompt
     items: list[str | list[int]]
     if isinstance(prompt, str):
@@ -139,6 +141,7 @@ def _completion_prompts(ctx: ServingContext, req: p.CompletionRequest) -> list[l
         raise APIError("prompt is empty", param="prompt")
     if len(items) * req.n > MAX_CHOICES:
         raise APIError(f"prompts x n must be <= {MAX_CHOICES}", param="n")
+    texts: list[str | None] = []
     out = []
     for item in items:
         if isinstance(item, str):
@@ -148,17 +151,9 @@ def _completion_prompts(ctx: ServingContext, req: p.CompletionRequest) -> list[l
         else:
             ids = list(item)
         check_prompt_ids(ctx, ids, "prompt")
+        texts.append(item if isinstance(item, str) else None)
         out.append(ids)
-    return out
-
-
-def _prompt_texts(req: p.CompletionRequest, count: int) -> list[str | None]:
-    """Each prompt of the batch as the request spelled it (None: given as token ids)."""
-    if isinstance(req.prompt, str):
-        return [req.prompt]
-    if req.prompt and isinstance(req.prompt[0], str):
-        return list(cast("list[str]", req.prompt))
-    return [None] * count
+    return texts, out
 
 
 def _completion_stream(

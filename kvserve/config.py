@@ -92,7 +92,7 @@ class SchedulerConfig:
     resume_watermark: float = 0.10
     # "priority": a waiting request preempts less important running ones (see Scheduler).
     scheduling_policy: SchedulingPolicy = "fcfs"
-    # Seats one n > 1 request's samples take at once while others wait; None: max_num_seqs // 2.
+    # Seats one n > 1 request's samples take at once while others wait; None: max_running // 2.
     max_seats_per_request: int | None = None
 
     def __post_init__(self) -> None:
@@ -115,11 +115,22 @@ class SchedulerConfig:
             _pos("max_seats_per_request", self.max_seats_per_request)
 
     @property
+    def max_running(self) -> int:
+        """Seats: requests (samples) running at once, ``max_num_seqs`` capped at the token
+        budget.
+
+        NOTE: every running request needs a token of a step's budget to move; with more
+        seats than budget tokens the requests past the budget held their KV blocks for
+        whole stretches of steps without progress (n > 1 forks filled the seats).
+        """
+        return min(self.max_num_seqs, self.max_num_batched_tokens)
+
+    @property
     def seat_share(self) -> int:
         """Seats the samples of one request take at once while others wait."""
         if self.max_seats_per_request is not None:
-            return min(self.max_seats_per_request, self.max_num_seqs)
-        return max(1, self.max_num_seqs // 2)
+            return min(self.max_seats_per_request, self.max_running)
+        return max(1, self.max_running // 2)
 
 
 def _pos(name: str, v: object) -> None:

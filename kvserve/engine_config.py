@@ -36,7 +36,7 @@ _HELP: dict[str, str] = {
     "kv_cache_memory_fraction": "fraction of available memory given to KV blocks when no "
     "size is set",
     "memory_budget": "total bytes for weights + activations + headroom + KV blocks",
-    "max_num_seqs": "most requests running at once",
+    "max_num_seqs": "most requests running at once (capped at max_num_batched_tokens)",
     "max_num_batched_tokens": "token budget per step, shared by prefill chunks and decodes",
     "max_model_len": "longest prompt + output (default: the model's context length)",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes (radix cache)",
@@ -93,8 +93,8 @@ _HELP: dict[str, str] = {
     "scheduling_policy": "fcfs: the queue is served by priority then arrival, nobody is "
     "preempted for priority; priority (vLLM's name): a waiting request with a smaller "
     "priority value preempts running ones with larger values when it cannot be admitted",
-    "max_seats_per_request": "seats (of max_num_seqs) the samples of one n > 1 request take "
-    "at once while others wait; the rest wait in the queue (default: max_num_seqs // 2)",
+    "max_seats_per_request": "seats the samples of one n > 1 request take "
+    "at once while others wait; the rest wait in the queue (default: half the seats)",
     "kernel_selection": "projection kernels: auto (measured at start-up, cached under "
     "~/.cache/kvserve), measure (measure again) or off (torch.mm everywhere)",
 }

@@ -7,7 +7,7 @@
   (swap-in) and 4 (admission):
 
   - Seats: running requests plus their unforked n > 1 children stay within
-    ``max_num_seqs``.
+    ``max_num_seqs`` capped at ``max_num_batched_tokens`` (``SchedulerConfig.max_running``).
   - Headroom: a request is admitted only if the blocks of all its known tokens (after
     prefix-cache hits) fit while ``ceil(admission_headroom * num_blocks)`` blocks stay free.
     Only the first chunk is allocated now; the rest of the prompt is held back as
@@ -101,7 +101,7 @@ class AdmissionControl:
     state (``closed``); the running requests and the free blocks are passed in."""
 
     def __init__(self, config: SchedulerConfig, num_blocks: int) -> None:
-        self.max_num_seqs = config.max_num_seqs
+        self.max_running = config.max_running
         self.seat_share = config.seat_share
         self.headroom_blocks = fraction_to_blocks(config.admission_headroom, num_blocks)
         self.resume_blocks = fraction_to_blocks(config.resume_watermark, num_blocks)
@@ -118,13 +118,13 @@ class AdmissionControl:
         return min(len(request.pending_children), self.seat_share - 1)
 
     def num_seats(self, running: Sequence[Request]) -> int:
-        """Running requests plus the unforked children they reserved (max_num_seqs)."""
+        """Running requests plus the unforked children they reserved (of max_running)."""
         return len(running) + sum(self.reserved_children(r) for r in running)
 
     def has_seat(self, request: Request, running: Sequence[Request]) -> bool:
         """True if ``request`` and its reserved children fit in the free seats."""
         need = 1 + self.reserved_children(request)
-        return self.num_seats(running) + need <= self.max_num_seqs
+        return self.num_seats(running) + need <= self.max_running
 
     def num_to_fork(self, parent: Request, running: Sequence[Request], *, others_wait: bool) -> int:
         """How many of the parent's pending n > 1 children fork now (its prompt is computed).
@@ -136,7 +136,7 @@ class AdmissionControl:
         if others_wait:
             return reserved
         seats_of_others = self.num_seats(running) - reserved  # the parent's own seat included
-        return max(reserved, min(len(parent.pending_children), self.max_num_seqs - seats_of_others))
+        return max(reserved, min(len(parent.pending_children), self.max_running - seats_of_others))
 
     def reserve(self, kv: KVCacheManager, request: Request, num_computed: int) -> int:
         """Blocks to keep free when admitting ``request`` with ``num_computed`` tokens

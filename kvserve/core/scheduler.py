@@ -135,8 +135,8 @@ class Scheduler:
 
     @property
     def num_free_seats(self) -> int:
-        """Seats of max_num_seqs no running request holds or has reserved for its samples."""
-        return max(0, self.config.max_num_seqs - self._num_seats())
+        """Seats (``max_running``) no running request holds or has reserved for its samples."""
+        return max(0, self.config.max_running - self._num_seats())
 
     @property
     def admission_closed(self) -> bool:
@@ -162,7 +162,7 @@ class Scheduler:
         bisect.insort(self.waiting, request, key=waiting_key)
 
     def _num_seats(self) -> int:
-        """Running requests plus the unforked children they reserved (max_num_seqs)."""
+        """Running requests plus the unforked children they reserved (of max_running)."""
         return self.admission.num_seats(self.running)
 
     # ------------------------------------------------------------------ schedule
@@ -240,7 +240,7 @@ class Scheduler:
                 candidates.append(
                     PrefillCandidate(r.request_id, r.num_computed_tokens, remaining, waited_s=wait)
                 )
-        seats = self.config.max_num_seqs - self._num_seats()
+        seats = self.config.max_running - self._num_seats()
         if not self.swapped and (not self.running or not self.admission_closed):
             for r in self.waiting:
                 seats -= 1 + len(r.pending_children)

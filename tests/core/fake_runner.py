@@ -164,7 +164,7 @@ def make_request(
 class Driver:
     """Runs schedule -> FakeRunner.execute -> update_from_output, checking invariants each step.
 
-    Checked every step: the token budget and max_num_seqs, unique scheduled ids, and the KV
+    Checked every step: the token budget and max_running, unique scheduled ids, and the KV
     manager's ``check_integrity()`` (after schedule and after update; ``check_integrity=False``
     skips it, e.g. for a reference run). ``on_step`` (if set) runs after each update.
     """
@@ -191,7 +191,7 @@ class Driver:
         assert sched.total_num_scheduled_tokens <= cfg.max_num_batched_tokens, "budget exceeded"
         ids = [sr.request_id for sr in sched.scheduled]
         assert len(ids) == len(set(ids)), "a request scheduled twice in one step"
-        assert s.num_running <= cfg.max_num_seqs, "max_num_seqs exceeded"
+        assert s.num_running <= cfg.max_running, "max_running (max_num_seqs, budget) exceeded"
         if self.check_integrity:
             s.kv.check_integrity()
         touched = s.update_from_output(sched, self.runner.execute(sched))

@@ -20,6 +20,30 @@ def test_seat_share_defaults_to_half_and_is_capped() -> None:
         SchedulerConfig(max_seats_per_request=0)
     with pytest.raises(ValueError, match="scheduling_policy"):
         SchedulerConfig(scheduling_policy="lifo")  # type: ignore[arg-type]
+    # Seats are capped at the token budget, and the share with them.
+    capped = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=8)
+    assert (capped.max_running, capped.seat_share) == (8, 4)
+    assert SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64).max_running == 8
+
+
+def test_seats_beyond_the_token_budget_are_not_filled() -> None:
+    """With max_num_seqs above max_num_batched_tokens, n > 1 forks filled every seat and the
+    requests past the budget held their blocks for a dozen steps without a token."""
+    d = make_driver(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=4)
+    reqs = [make_request(f"r{i}", prompt(6, base=i), max_tokens=12, n=4) for i in range(4)]
+    for r in reqs:
+        d.scheduler.add_request(r)
+    samples = [c for r in reqs for c in r.pending_children]
+    d.run()  # the driver checks num_running <= max_running (4) every step
+    last: dict[str, int] = {}
+    for step, out in enumerate(d.outputs):
+        for sr in out.scheduled:
+            # A running request is served every step once in (decodes come before prefills).
+            assert step - last.get(sr.request_id, step - 1) == 1, sr.request_id
+            last[sr.request_id] = step
+    assert [len(s.output_token_ids) for s in (*reqs, *samples)] == [12] * 16
+    assert_expected(d, *reqs, *samples)
+    assert_pool_idle(d.scheduler.kv)
 
 
 def test_samples_beyond_the_share_wait_behind_earlier_requests() -> None:

@@ -263,7 +263,9 @@ class KVCacheManager(BlockTableManager):
             table.blocks.extend(fresh[num_loads : num_loads + num_needed])
         if self.enable_prefix_caching:
             num_full = min(plan.num_total, request.num_tokens) // bs
-            cache_full_blocks(self._cache, table, num_full, bs)
+            self.counters.dedup_blocks += cache_full_blocks(
+                self._cache, table, num_full, bs, pool, self._all_tables()
+            )
             # NOTE: a request's first admission only: one preempted by recompute looks its
             # tokens up again, and counting that made hits exceed the prompt tokens.
             if first and request.num_preemptions == 0:
@@ -372,7 +374,9 @@ class KVCacheManager(BlockTableManager):
         table = self._new_table(request, blocks, num_reused)
         if self.enable_prefix_caching:
             num_full = request.num_computed_tokens // self.block_size
-            cache_full_blocks(self._cache, table, num_full, self.block_size)
+            self.counters.dedup_blocks += cache_full_blocks(
+                self._cache, table, num_full, self.block_size, self.block_pool, self._all_tables()
+            )
         return pairs
 
     def _blocks_for_swap_in(

@@ -40,6 +40,7 @@ class KVCacheCounters:
     prefix_cache_hits: int = 0  # of which served from the prefix cache
     cow_copies: int = 0  # (src, dst) block copies queued by copy-on-write
     fork_shared_blocks: int = 0  # blocks shared instead of copied by fork()
+    dedup_blocks: int = 0  # duplicates of cached blocks swapped for their twin (prefix_hits)
     swap_out_blocks: int = 0
     swap_in_blocks: int = 0  # blocks copied back (prefix-cache hits at swap-in need none)
     device_hit_tokens: int = 0  # prefix hits served by device-resident blocks

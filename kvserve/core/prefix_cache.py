@@ -80,6 +80,13 @@ class PrefixCache(Protocol):
         ``key``. Returns False, changing nothing, if that path is already cached."""
         ...
 
+    def child(
+        self, parent: CacheEntry | None, salt: str | None, key: BlockKey
+    ) -> CacheEntry | None:
+        """The block cached right after ``parent`` (None: a first block) for tokens ``key``,
+        or None if that path is not cached."""
+        ...
+
     def evict(self, block: CacheEntry) -> None:
         """Forget ``block``, which must be cached and have no cached children."""
         ...
@@ -226,6 +233,24 @@ class RadixPrefixCache:
             block.cache_node = leaf
         self._num_cached_blocks += 1
         return True
+
+    def child(
+        self, parent: CacheEntry | None, salt: str | None, key: BlockKey
+    ) -> CacheEntry | None:
+        """The block cached right after ``parent`` (None: a first block) for tokens ``key``."""
+        if parent is None:
+            node = self._roots.get(salt)
+            if node is None:
+                return None
+        else:
+            node = parent.cache_node  # type: ignore[assignment]
+            if not isinstance(node, _Node):
+                raise ValueError(f"parent {describe(parent)} is not cached")
+            i = node.index_of(parent)
+            if i + 1 < len(node.keys):  # parent sits inside an edge
+                return node.blocks[i + 1] if node.keys[i + 1] == key else None
+        found = node.children.get(key)
+        return None if found is None else found.blocks[0]
 
     def evict(self, block: CacheEntry) -> None:
         """Drop ``block``, the last block of a leaf edge; prune and re-merge the tree."""

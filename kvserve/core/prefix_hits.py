@@ -106,31 +106,61 @@ def resolve_prefix_hits(
 
 
 def cache_full_blocks(
-    cache: PrefixCache, table: BlockTable, num_full: int, block_size: int
-) -> None:
+    cache: PrefixCache,
+    table: BlockTable,
+    num_full: int,
+    block_size: int,
+    pool: BlockPool,
+    tables: Iterable[BlockTable],
+) -> int:
     """Offer the table's full blocks [num_cached_blocks, num_full) to the prefix cache.
 
-    Stops at the first block whose path is already cached under another block (the
-    request keeps its duplicate uncached); retried once more blocks fill up.
+    A block whose path is already cached under another block (its *twin*: two requests
+    computed the same tokens at once) is swapped for the twin once the table's own copy has
+    been written (an earlier offer, so not this step's): every table in ``tables`` that
+    holds the copy (n > 1 forks share it, at the same index) takes a reference on the twin
+    instead, and the blocks after it are offered on the twin's path. Until then the cached
+    run stops there; it is retried when more blocks fill up. Returns the number of
+    duplicates swapped for their twins.
+
+    NOTE: stopping at a duplicate for good (as before) left every later block of that
+    request out of the cache: of two chats that sent the same system prompt in one step,
+    only one could ever hit on its conversation. A twin cached in this very step is as
+    safe as a prefix hit on it (the step writes it before any attention reads it, and a
+    fault of its writer fails its readers: ``LLMEngine._readers_of_unwritten_kv``); the
+    table's own copy must not be, since this step would write its tokens into the twin.
+    A host-resident twin is left alone (taking it needs a load).
     """
-    if num_full <= table.num_full_checked:
-        return
+    written = table.num_full_checked  # blocks [0, written) were offered in an earlier call
+    if num_full <= written:
+        return 0
     table.num_full_checked = num_full
     i = table.num_cached_blocks
     blocks = table.blocks
     request = table.request
     bs = block_size
     parent = blocks[i - 1] if i else None
+    num_swapped = 0
     while i < num_full:
         block = blocks[i]
         if block.cache_node is not None:
             break  # shared by fork under a longer path: not this request's to extend
         key = tuple(request.token_ids_slice(i * bs, (i + 1) * bs))
         if not cache.insert(parent, request.cache_salt, key, block):
-            break
+            twin = cache.child(parent, request.cache_salt, key)
+            if i >= written or not isinstance(twin, KVBlock):
+                break
+            holders = [t for t in tables if len(t.blocks) > i and t.blocks[i] is block]
+            pool.touch([twin] * len(holders))
+            for t in holders:
+                t.blocks[i] = twin
+            pool.free([block] * len(holders))
+            num_swapped += 1
+            block = twin
         parent = block
         i += 1
     table.num_cached_blocks = i
+    return num_swapped
 
 
 def forget_blocks(

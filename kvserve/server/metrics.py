@@ -82,6 +82,7 @@ _COUNTERS: list[tuple[str, tuple[str, ...], str]] = [
     # Capacity counters of stats(), by their stats() names.
     ("cow_copies", ("cow_copies",), "Blocks copied by copy-on-write"),
     ("fork_shared_blocks", ("fork_shared_blocks",), "Blocks shared by n > 1 forks"),
+    ("dedup_blocks", ("dedup_blocks",), "Duplicate blocks swapped for their cached twin"),
     ("swap_out_blocks", ("swap_out_blocks",), "Blocks swapped out by swap preemption"),
     ("swap_in_blocks", ("swap_in_blocks",), "Blocks swapped back in"),
     ("offload_blocks", ("offload_blocks",), "Evicted prefix blocks copied to the host tier"),

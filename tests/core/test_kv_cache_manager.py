@@ -190,6 +190,48 @@ def test_fork_of_a_block_aligned_prompt_copies_the_cached_last_block() -> None:
     kv.check_integrity()
 
 
+def test_a_duplicate_block_is_swapped_for_its_cached_twin_once_written() -> None:
+    """Two requests computed the same prompt in one step (b was looked up before a's
+    blocks were cached). b's copies stay out of the cache while this step writes them; at
+    b's next offer it takes a's blocks, frees its copies and caches on a's path."""
+    kv = KVCacheManager(10, 4)
+    a = req("a", SYS + [1])
+    assert admit(kv, a) == [0, 1, 2]
+    b = req("b", SYS + [2])
+    assert kv.allocate_slots(b, 9) == [3, 4, 5]  # the same step: no hit
+    b.num_computed_tokens = 9
+    assert kv.dump_state()["tables"]["b"] == ([3, 4, 5], 0, 2)  # (ids, cached, offered)
+    b.output_token_ids.extend([7, 8, 9])
+    assert kv.allocate_slots(b, 3) == []  # block 5 fills up: b offers again
+    b.num_computed_tokens = 12
+    kv.check_integrity()
+    assert kv.dump_state()["tables"]["b"] == ([0, 1, 5], 3, 3)
+    assert refs(kv)[:6] == [2, 2, 1, 0, 0, 1]
+    assert kv.block_pool.free_block_ids() == [4, 3, 6, 7, 8, 9]  # the copies: reused first
+    assert kv.snapshot()["dedup_blocks"] == 2
+    # b's whole conversation is now one cached path: a follow-up hits all of it.
+    assert kv.get_computed_blocks(req("c", SYS + [2, 7, 8, 9, 5])) == ([0, 1, 5], 12)
+
+
+def test_every_fork_holding_a_duplicate_takes_the_twin() -> None:
+    kv = KVCacheManager(10, 4)
+    admit(kv, req("a", SYS + [1]))
+    p = req("p", SYS + [2])
+    assert kv.allocate_slots(p, 9) == [3, 4, 5]  # duplicates of a's 0 and 1
+    p.num_computed_tokens = 9
+    c = req("c", SYS + [2])
+    kv.fork(p, c)
+    p.output_token_ids.extend([7, 8, 9])
+    assert kv.allocate_slots(p, 3) == [6]  # the shared partial block 5 is copied on write
+    kv.check_integrity()
+    tables = kv.dump_state()["tables"]
+    assert tables["p"] == ([0, 1, 6], 3, 3) and tables["c"] == ([0, 1, 5], 0, 0)
+    assert refs(kv)[:7] == [3, 3, 1, 0, 0, 2, 1]  # 5: c's and the copy's pin
+    assert kv.take_pending_copies() == [(5, 6)]
+    assert kv.snapshot()["dedup_blocks"] == 2
+    kv.check_integrity()
+
+
 def test_a_cached_block_held_once_is_still_copied_not_written() -> None:
     kv = KVCacheManager(8, 4)
     parent = req("p", SYS)
@@ -326,7 +368,7 @@ def test_snapshot_has_exactly_the_contract_keys() -> None:
         "prefix_cache_evictions", "cow_copies", "fork_shared_blocks", "swap_out_blocks",
         "swap_in_blocks", "num_host_blocks", "num_free_host_blocks", "alloc_time_s",
         "alloc_calls", "device_hit_tokens", "host_hit_tokens", "host_cache_blocks",
-        "host_cache_evictions", "offload_blocks", "load_blocks",
+        "host_cache_evictions", "offload_blocks", "load_blocks", "dedup_blocks",
     }  # fmt: skip
     assert (snap["num_kv_blocks"], snap["num_free_blocks"], snap["num_free_host_blocks"]) == (
         8,

@@ -48,6 +48,25 @@ def test_chain_is_one_edge_and_match_is_block_aligned() -> None:
     cache.check_integrity()
 
 
+def test_child_finds_the_cached_twin_of_a_path() -> None:
+    cache = RadixPrefixCache(BS)
+    b = [KVBlock(i) for i in range(5)]
+    assert cache.child(None, None, (1, 2)) is None  # no root yet
+    chain(cache, [1, 2, 3, 4, 5, 6], b[:3])
+    chain(cache, [9, 9], [b[3]], parent=b[0])  # a branch after block 0
+    assert cache.child(None, None, (1, 2)) is b[0]
+    assert cache.child(b[0], None, (3, 4)) is b[1]  # a child edge's first block
+    assert cache.child(b[0], None, (9, 9)) is b[3]
+    assert cache.child(b[1], None, (5, 6)) is b[2]  # inside an edge
+    assert cache.child(b[1], None, (5, 7)) is None
+    assert cache.child(b[2], None, (7, 8)) is None  # a leaf's end
+    assert cache.child(None, "tenant", (1, 2)) is None  # another salt's root
+    assert not cache.insert(b[1], None, (5, 6), b[4])  # the path child() found
+    with pytest.raises(ValueError, match="not cached"):
+        cache.child(b[4], None, (1, 2))
+    cache.check_integrity()
+
+
 def test_divergence_splits_the_edge() -> None:
     cache = RadixPrefixCache(BS)
     b = [KVBlock(i) for i in range(5)]

@@ -583,6 +583,26 @@ def test_fork_after_prompt_emits_copy_on_write_and_samples_differ() -> None:
     assert_pool_idle(d.scheduler.kv)
 
 
+def test_a_request_that_recomputed_a_cached_block_caches_its_later_blocks() -> None:
+    """b is admitted while a still prefills the same prompt: b hits a's first blocks and
+    computes the last one again (a duplicate). Its own conversation after that must still
+    land in the prefix cache, on a's path (the duplicate swapped for a's block)."""
+    d = make_driver(num_blocks=64, max_num_batched_tokens=16)
+    p = prompt(20)  # 5 full blocks of 4
+    a = make_request("a", p, max_tokens=12, seed=1)
+    b = make_request("b", p, max_tokens=12, seed=2)  # seeded: b's tokens differ from a's
+    d.scheduler.add_request(a)
+    d.scheduler.add_request(b)
+    d.run()
+    assert_expected(d, a, b)
+    assert a.output_token_ids[:8] != b.output_token_ids[:8]
+    kv = d.scheduler.kv
+    assert kv.snapshot()["dedup_blocks"] == 1
+    follow_up = make_request("c", p + b.output_token_ids[:8] + [1])
+    assert kv.get_computed_blocks(follow_up)[1] == 28  # before: 20, a's prompt path only
+    assert_pool_idle(kv)
+
+
 def test_parent_preempted_before_fork_keeps_children_pending() -> None:
     # A fills 6 of 8 blocks; P's prompt takes the last 2 in chunks, then A needs one more.
     d = make_driver(num_blocks=8, max_num_batched_tokens=4)

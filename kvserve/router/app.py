@@ -130,9 +130,15 @@ class RouterMetrics(Collector):
     def __init__(self, pool: ReplicaPool, policy_name: str) -> None:
         self.pool = pool
         self.registry = CollectorRegistry(auto_describe=False)
-        self.requests = Counter(
-            "kvserve_router:requests", "Requests routed", ["replica", "routing"],
+        self.client_requests = Counter(
+            "kvserve_router:client_requests", "Requests received on the proxied routes",
             registry=self.registry,
+        )  # fmt: skip
+        # NOTE: per attempt: a request retried elsewhere counts on every replica it was
+        # sent to, so its sum is client_requests plus the retries, not the clients' count.
+        self.requests = Counter(
+            "kvserve_router:requests", "Requests sent to a replica (each attempt)",
+            ["replica", "routing"], registry=self.registry,
         )  # fmt: skip
         self.retries = Counter(
             "kvserve_router:retries", "Requests retried on another replica before any token",
@@ -295,6 +301,7 @@ def build_router_app(
 
     async def proxy(request: Request, path: str) -> Response:
         client: httpx.AsyncClient = state["client"]
+        metrics.client_requests.inc()
         raw = await request.body()
         try:
             body = json.loads(raw)

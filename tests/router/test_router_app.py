@@ -15,7 +15,7 @@ from kvserve.router.cli import build_validated_app
 from kvserve.router.keys import request_key
 from kvserve.router.replicas import ReplicaError, parse_load
 from tests.router.fake_replica import fake_app, serve_in_thread
-from tests.server.server_proc import free_port
+from tests.server.server_proc import free_port, metric_value
 
 
 def _args(routing: str = "prefix", probe: float = 0.1) -> argparse.Namespace:
@@ -78,6 +78,15 @@ def test_leave_503_and_rejoin() -> None:
             assert client.get("/health").json()["healthy_replicas"] == [url_a]
             metrics = client.get("/metrics").text
             assert f'kvserve_router:replica_healthy{{replica="{url_b}"}} 0.0' in metrics
+            # 8 requests received; every retry is one more attempt sent to a replica
+            assert metric_value(metrics, "kvserve_router:client_requests_total") == 8
+            retries = metric_value(metrics, "kvserve_router:retries_total")
+            sent = [
+                float(line.rsplit(" ", 1)[1])
+                for line in metrics.splitlines()
+                if line.startswith("kvserve_router:requests_total{")
+            ]
+            assert sum(sent) == 8 + retries
             assert f'kvserve:num_requests_running{{replica="{url_a}"}} 0.0' in metrics
             # b comes back on its port: the probes bring it back into the pool
             with serve_in_thread(fake_app("b"), port=port_b):

@@ -123,6 +123,8 @@ def test_replica_killed_mid_run(replicas: list[tuple[str, subprocess.Popen]]) ->
         metrics = httpx.get(base + "/metrics").text
         assert "kvserve_router:failed_after_first_token_total 1.0" in metrics
         assert metric_value(metrics, "kvserve_router:retries_total") >= 1
+        # A, B and the last one; B's retry is one more request sent, not one more received
+        assert metric_value(metrics, "kvserve_router:client_requests_total") == 3
 
 
 def test_ray_cluster_runs_two_replicas_and_the_router(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -207,19 +207,13 @@ class RadixPrefixCache:
             raise ValueError(f"{describe(block)} is already cached")
         if len(key) != self.block_size:
             raise ValueError(f"only full blocks are cached: key has {len(key)} tokens")
-        if parent is None:
-            node = self._roots.get(salt)
-            if node is None:
-                node = self._roots[salt] = _Node(None, [], [], salt)
-        else:
-            node = parent.cache_node  # type: ignore[assignment]
-            if not isinstance(node, _Node):
-                raise ValueError(f"parent {describe(parent)} is not cached")
-            i = node.index_of(parent)
-            if i + 1 < len(node.keys):  # parent sits inside an edge
-                if node.keys[i + 1] == key:
-                    return False
-                self._split(node, i + 1)
+        node, inside = self._after(parent, salt)
+        if node is None:
+            node = self._roots[salt] = _Node(None, [], [], salt)
+        elif inside is not None:  # parent sits inside an edge
+            if node.keys[inside] == key:
+                return False
+            self._split(node, inside)
         if key in node.children:
             return False
         if node.parent is not None and not node.children:
@@ -238,17 +232,11 @@ class RadixPrefixCache:
         self, parent: CacheEntry | None, salt: str | None, key: BlockKey
     ) -> CacheEntry | None:
         """The block cached right after ``parent`` (None: a first block) for tokens ``key``."""
-        if parent is None:
-            node = self._roots.get(salt)
-            if node is None:
-                return None
-        else:
-            node = parent.cache_node  # type: ignore[assignment]
-            if not isinstance(node, _Node):
-                raise ValueError(f"parent {describe(parent)} is not cached")
-            i = node.index_of(parent)
-            if i + 1 < len(node.keys):  # parent sits inside an edge
-                return node.blocks[i + 1] if node.keys[i + 1] == key else None
+        node, inside = self._after(parent, salt)
+        if node is None:
+            return None
+        if inside is not None:  # parent sits inside an edge
+            return node.blocks[inside] if node.keys[inside] == key else None
         found = node.children.get(key)
         return None if found is None else found.blocks[0]
 
@@ -392,6 +380,22 @@ class RadixPrefixCache:
             )
 
     # ------------------------------------------------------------------ internals
+
+    def _after(
+        self, parent: CacheEntry | None, salt: str | None
+    ) -> tuple[_Node | None, int | None]:
+        """Where the block after ``parent`` goes: (its edge's node, the index of the next
+        block when ``parent`` sits inside that edge, else None: a child of the node).
+
+        ``parent`` None: the salt's root (None if it has none yet).
+        """
+        if parent is None:
+            return self._roots.get(salt), None
+        node = parent.cache_node
+        if not isinstance(node, _Node):
+            raise ValueError(f"parent {describe(parent)} is not cached")
+        nxt = node.index_of(parent) + 1
+        return node, (nxt if nxt < len(node.keys) else None)
 
     def _nodes(self) -> list[_Node]:
         out: list[_Node] = []

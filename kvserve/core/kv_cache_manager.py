@@ -103,6 +103,9 @@ class KVCacheManager(BlockTableManager):
         )
         self._host = self._host_prefix.tier  # host block ids, shared with swap preemption
         self._swapped = SwapSpace(self._host, self.counters)
+        # Device blocks a swap-in of this step copies into (not written until the step runs:
+        # never swapped for a cached twin before then); cleared by take_pending_swaps().
+        self._swapped_in_now: set[KVBlock] = set()
 
     @classmethod
     def from_config(cls, config: KVCacheConfig) -> KVCacheManager:
@@ -264,7 +267,7 @@ class KVCacheManager(BlockTableManager):
         if self.enable_prefix_caching:
             num_full = min(plan.num_total, request.num_tokens) // bs
             self.counters.dedup_blocks += cache_full_blocks(
-                self._cache, table, num_full, bs, pool, self._all_tables()
+                self._cache, table, num_full, bs, pool, self._all_tables(), self._swapped_in_now
             )
             # NOTE: a request's first admission only: one preempted by recompute looks its
             # tokens up again, and counting that made hits exceed the prompt tokens.
@@ -277,6 +280,7 @@ class KVCacheManager(BlockTableManager):
         """The host prefix tier's (offloads, loads) since the last call, for the step's
         ``blocks_to_swap_out`` / ``blocks_to_swap_in``; clears and ends the step's host pins.
         Call once per step, after the last allocation (with ``take_pending_copies``)."""
+        self._swapped_in_now.clear()
         return self._host_prefix.take_plans()
 
     # ------------------------------------------------------------------ free / fork
@@ -372,10 +376,17 @@ class KVCacheManager(BlockTableManager):
         blocks, num_reused = got
         pairs = self._swapped.restore(rid, blocks, num_reused)
         table = self._new_table(request, blocks, num_reused)
+        self._swapped_in_now.update(blocks[num_reused:])
         if self.enable_prefix_caching:
             num_full = request.num_computed_tokens // self.block_size
             self.counters.dedup_blocks += cache_full_blocks(
-                self._cache, table, num_full, self.block_size, self.block_pool, self._all_tables()
+                self._cache,
+                table,
+                num_full,
+                self.block_size,
+                self.block_pool,
+                self._all_tables(),
+                self._swapped_in_now,
             )
         return pairs
 

@@ -11,7 +11,7 @@ Functions of public state only, called by ``KVCacheManager``:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 
 from kvserve.core.block_pool import BlockPool, KVBlock
 from kvserve.core.host_tier import HostBlock, HostTier
@@ -112,12 +112,14 @@ def cache_full_blocks(
     block_size: int,
     pool: BlockPool,
     tables: Iterable[BlockTable],
+    unwritten: Container[KVBlock] = (),
 ) -> int:
     """Offer the table's full blocks [num_cached_blocks, num_full) to the prefix cache.
 
     A block whose path is already cached under another block (its *twin*: two requests
     computed the same tokens at once) is swapped for the twin once the table's own copy has
-    been written (an earlier offer, so not this step's): every table in ``tables`` that
+    been written (an earlier offer, so not this step's, and not in ``unwritten``: the
+    blocks a swap-in of this step copies into): every table in ``tables`` that
     holds the copy (n > 1 forks share it, at the same index) takes a reference on the twin
     instead, and the blocks after it are offered on the twin's path. Until then the cached
     run stops there; it is retried when more blocks fill up. Returns the number of
@@ -148,7 +150,7 @@ def cache_full_blocks(
         key = tuple(request.token_ids_slice(i * bs, (i + 1) * bs))
         if not cache.insert(parent, request.cache_salt, key, block):
             twin = cache.child(parent, request.cache_salt, key)
-            if i >= written or not isinstance(twin, KVBlock):
+            if i >= written or block in unwritten or not isinstance(twin, KVBlock):
                 break
             holders = [t for t in tables if len(t.blocks) > i and t.blocks[i] is block]
             pool.touch([twin] * len(holders))

@@ -340,3 +340,38 @@ def test_random_workloads_with_the_tier_are_exact() -> None:
         assert_pool_idle(kv)
         num_loads += kv.snapshot()["load_blocks"]
     assert num_loads > 0, "no workload loaded a block back from the host tier"
+
+
+def test_a_block_swapped_in_this_step_is_not_swapped_for_its_twin_until_written() -> None:
+    """b's copies of a's blocks were swapped out while duplicates; a's blocks went to the
+    host tier. In one step b is swapped back in (restore copies into 0, 1, 6) and d loads
+    a's blocks back (5, 4): b's restored blocks are not written yet, so b keeps them until
+    the step has run, then takes d's."""
+    kv = tier(7, 4, 8)
+    t = list(range(8))
+    a = req("a", t + [1])
+    admit(kv, a)
+    b = req("b", t + [2])
+    assert kv.allocate_slots(b, 9) == [3, 4, 5]  # the same step as a: duplicates of 0, 1
+    b.num_computed_tokens = 9
+    kv.swap_out(b)
+    kv.take_pending_swaps()
+    kv.free(a)
+    c = req("c", list(range(100, 128)))
+    admit(kv, c)  # evicts a's blocks 1, 0 to the host tier
+    kv.free(c)
+    kv.take_pending_swaps()
+    assert kv.swap_in(b) == [(0, 0), (1, 1), (2, 6)]  # a's blocks are host-resident: copied
+    d = req("d", t + [3])
+    assert admit(kv, d) == [5, 4, 3]  # loads a's blocks into 5 and 4
+    b.output_token_ids.extend([7, 8, 9])
+    assert kv.allocate_slots(b, 3) == []
+    b.num_computed_tokens = 12
+    assert kv.get_block_ids("b") == [0, 1, 6] and kv.snapshot()["dedup_blocks"] == 0
+    kv.check_integrity()
+    kv.take_pending_copies()
+    kv.take_pending_swaps()  # the step has run
+    b.output_token_ids.extend([1, 2, 3, 4])
+    assert kv.allocate_slots(b, 4) == [2]
+    assert kv.get_block_ids("b") == [5, 4, 6, 2] and kv.snapshot()["dedup_blocks"] == 2
+    kv.check_integrity()

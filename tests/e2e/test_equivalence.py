@@ -97,6 +97,17 @@ def test_prefix_cache_hits_and_is_identical_on_second_pass(make_llm, reference, 
     assert llm.stats()["prefix_hit_rate"] > 0.4
 
 
+def test_duplicate_blocks_swapped_for_their_twins_are_identical(make_llm, reference, dtype) -> None:
+    """Each prompt twice in one batch: the copies fill the same blocks in the same steps,
+    and the later one is swapped for the cached twin (prefix_hits.cache_full_blocks)."""
+    prompts, expected = reference
+    llm = make_llm(num_kv_blocks=512, max_num_batched_tokens=64)
+    assert_same(_tokens(llm, prompts + prompts), expected + expected, dtype)
+    stats = llm.stats()
+    assert stats["dedup_blocks"] > 0 and stats["kv_usage"] == 0
+    llm.engine.kv_cache_manager.check_integrity()
+
+
 @pytest.mark.parametrize("budget", [16, 64, 2048])
 def test_token_budgets_are_identical(make_llm, reference, dtype, budget: int) -> None:
     prompts, expected = reference

@@ -12,6 +12,7 @@ A response with calls has ``finish_reason: "tool_calls"`` (unless max_tokens cut
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,19 +74,19 @@ def plan_chat(req: p.ChatCompletionRequest) -> ChatPlan:
             plan.function_name = choice.function.name
         plan.tools = tools if plan.tool_mode != "none" else []
     constraints: list[tuple[str, StructuredOutputsParams]] = []
-    try:
-        if req.response_format is not None and req.response_format.type != "text":
-            constraints.append(("response_format", response_format_params(req.response_format)))
-        if req.structured_outputs is not None:
-            constraints.append(("structured_outputs", structured_params(req.structured_outputs)))
-        if plan.tool_mode == "named":
-            tool = next(t for t in tools if t["function"]["name"] == plan.function_name)
-            constraints.append(("tools", StructuredOutputsParams(json=function_parameters(tool))))
-        elif plan.tool_mode == "required":
-            schema = required_calls_schema(tools, plan.parallel)
-            constraints.append(("tools", StructuredOutputsParams(json=schema)))
-    except ValueError as e:
-        raise APIError(str(e), param=_param_of(str(e), req)) from e
+    if req.response_format is not None and req.response_format.type != "text":
+        fmt = req.response_format
+        constraints.append(_constraint("response_format", lambda: response_format_params(fmt)))
+    if req.structured_outputs is not None:
+        extra = req.structured_outputs
+        constraints.append(_constraint("structured_outputs", lambda: structured_params(extra)))
+    if plan.tool_mode == "named":
+        tool = next(t for t in tools if t["function"]["name"] == plan.function_name)
+        schema = function_parameters(tool)
+        constraints.append(_constraint("tools", lambda: StructuredOutputsParams(json=schema)))
+    elif plan.tool_mode == "required":
+        schema = required_calls_schema(tools, plan.parallel)
+        constraints.append(_constraint("tools", lambda: StructuredOutputsParams(json=schema)))
     if len(constraints) > 1:
         names = " and ".join(name for name, _ in constraints)
         # NOTE: the param named is the second constraint's: the first is the one kept.
@@ -97,12 +98,15 @@ def plan_chat(req: p.ChatCompletionRequest) -> ChatPlan:
     return plan
 
 
-def _param_of(message: str, req: p.ChatCompletionRequest) -> str:
-    if req.response_format is not None and req.response_format.type != "text":
-        return "response_format"
-    if req.structured_outputs is not None:
-        return "structured_outputs"
-    return "tools"
+def _constraint(
+    param: str, build: Callable[[], StructuredOutputsParams]
+) -> tuple[str, StructuredOutputsParams]:
+    """(``param``, the constraint ``build`` makes of it); its ValueError is a 400 naming
+    ``param``."""
+    try:
+        return param, build()
+    except ValueError as e:
+        raise APIError(str(e), param=param) from e
 
 
 def response_format_params(fmt: p.ResponseFormat) -> StructuredOutputsParams:

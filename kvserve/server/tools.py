@@ -289,64 +289,89 @@ def _parse_block(body: str) -> list[ParsedCall] | None:
 class StreamingToolParser:
     """Splits a streamed output into content deltas and complete tool calls.
 
-    Text before the first ``<tool_call>`` streams as content, except a tail that could be
-    the start of the tag (held back until it cannot). Each block is reported as a call once
-    its ``</tool_call>`` arrives, or at ``finish()`` if the output ended inside it.
+    Text outside ``<tool_call>`` blocks streams as content, except a tail that could be the
+    start of the tag (held back until it cannot) and, once a block has opened, trailing
+    whitespace (held back until more content follows). Each block is reported as a call once
+    its ``</tool_call>`` arrives, or at ``finish()`` if the output ended inside it. The content
+    and calls streamed are those of ``parse_tool_calls`` on the whole output (but for the
+    whitespace around the text before the first block, which streams as it comes).
     """
 
     def __init__(self) -> None:
         self.text = ""
-        self._content_sent = 0  # characters of text sent as content
-        self._in_calls = False
-        self._blocks_done = 0
+        self._pos = 0  # characters of text handled: sent as content, held, or in a block
+        self._block_start: int | None = None  # where the open block starts, if one is open
+        self._in_calls = False  # a block has opened
+        self._held = ""  # whitespace that ended the content so far, not sent yet
         self.num_calls = 0
 
     def feed(self, delta: str) -> tuple[str, list[ParsedCall]]:
         """(content delta, newly completed calls) after ``delta``."""
         self.text += delta
-        content = ""
-        if not self._in_calls:
-            start = self.text.find(START, self._content_sent)
-            if start >= 0:
-                content = self.text[self._content_sent : start]
-                self._content_sent = start
-                self._in_calls = True
-            else:
-                safe = len(self.text) - _partial_tag_len(self.text)
-                content = self.text[self._content_sent : safe]
-                self._content_sent = safe
-        calls: list[ParsedCall] = []
-        if self._in_calls:
-            blocks = list(_BLOCK.finditer(self.text, self._content_sent))
-            closed = [b for b in blocks if b.group(0).endswith(END)]
-            for b in closed[self._blocks_done :]:
-                parsed = _parse_block(b.group(1))
-                if parsed is None:
-                    content += b.group(0)  # not a call after all: keep the text
-                else:
-                    calls.extend(parsed)
-            self._blocks_done = len(closed)
-        self.num_calls += len(calls)
+        content, calls = self._closed_blocks()
+        if self._block_start is None:
+            safe = max(self._pos, len(self.text) - _partial_tag_len(self.text))
+            content += self._content(self.text[self._pos : safe])
+            self._pos = safe
         return content, calls
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
         """What is left once the output is complete: held-back content, an unclosed block."""
-        if not self._in_calls:
-            rest = self.text[self._content_sent :]
-            self._content_sent = len(self.text)
-            return rest, []
-        blocks = list(_BLOCK.finditer(self.text, self._content_sent))
-        calls: list[ParsedCall] = []
-        content = ""
-        for b in blocks[self._blocks_done :]:
-            parsed = _parse_block(b.group(1))
+        content, calls = self._closed_blocks()
+        rest = self.text[self._pos :]
+        self._pos = len(self.text)
+        if self._block_start is None:
+            content += self._content(rest)
+        else:
+            self._block_start = None
+            parsed = _parse_block(rest[len(START) :])
             if parsed is None:
-                content += b.group(0)
+                content += self._content(rest)
             else:
                 calls.extend(parsed)
-        self._blocks_done = len(blocks)
+                self.num_calls += len(parsed)
+        # NOTE: as ``parse_tool_calls``: the content is stripped only when there are calls.
+        if not self.num_calls:
+            content, self._held = content + self._held, ""
+        return content, calls
+
+    def _closed_blocks(self) -> tuple[str, list[ParsedCall]]:
+        """Content before each block that opened and the calls of those that closed since
+        the last call; a block whose JSON does not parse is content."""
+        content = ""
+        calls: list[ParsedCall] = []
+        while True:
+            if self._block_start is None:
+                start = self.text.find(START, self._pos)
+                if start < 0:
+                    break
+                content += self._content(self.text[self._pos : start])
+                self._block_start = self._pos = start
+                self._in_calls = True
+            end = self.text.find(END, self._block_start + len(START))
+            if end < 0:
+                break
+            block = self.text[self._block_start : end + len(END)]
+            self._block_start, self._pos = None, end + len(END)
+            parsed = _parse_block(block[len(START) : -len(END)])
+            if parsed is None:
+                content += self._content(block)  # not a call after all: keep the text
+            else:
+                calls.extend(parsed)
         self.num_calls += len(calls)
         return content, calls
+
+    def _content(self, text: str) -> str:
+        """``text`` as content to send now; once a block has opened, trailing whitespace is
+        held back until more content follows.
+        NOTE: the text around blocks is often just the newlines between them, which the whole
+        output's content (stripped) does not have."""
+        if not self._in_calls:
+            return text
+        text = self._held + text
+        sent = text.rstrip()
+        self._held = text[len(sent) :]
+        return sent
 
 
 def _partial_tag_len(text: str) -> int:

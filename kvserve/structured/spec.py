@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
+_FALSE_SCHEMA = "structured_outputs.json is the schema false, which nothing matches"
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,8 @@ class StructuredOutputsParams:
     grammar: str | None = None
 
     def __post_init__(self) -> None:
+        if self.json is False:  # NOTE: a schema, not the unset field ``given`` skips
+            raise ValueError(_FALSE_SCHEMA)
         given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise ValueError(
@@ -46,6 +49,12 @@ class StructuredOutputsParams:
                     raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from e
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("structured_outputs.json must be a JSON schema object")
+            if schema is True:
+                # NOTE: the schema true (any JSON value) as its object form: the grammar
+                # engine applies its options (compact JSON) to object schemas only.
+                schema = {}
+            elif schema is False:
+                raise ValueError(_FALSE_SCHEMA)
             object.__setattr__(self, "json", json.dumps(schema, separators=(",", ":")))
         if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
             raise ValueError("structured_outputs.regex must be a non-empty string")

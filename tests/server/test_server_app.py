@@ -153,6 +153,17 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], int, str | None]] = [
         400,
         "max_completion_tokens",
     ),
+    # A bad structured_outputs next to a good response_format used to name response_format.
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "a"}],
+            "response_format": {"type": "json_object"},
+            "structured_outputs": {"choice": []},
+        },
+        400,
+        "structured_outputs",
+    ),
 ]
 
 

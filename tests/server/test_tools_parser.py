@@ -58,6 +58,26 @@ def test_streamed_equals_whole(step: int) -> None:
     assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole_calls]
 
 
+@pytest.mark.parametrize("step", [1, 4, 1000])
+def test_streamed_text_between_and_after_blocks_is_content(step: int) -> None:
+    # The text after a block used to be dropped from a stream (only the text before the first
+    # block was sent), where the whole output's content keeps it.
+    text = (
+        'Sure.<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call> And then\n'
+        '<tool_call>{"name": "b", "arguments": {}}</tool_call>\nDone.\n'
+    )
+    parser = StreamingToolParser()
+    content, calls = "", []
+    for i in range(0, len(text), step):
+        c, new = parser.feed(text[i : i + step])
+        content, calls = content + c, calls + new
+    c, new = parser.finish()
+    content, calls = content + c, calls + new
+    whole_content, whole_calls = parse_tool_calls(text)
+    assert content == whole_content == "Sure. And then\n\nDone."
+    assert [c.name for c in calls] == [c.name for c in whole_calls] == ["a", "b"]
+
+
 def test_streamed_unclosed_block_and_plain_text() -> None:
     parser = StreamingToolParser()
     assert parser.feed('<tool_call>{"name": "a", "arguments": {"x": 2}}') == ("", [])

@@ -71,6 +71,17 @@ def test_invalid_constraints_name_the_problem(
     assert needle in str(info.value)
 
 
+def test_boolean_schemas_compile(manager: StructuredOutputManager) -> None:
+    # ``true`` (any JSON value) was a 400 ("Expecting object schema to apply options") and
+    # ``false`` was taken for an unset field ("got none").
+    for schema in (True, "true", {}):
+        manager.validate(S(json=schema))
+    assert S(json=True).key() == S(json={}).key()
+    for schema in (False, "false"):
+        with pytest.raises(ValueError, match="schema false"):
+            S(json=schema)
+
+
 def test_compile_once_then_cache_hits_and_bound(tokenizer: Tokenizer) -> None:
     compiler = GrammarCompiler(tokenizer.hf_tokenizer, 49152, tokenizer.eos_token_id, 2)
     a, b, c = S(regex="[0-9]+"), S(choice=["x", "y"]), S(json=SCHEMA)

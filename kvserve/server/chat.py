@@ -14,6 +14,7 @@ from kvserve.server import protocol as p
 from kvserve.server.chat_tools import ChatPlan, ToolStream, drop_none, plan_chat, response_message
 from kvserve.server.context import (
     ServingContext,
+    chat_flags,
     check_model,
     off_engine,
     render_chat,
@@ -36,6 +37,18 @@ from kvserve.server.validation import (
     resolve_max_tokens,
     sampling_params,
 )
+
+
+def _echoed_text(req: p.ChatCompletionRequest) -> str:
+    """What ``echo`` puts before each reply: the last message's text when it has the reply's
+    role (vLLM): the assistant's, or with no generation prompt the last message's own role
+    (the model continues that message). Empty without ``echo``; call after ``render_chat``
+    (which rejects conflicting chat options)."""
+    if not req.echo:
+        return ""
+    add_generation_prompt, _ = chat_flags(req)
+    last = req.messages[-1]
+    return last.text() if not add_generation_prompt or last.role == "assistant" else ""
 
 
 def _chat_prompt(ctx: ServingContext, req: p.ChatCompletionRequest, plan: ChatPlan) -> list[int]:
@@ -63,14 +76,17 @@ async def create_chat_completion(
         max_tokens = resolve_max_tokens(ctx, len(ids), req.max_tokens, "max_tokens")
     num_top = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(ctx, req, max_tokens, num_top, plan.constraint)
+    echo = _echoed_text(req)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await add_engine_requests(ctx, request_id, [ids], [params], req)
     if req.stream:
-        return sse_response(_chat_stream(ctx, req, request_id, ids, streams, num_top, plan))
+        return sse_response(_chat_stream(ctx, req, request_id, ids, streams, num_top, plan, echo))
     finals = await collect_or_disconnect(raw, streams)
     choices = []
     for c in finals[0].outputs:
         message, finish_reason = response_message(plan, c.text, c.finish_reason)
+        if echo:
+            message.content = echo + (message.content or "")
         choices.append(
             p.ChatChoice(
                 index=c.index,
@@ -94,6 +110,7 @@ def _chat_stream(
     streams: list[RequestStream],
     num_top: int | None,
     plan: ChatPlan,
+    echo: str,
 ) -> AsyncGenerator[str, None]:
     created = int(time.time())
     tool_streams = [ToolStream(plan) for _ in range(req.n)] if plan.tool_mode != "none" else None
@@ -132,7 +149,7 @@ def _chat_stream(
         return chunk([choice])
 
     opening = tuple(
-        chunk([p.ChatStreamChoice(index=i, delta=p.DeltaMessage(role="assistant", content=""))])
+        chunk([p.ChatStreamChoice(index=i, delta=p.DeltaMessage(role="assistant", content=echo))])
         for i in range(req.n)
     )
     return stream_events(

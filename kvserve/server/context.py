@@ -103,6 +103,16 @@ def check_model(ctx: ServingContext, model: str | None) -> None:
         )
 
 
+def chat_flags(req: p.ChatCompletionRequest | p.TokenizeChatRequest) -> tuple[bool, bool]:
+    """The request's (add_generation_prompt, continue_final_message), as ``generation_flags``
+    resolves them (ChatOptionError if they conflict)."""
+    return generation_flags(
+        req.add_generation_prompt if "add_generation_prompt" in req.model_fields_set else None,
+        req.continue_final_message,
+        req.messages[-1].role,
+    )
+
+
 def render_chat(
     ctx: ServingContext,
     req: p.ChatCompletionRequest | p.TokenizeChatRequest,
@@ -116,11 +126,7 @@ def render_chat(
     if ctx.chat_template is not None:
         extra["chat_template"] = ctx.chat_template
     try:
-        add_generation_prompt, continue_final = generation_flags(
-            req.add_generation_prompt if "add_generation_prompt" in req.model_fields_set else None,
-            req.continue_final_message,
-            req.messages[-1].role,
-        )
+        add_generation_prompt, continue_final = chat_flags(req)
         if continue_final:
             extra["continue_final_message"] = True
         if req.chat_template_kwargs:  # checked by the tokenizer (ChatOptionError)

@@ -242,6 +242,9 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM: the last (assistant) message is continued
+    # vLLM: the reply starts with the last message's content when that message has the
+    # reply's role (assistant; with add_generation_prompt off, whatever the last role is).
+    echo: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM: more variables for the template
 
 

@@ -418,6 +418,31 @@ def test_continue_final_message(http: httpx.Client) -> None:
     assert "'user'" in _error(http.post("/v1/chat/completions", json=user_last), "messages")
 
 
+def test_chat_echo_prepends_the_last_message_of_the_reply_role(http: httpx.Client) -> None:
+    prefill = [{"role": "user", "content": "What is the capital of France?"},
+               {"role": "assistant", "content": "The capital of France is"}]  # fmt: skip
+    body = {"messages": prefill, "continue_final_message": True, "max_tokens": 4,
+            "temperature": 0, "n": 2}  # fmt: skip
+    plain = http.post("/v1/chat/completions", json=body).json()["choices"]
+    echoed = http.post("/v1/chat/completions", json={**body, "echo": True}).json()["choices"]
+    for p, e in zip(plain, echoed, strict=True):
+        assert e["message"]["content"] == "The capital of France is" + p["message"]["content"]
+    stream = {**body, "echo": True, "stream": True}
+    lines = [ln[6:] for ln in http.post("/v1/chat/completions", json=stream).text.splitlines()
+             if ln.startswith("data: ") and ln != "data: [DONE]"]  # fmt: skip
+    texts = ["", ""]
+    for ev in map(json.loads, lines):
+        for c in ev["choices"]:
+            texts[c["index"]] += c["delta"].get("content") or ""
+    assert texts == [e["message"]["content"] for e in echoed]
+    # a new assistant turn after a user message: nothing of the reply's role to echo
+    ask = {"messages": prefill[:1], "max_tokens": 4, "temperature": 0}
+    assert (
+        http.post("/v1/chat/completions", json={**ask, "echo": True}).json()["choices"][0]
+        == http.post("/v1/chat/completions", json=ask).json()["choices"][0]
+    )
+
+
 def test_echo_with_max_tokens_0_scores_the_prompt(http: httpx.Client) -> None:
     prompt = "The capital of France is Paris."
     ids = http.post("/tokenize", json={"prompt": prompt}).json()["tokens"]

@@ -94,6 +94,7 @@ class Tokenizer:
             hf = _PROCESS_CACHE.get(key)
             source: str | None = "process" if hf is not None else None
             if hf is None:
+                _check_has_tokenizer(path, is_gguf=gguf_file is not None)
                 if gguf_file is not None:
                     hf, from_disk = _load_gguf_tokenizer(path)
                     source = "disk" if from_disk else None
@@ -259,6 +260,31 @@ def validate_messages(messages: object) -> None:
         if not isinstance(msg.get("content"), str):
             got = type(msg.get("content")).__name__
             raise ValueError(f"messages[{i}].content must be a string, got {got}")
+
+
+# Files a Llama-family tokenizer loads from: fast (tokenizers), SentencePiece, byte-level BPE.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def _check_has_tokenizer(path: str, *, is_gguf: bool) -> None:
+    """Raise ValueError naming ``path`` when the GGUF file or HF folder holds no tokenizer.
+
+    NOTE: transformers fails on these with a KeyError ('tokens', GGUF) or a note about
+    installing sentencepiece (folder), neither naming the model.
+    """
+    if is_gguf:
+        from kvserve.models.gguf_reader import read_gguf  # NOTE: lazy: pulls in numpy / gguf
+
+        if "tokenizer.ggml.tokens" not in read_gguf(path).metadata:
+            raise ValueError(
+                f"{path}: no tokenizer in its metadata (tokenizer.ggml.tokens); use a GGUF "
+                "converted with its tokenizer"
+            )
+    elif not any(os.path.isfile(os.path.join(path, n)) for n in TOKENIZER_FILES):
+        raise ValueError(
+            f"{path}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); copy the model's "
+            "tokenizer files into the folder"
+        )
 
 
 def _auto_tokenizer() -> Any:

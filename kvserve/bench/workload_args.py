@@ -85,9 +85,31 @@ def workload_options(args: argparse.Namespace) -> dict[str, object]:
             kw.update(min_output_len=args.output_len, max_output_len=args.output_len)
         elif args.max_output_len is not None:
             kw["max_output_len"] = args.max_output_len
-    if args.max_output_len is not None and kind != "sharegpt":
-        raise ValueError(f"--max-output-len applies to --workload sharegpt, not {kind!r}")
     return kw
+
+
+# The length flags each generated kind reads (a --workload-file trace reads none).
+KIND_FLAGS: dict[str, tuple[str, ...]] = {
+    "random": ("input_len", "output_len"),
+    "sharegpt": ("output_len", "max_output_len"),
+    "shared-prefix": ("num_groups", "prefix_len", "suffix_len", "output_len"),
+    "multi-turn": ("num_turns",),
+}
+
+
+def check_flags_apply(args: argparse.Namespace) -> None:
+    """Raise ValueError naming a length flag that the trace would ignore.
+
+    NOTE: a flag of another kind (``--input-len`` with sharegpt) or any length flag with
+    ``--workload-file`` used to be dropped silently, so the run was not the one asked for.
+    """
+    used = () if args.workload_file else KIND_FLAGS[args.workload]
+    for name in sorted({n for names in KIND_FLAGS.values() for n in names}):
+        if getattr(args, name) is None or name in used:
+            continue
+        kinds = " / ".join(k for k, names in KIND_FLAGS.items() if name in names)
+        what = "a --workload-file trace" if args.workload_file else repr(args.workload)
+        raise ValueError(f"--{name.replace('_', '-')} applies to --workload {kinds}, not {what}")
 
 
 def build_workload(args: argparse.Namespace) -> list[WorkloadRequest]:
@@ -97,6 +119,7 @@ def build_workload(args: argparse.Namespace) -> list[WorkloadRequest]:
     """
     if args.num_prompts is not None and args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    check_flags_apply(args)
     if args.workload_file:
         reqs = load_jsonl(args.workload_file)[: args.num_prompts]
     else:

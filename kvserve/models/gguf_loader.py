@@ -17,7 +17,13 @@ from kvserve.models.quant import (
     from_gguf,
     quantize_dense,
 )
-from kvserve.models.weights import check_complete, check_shape, expected_shapes
+from kvserve.models.weights import (
+    check_complete,
+    check_heads,
+    check_shape,
+    expected_shapes,
+    positive_int,
+)
 
 # GGUF general.architecture -> our architecture name. NOTE: llama.cpp's converter writes
 # Mistral / SmolLM checkpoints as "llama" (with permuted q/k), so there is no "mistral" here.
@@ -73,10 +79,14 @@ def gguf_arch_config(gguf: GGUFFile) -> ModelArchConfig:
             raise ModelLoadError(f"{path}: GGUF metadata key {full!r} is missing")
         return default
 
-    hidden = int(get("embedding_length"))
-    num_heads = int(get("attention.head_count"))
-    num_kv_heads = int(get("attention.head_count_kv", num_heads))
-    head_dim = int(get("attention.key_length", hidden // num_heads))
+    def size(key: str, default: int | None = None) -> int:
+        return positive_int(get(key, default), f"{gguf_arch}.{key}", path)
+
+    hidden = size("embedding_length")
+    num_heads = size("attention.head_count")
+    num_kv_heads = size("attention.head_count_kv", num_heads)
+    check_heads(num_heads, num_kv_heads, f"{gguf_arch}.attention.head_count_kv", path)
+    head_dim = size("attention.key_length", hidden // num_heads)
     rope_dim = get("rope.dimension_count", head_dim)
     if int(rope_dim) != head_dim:
         raise ModelLoadError(
@@ -99,12 +109,12 @@ def gguf_arch_config(gguf: GGUFFile) -> ModelArchConfig:
         architecture=SUPPORTED_GGUF_ARCHS[gguf_arch],
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
-        num_hidden_layers=int(get("block_count")),
+        intermediate_size=size("feed_forward_length"),
+        num_hidden_layers=size("block_count"),
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         head_dim=head_dim,
-        max_position_embeddings=int(get("context_length")),
+        max_position_embeddings=size("context_length"),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_scaling=_rope_scaling(md, gguf_arch, path),

@@ -11,7 +11,13 @@ from safetensors import SafetensorError, safe_open
 
 from kvserve.config import ModelArchConfig
 from kvserve.models.errors import ModelFileNotFoundError, ModelLoadError
-from kvserve.models.weights import check_complete, check_shape, expected_shapes
+from kvserve.models.weights import (
+    check_complete,
+    check_heads,
+    check_shape,
+    expected_shapes,
+    positive_int,
+)
 
 # HF `architectures[0]` -> our architecture name (SmolLM checkpoints are LlamaForCausalLM).
 SUPPORTED_HF_ARCHS = {
@@ -62,12 +68,17 @@ def hf_arch_config(config: dict[str, Any], path: str) -> ModelArchConfig:
     if arch != "qwen2" and (config.get("attention_bias") or config.get("mlp_bias")):
         raise ModelLoadError(f"{path}: attention_bias / mlp_bias on {arch} is not supported")
 
-    def req(key: str) -> Any:
+    def req(key: str) -> int:
         if config.get(key) is None:
             raise ModelLoadError(f"{path}: required key {key!r} is missing")
-        return config[key]
+        return positive_int(config[key], key, path)
 
-    hidden, num_heads = int(req("hidden_size")), int(req("num_attention_heads"))
+    def opt(key: str, default: int) -> int:
+        return default if config.get(key) is None else positive_int(config[key], key, path)
+
+    hidden, num_heads = req("hidden_size"), req("num_attention_heads")
+    num_kv_heads = opt("num_key_value_heads", num_heads)
+    check_heads(num_heads, num_kv_heads, "num_key_value_heads", path)
     rope_params = config.get("rope_parameters") or {}
     rope_theta = config.get("rope_theta", rope_params.get("rope_theta", 10000.0))
     rope_scaling = config.get("rope_scaling")
@@ -76,14 +87,14 @@ def hf_arch_config(config: dict[str, Any], path: str) -> ModelArchConfig:
     sliding = _sliding_window(config, arch, path)
     return ModelArchConfig(
         architecture=arch,
-        vocab_size=int(req("vocab_size")),
+        vocab_size=req("vocab_size"),
         hidden_size=hidden,
-        intermediate_size=int(req("intermediate_size")),
-        num_hidden_layers=int(req("num_hidden_layers")),
+        intermediate_size=req("intermediate_size"),
+        num_hidden_layers=req("num_hidden_layers"),
         num_attention_heads=num_heads,
-        num_key_value_heads=int(config.get("num_key_value_heads") or num_heads),
-        head_dim=int(config.get("head_dim") or hidden // num_heads),
-        max_position_embeddings=int(req("max_position_embeddings")),
+        num_key_value_heads=num_kv_heads,
+        head_dim=opt("head_dim", hidden // num_heads),
+        max_position_embeddings=req("max_position_embeddings"),
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6 if arch == "qwen2" else 1e-5)),
         rope_theta=float(rope_theta),
         rope_scaling=rope_scaling,

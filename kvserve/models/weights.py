@@ -26,6 +26,30 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return dtype
 
 
+def positive_int(value: object, key: str, path: str) -> int:
+    """``value`` (a config or metadata entry) as an int >= 1.
+
+    Raises ``ModelLoadError`` naming ``path`` and ``key`` otherwise: a zero head count
+    would divide by zero, a zero context length would reach the engine as a bad
+    ``max_model_len`` the user never gave.
+    """
+    # NOTE: a float with an integral value (64.0) is accepted, as int() always did.
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ModelLoadError(f"{path}: {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def check_heads(num_heads: int, num_kv_heads: int, key: str, path: str) -> None:
+    """Raise ``ModelLoadError`` unless the KV heads divide the query heads (GQA groups)."""
+    if num_heads % num_kv_heads:
+        raise ModelLoadError(
+            f"{path}: {key!r} ({num_kv_heads}) must divide the number of attention heads "
+            f"({num_heads})"
+        )
+
+
 def expected_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of the model under its HF name, with its shape (``[out, in]`` for linears).
 

@@ -37,12 +37,30 @@ class SimSetup:
 
     def __post_init__(self) -> None:
         self.hardware.check_tp(self.tp)
+        if self.model.num_heads % self.tp:
+            raise ValueError(
+                f"tensor parallel degree {self.tp} must divide {self.model.name}'s "
+                f"{self.model.num_heads} attention heads"
+            )
         if self.num_requests is not None and self.num_requests < 1:
             raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
         if self.request_rate is not None and not self.request_rate > 0:
             raise ValueError(f"request_rate must be > 0, got {self.request_rate}")
-        if self.swap_space_gib < 0:
-            raise ValueError(f"swap_space_gib must be >= 0, got {self.swap_space_gib}")
+        if not 0 <= self.swap_space_gib < math.inf:
+            raise ValueError(
+                f"swap_space_gib must be a finite number >= 0, got {self.swap_space_gib}"
+            )
+        # NOTE: 0 used to mean "the default" (``x or default`` below), silently.
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        context = self.model.max_position_embeddings
+        if self.max_model_len is not None and self.max_model_len > context:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds {self.model.name}'s context "
+                f"{context} (as the engine refuses it)"
+            )
 
     @property
     def model_len(self) -> int:

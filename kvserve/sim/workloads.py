@@ -66,8 +66,15 @@ class WorkloadRequest:
     def __post_init__(self) -> None:
         _check_int(self.prompt_len, "prompt_len", 1)
         _check_int(self.output_len, "output_len", 1)
-        if not isinstance(self.arrival_time, (int, float)) or not self.arrival_time >= 0:
-            raise ValueError(f"arrival_time must be a number >= 0, got {self.arrival_time!r}")
+        # NOTE: an infinite arrival made the simulated duration inf and a replay sleep forever.
+        if not isinstance(self.arrival_time, (int, float)) or not (
+            0 <= self.arrival_time < math.inf
+        ):
+            raise ValueError(
+                f"arrival_time must be a finite number >= 0, got {self.arrival_time!r}"
+            )
+        _check_token_ids(self.prompt_token_ids, "prompt_token_ids")
+        _check_token_ids(self.output_token_ids, "output_token_ids")
         if self.prompt_token_ids is not None and len(self.prompt_token_ids) != self.prompt_len:
             raise ValueError(
                 f"request {self.request_id}: prompt_len {self.prompt_len} != "
@@ -92,6 +99,16 @@ class WorkloadRequest:
             if v is not None:
                 d[k] = v
         return d
+
+
+def _check_token_ids(ids: object, name: str) -> None:
+    """None, or a list of token ids (ints >= 0); ValueError naming the field otherwise."""
+    if ids is None:
+        return
+    if not isinstance(ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
+    ):
+        raise ValueError(f"{name} must be a list of token ids (ints >= 0)")
 
 
 def _check_int(v: object, name: str, lo: int) -> None:
@@ -329,6 +346,10 @@ def _parse_workload_line(d: dict, index: int) -> WorkloadRequest:
 def load_jsonl(path: str | Path) -> list[WorkloadRequest]:
     """Read a trace; a missing ``request_id`` becomes ``req-<line index>``.
 
-    Raises ValueError naming the line and the field that is wrong.
+    Raises ValueError naming the line and the field that is wrong, or the file if it holds
+    no request.
     """
-    return read_jsonl(path, _parse_workload_line, "workload line")
+    requests = read_jsonl(path, _parse_workload_line, "workload line")
+    if not requests:
+        raise ValueError(f"{path}: no requests (the trace is empty)")
+    return requests

@@ -89,3 +89,20 @@ def test_bad_workload_file_line_raises(tmp_path) -> None:
     path.write_text('{"prompt_len": 3}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1.*missing"):
         build_workload(_args("--workload-file", str(path)))
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--workload", "sharegpt", "--input-len", "16"], "--input-len"),
+        (["--workload", "random", "--num-groups", "2"], "--num-groups"),
+        (["--workload", "multi-turn", "--output-len", "8"], "--output-len"),
+        (["--workload", "shared-prefix", "--num-turns", "3"], "--num-turns"),
+        (["--workload-file", "w.jsonl", "--output-len", "8"], "--output-len"),
+    ],
+)
+def test_flag_the_trace_does_not_use_is_refused(argv: list[str], flag: str) -> None:
+    """A length flag of another workload kind (or with --workload-file) used to be ignored
+    silently; now it is an error naming the flag, as --max-output-len already was."""
+    with pytest.raises(ValueError, match=rf"{flag} applies to --workload [\w /-]+, not "):
+        build_workload(_args(*argv))

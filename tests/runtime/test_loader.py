@@ -461,3 +461,28 @@ def test_hf_sliding_window_and_defaults(tmp_path: Path) -> None:
         load_model(qwen)
     llama = make_tiny_model(tmp_path, "llama", rope_theta=5e5, tokenizer=False)
     assert load_model(llama).arch.rope_theta == 5e5
+
+
+@pytest.mark.parametrize(
+    "changes, key",
+    [
+        ({"num_attention_heads": 0, "head_dim": None}, "num_attention_heads"),
+        ({"max_position_embeddings": 0}, "max_position_embeddings"),
+        ({"hidden_size": "abc"}, "hidden_size"),
+        ({"num_key_value_heads": 3}, "num_key_value_heads"),
+    ],
+)
+def test_hf_bad_size_in_config_is_named(tmp_path: Path, changes: dict, key: str) -> None:
+    """A size that is not a positive int (or KV heads that do not divide the query heads)
+    is a ModelLoadError naming config.json and the key, not a ZeroDivisionError."""
+    model_dir = make_tiny_model(tmp_path, "llama", tokenizer=False)
+    _edit_config(model_dir, **changes)
+    with pytest.raises(ModelLoadError, match=rf"config\.json: .*{key}"):
+        load_model(model_dir)
+
+
+@pytest.mark.parametrize("key", ["llama.attention.head_count", "llama.context_length"])
+def test_gguf_zero_size_in_metadata_is_named(tmp_path: Path, key: str) -> None:
+    path = make_tiny_gguf(tmp_path, "llama", metadata={key: 0}, **SMALL_VOCAB)
+    with pytest.raises(ModelLoadError, match=rf"\.gguf: .*'{key}' must be"):
+        load_model(path)

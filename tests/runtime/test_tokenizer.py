@@ -134,6 +134,20 @@ def test_missing_files_raise(tmp_path) -> None:
         Tokenizer.from_loaded(str(tmp_path / "absent"), None)
 
 
+def test_model_without_tokenizer_raises_naming_it(tmp_path) -> None:
+    """A GGUF without tokenizer metadata, or an HF directory without tokenizer files, is a
+    ValueError naming the file (it used to be a KeyError traceback / transformers' note
+    about sentencepiece)."""
+    from tests.tiny_models import make_tiny_gguf, make_tiny_model
+
+    path = make_tiny_gguf(tmp_path / "gguf", "llama", vocab_size=512)
+    with pytest.raises(ValueError, match=r"tiny-llama\.gguf: no tokenizer in its metadata"):
+        Tokenizer.from_loaded(os.path.dirname(path), os.path.basename(path))
+    model_dir = make_tiny_model(tmp_path / "hf", "llama", tokenizer=False)
+    with pytest.raises(ValueError, match=r"tiny-llama: no tokenizer files \(tokenizer\.json"):
+        Tokenizer.from_loaded(model_dir, None)
+
+
 def test_gguf_tokenizer_disk_cache_round_trip(tok: Tokenizer, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(tokenizer_module, "_PROCESS_CACHE", {})

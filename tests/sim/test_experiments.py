@@ -147,3 +147,25 @@ def test_cli_calibrate_and_errors(capsys, tmp_path) -> None:
     assert "unknown gpu" in capsys.readouterr().err
     path.write_text(json.dumps({"seconds": 1}) + "\n")
     assert cli.run(_parse(["--calibrate", str(path)])) == 2
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--num-kv-blocks", "0"], "num_kv_blocks must be >= 1, got 0"),
+        (["--num-kv-blocks", "-5"], "num_kv_blocks must be >= 1, got -5"),
+        (["--max-model-len", "0"], "max_model_len must be >= 1, got 0"),
+        (["--max-model-len", "16384"], "max_model_len 16384 exceeds Llama-3-8B's context 8192"),
+        (["--swap-space-gib", "nan"], "swap_space_gib must be a finite number >= 0, got nan"),
+        (["--swap-space-gib", "inf"], "swap_space_gib must be a finite number >= 0, got inf"),
+        (["--tp", "3"], "tensor parallel degree 3 must divide Llama-3-8B's 32 attention heads"),
+    ],
+)
+def test_cli_rejects_impossible_setup(capsys, flags: list[str], message: str) -> None:
+    """Values that used to be silently replaced by the default (0 blocks, 0 length), run as
+    given (a length beyond the model's context, a TP degree splitting a head) or fail with a
+    message naming no flag (a NaN swap space) are refused before anything is printed."""
+    assert cli.run(_parse(["--num-requests", "4", *flags])) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err
+    assert captured.out == ""

@@ -85,3 +85,30 @@ def test_resolved_prompt_ids_are_deterministic_and_unique() -> None:
     assert ids != resolve_prompt_token_ids(b, vocab_size=100)
     assert all(10 <= t < 100 for t in ids)
     assert not math.isnan(sum(ids))
+
+
+@pytest.mark.parametrize(
+    "line, match",
+    [
+        ('"arrival_time": Infinity', "arrival_time must be a finite number >= 0"),
+        ('"arrival_time": 0, "prompt_token_ids": [1, -5, 3]', "prompt_token_ids must be"),
+        ('"arrival_time": 0, "prompt_token_ids": ["a", "b", "c"]', "prompt_token_ids must be"),
+        ('"arrival_time": 0, "prompt_token_ids": [1.5, 2, 3]', "prompt_token_ids must be"),
+        ('"arrival_time": 0, "output_token_ids": [1, null]', "output_token_ids must be"),
+    ],
+)
+def test_bad_values_in_trace_are_named(tmp_path, line: str, match: str) -> None:
+    """Token ids that are not ids and an infinite arrival time used to load (an infinite
+    duration in simulate, type errors later in bench); now the line is refused."""
+    p = tmp_path / "w.jsonl"
+    p.write_text('{"prompt_len": 3, "output_len": 2, ' + line + "}\n")
+    with pytest.raises(ValueError, match=rf"w\.jsonl:1: bad workload line: .*{match}"):
+        load_jsonl(p)
+
+
+def test_empty_trace_file_is_refused(tmp_path) -> None:
+    """An empty trace used to replay as zero requests (simulate printed a table of zeros)."""
+    p = tmp_path / "empty.jsonl"
+    p.write_text("\n")
+    with pytest.raises(ValueError, match=r"empty\.jsonl: no requests"):
+        load_jsonl(p)

@@ -35,7 +35,8 @@ class IncrementalDetokenizer:
     (eos, length, abort), call ``flush()`` to release held-back text. The concatenation of
     all returned deltas always equals ``text``.
 
-    Stop strings are only looked for once ``min_tokens`` output tokens exist (as vLLM).
+    Stop strings are only looked for in the text after the first ``min_tokens`` output tokens
+    (a match may start before it), as vLLM v1 does.
 
     Attributes:
         token_ids: every output token fed so far (also those fed after a stop match).
@@ -84,20 +85,30 @@ class IncrementalDetokenizer:
         ``stop_token``: the last one ended the request (EOS or one of ``stop_token_ids``); it
         joins ``token_ids`` but its text is left out unless ``include_stop_str_in_output``,
         as a matched stop string's is (vLLM does the same)."""
+        before = len(self.token_ids)
         self.token_ids.extend(new_token_ids)
         if self.finished or not new_token_ids:
             return ""
         if stop_token and not self.include_stop:
             new_token_ids = new_token_ids[:-1]
+        # NOTE: the text of the first min_tokens tokens is never searched for a stop string
+        # (vLLM v1), also when one call feeds tokens from both sides of that line.
+        unsearched = min(len(new_token_ids), max(0, self.min_tokens - before))
+        head = ""
+        if unsearched:
+            self._ids.extend(new_token_ids[:unsearched])
+            head = self._emit(self._decode_new(force=False), final=False, search=False)
+            new_token_ids = new_token_ids[unsearched:]
         self._ids.extend(new_token_ids)
-        return self._emit(self._decode_new(force=False), final=False)
+        return head + self._emit(self._decode_new(force=False), final=False, search=True)
 
     def flush(self) -> str:
         """Release all held-back text (a partial stop string, an unfinished character shown
         as U+FFFD). Call once when the request finishes without a stop-string match."""
         if self.finished:
             return ""
-        delta = self._emit(self._decode_new(force=True), final=True)
+        search = len(self.token_ids) > self.min_tokens
+        delta = self._emit(self._decode_new(force=True), final=True, search=search)
         self._flushed = True
         return delta
 
@@ -138,14 +149,15 @@ class IncrementalDetokenizer:
         return new_text[len(prefix_text) :]
 
     # ------------------------------------------------------------------------ stop strings
-    def _emit(self, new_text: str, final: bool) -> str:
-        """Run stop-string checks over the new text and return what may be shown now."""
+    def _emit(self, new_text: str, final: bool, search: bool) -> str:
+        """Run stop-string checks over the new text (if ``search``) and return what may be
+        shown now."""
         if not self.stop_strings:
             return self._append(new_text)
         tail = self._tail
         window = tail + self._pending + new_text
         num_checked = len(window) - len(new_text)
-        if new_text and len(self.token_ids) >= self.min_tokens:
+        if new_text and search:
             hit = self._find_stop(window, num_checked)
             if hit is not None:
                 start, stop = hit

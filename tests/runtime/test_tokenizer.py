@@ -241,6 +241,11 @@ def test_stop_strings_wait_for_min_tokens(tok: Tokenizer) -> None:
     assert tok.convert_ids_to_tokens(ids) == ["x", ".", "Ġy", ".", "Ġz", "."]
     det, _ = stream(tok, ids, SamplingParams(stop=["."], min_tokens=3))
     assert det.stop_matched == "." and det.text == "x. y"  # the dot of token 2 is ignored
+    # vLLM v1: only text after the first min_tokens tokens is searched (token 2's dot, the
+    # min_tokens-th, too: the request gets more than min_tokens tokens of text)
+    for chunk in (1, 3):  # also when one call feeds tokens from both sides of the line
+        det, _ = stream(tok, ids, SamplingParams(stop=["."], min_tokens=2), chunk=chunk)
+        assert det.stop_matched == "." and det.text == "x. y"
     det, _ = stream(tok, ids, SamplingParams(stop=["."]))
     assert det.text == "x"
 

@@ -11,7 +11,9 @@ from kvserve.server.context import ServingContext, off_engine
 from kvserve.server.errors import APIError, engine_error, from_value_error
 from kvserve.structured.spec import StructuredOutputsParams
 
-MAX_SEED = 2**63 - 1 - 1024  # NOTE: room for seed + sample_index in the sampler's generator
+# NOTE: a 64-bit integer, as vLLM's protocol takes it (negative ones too): the sampler maps
+# any int seed (plus the sample index) onto its generator (runtime/sampler.seeded_uniform).
+SEED_RANGE = (-(2**63), 2**63 - 1)
 MAX_CHOICES = 256  # prompts x n in one request
 
 
@@ -95,8 +97,9 @@ def sampling_params(
     prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """The engine's SamplingParams for an OpenAI request (400 naming the field if invalid)."""
-    if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
-        raise APIError(f"seed must be in [0, {MAX_SEED}]", param="seed")
+    lo, hi = SEED_RANGE
+    if req.seed is not None and not lo <= req.seed <= hi:
+        raise APIError(f"seed must be a 64-bit integer, in [{lo}, {hi}]", param="seed")
     if req.top_k is not None and req.top_k > ctx.vocab_size:
         raise APIError(f"top_k must be <= the vocabulary size {ctx.vocab_size}", param="top_k")
     logit_bias = _logit_bias(ctx, req.logit_bias)

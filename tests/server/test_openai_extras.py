@@ -443,6 +443,16 @@ def test_chat_echo_prepends_the_last_message_of_the_reply_role(http: httpx.Clien
     )
 
 
+def test_any_64_bit_seed_is_a_seed(http: httpx.Client) -> None:
+    """Negative seeds too (vLLM takes any int64; the sampler maps every int onto its draws)."""
+    for seed in (-1, -(2**63), 2**63 - 1):
+        body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.0,
+                "seed": seed, "n": 2}  # fmt: skip
+        first, again = (http.post("/v1/completions", json=body) for _ in range(2))
+        assert first.status_code == 200, first.text
+        assert first.json()["choices"] == again.json()["choices"]
+
+
 def test_echo_with_max_tokens_0_scores_the_prompt(http: httpx.Client) -> None:
     prompt = "The capital of France is Paris."
     ids = http.post("/tokenize", json={"prompt": prompt}).json()["tokens"]

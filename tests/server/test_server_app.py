@@ -133,7 +133,7 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], int, str | None]] = [
     ("/v1/completions", {"prompt": 12}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "seed": -1}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**63}, 400, "seed"),  # -1 is a seed (vLLM)
     ("/v1/completions", {"prompt": "hi", "top_k": 10**6}, 400, "top_k"),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
     ("/v1/completions", {"prompt": "hi", "min_tokens": 9, "max_tokens": 2}, 400, "min_tokens"),

@@ -98,13 +98,24 @@ def hf_arch_config(config: dict[str, Any], path: str) -> ModelArchConfig:
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6 if arch == "qwen2" else 1e-5)),
         rope_theta=float(rope_theta),
         rope_scaling=rope_scaling,
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        tie_word_embeddings=_flag(config, "tie_word_embeddings", path),
         attention_bias=arch == "qwen2",
         sliding_window=int(sliding) if sliding else None,
         bos_token_id=_first_int(config.get("bos_token_id")),
         # NOTE: Llama-3 style configs list several eos ids; the first is the primary one.
         eos_token_id=_first_int(config.get("eos_token_id")),
     )
+
+
+def _flag(config: dict[str, Any], key: str, path: str) -> bool:
+    """A true/false entry of config.json (absent or null: false); ModelLoadError naming the
+    key otherwise (``bool("false")`` is true)."""
+    value = config.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ModelLoadError(f"{path}: {key!r} must be true or false, got {value!r}")
+    return value
 
 
 def _sliding_window(config: dict[str, Any], arch: str, path: str) -> int | None:

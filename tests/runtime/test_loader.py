@@ -470,6 +470,8 @@ def test_hf_sliding_window_and_defaults(tmp_path: Path) -> None:
         ({"max_position_embeddings": 0}, "max_position_embeddings"),
         ({"hidden_size": "abc"}, "hidden_size"),
         ({"num_key_value_heads": 3}, "num_key_value_heads"),
+        # a string read as a bool was true: the checkpoint's lm_head was dropped unsaid
+        ({"tie_word_embeddings": "false"}, "tie_word_embeddings"),
     ],
 )
 def test_hf_bad_size_in_config_is_named(tmp_path: Path, changes: dict, key: str) -> None:

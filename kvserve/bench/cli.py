@@ -51,7 +51,7 @@ def register(sub: argparse._SubParsersAction, engine_parser: EngineParser) -> No
 
 
 def cmd_workload(args: argparse.Namespace) -> int:
-    """Write the trace (with resolved prompt ids) to --save-workload, or stdout."""
+    """Write the trace (with resolved prompt ids) to --save-workload (required)."""
     if not args.save_workload:
         raise ValueError("bench workload needs --save-workload PATH")
     reqs = build_workload(args)

@@ -93,6 +93,12 @@ def plan_memory(
     kv = usable - weights - acts
     block_bytes_per_gpu = model.kv_bytes_per_token / kv_shards * block_size
     num_blocks = int(kv // block_bytes_per_gpu) if kv > 0 else 0
+    if kv > 0 and num_blocks < 1:  # NOTE: room is left, but not for one block of this size
+        raise ValueError(
+            f"one KV block of {block_size} tokens ({block_bytes_per_gpu / GB:.1f} GB per GPU) "
+            f"does not fit the {kv / GB:.1f} GB left for the KV cache on {tp} x "
+            f"{hardware.name}: use a smaller block_size"
+        )
     if num_blocks < 1:
         raise ValueError(
             f"{model.name} does not fit {tp} x {hardware.name}: weights {weights / GB:.1f} GB + "

@@ -42,6 +42,8 @@ class SimSetup:
                 f"tensor parallel degree {self.tp} must divide {self.model.name}'s "
                 f"{self.model.num_heads} attention heads"
             )
+        if self.seed < 0:  # NOTE: numpy's own message did not name the flag
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
         if self.num_requests is not None and self.num_requests < 1:
             raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
         if self.request_rate is not None and not self.request_rate > 0:

@@ -159,6 +159,7 @@ def test_cli_calibrate_and_errors(capsys, tmp_path) -> None:
         (["--swap-space-gib", "nan"], "swap_space_gib must be a finite number >= 0, got nan"),
         (["--swap-space-gib", "inf"], "swap_space_gib must be a finite number >= 0, got inf"),
         (["--tp", "3"], "tensor parallel degree 3 must divide Llama-3-8B's 32 attention heads"),
+        (["--seed", "-1"], "seed must be >= 0, got -1"),
     ],
 )
 def test_cli_rejects_impossible_setup(capsys, flags: list[str], message: str) -> None:

@@ -90,5 +90,8 @@ def test_memory_plan_70b_on_8xh100() -> None:
     # of KV vs ~500 GB left after fp16 weights), but they exceed 4xH100.
     assert plan.max_concurrent(8192) >= 128
     assert plan_memory(m, hw, tp=4).max_concurrent(8192) < 128
-    with pytest.raises(ValueError, match="does not fit"):
+    with pytest.raises(ValueError, match="weights .* exceed"):
         plan_memory(m, hw, tp=1)
+    # room is left, but not for one block this large: said so, not "weights exceed"
+    with pytest.raises(ValueError, match="one KV block of 10000000 tokens .* block_size"):
+        plan_memory(m, hw, tp=8, block_size=10_000_000)

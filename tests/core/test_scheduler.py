@@ -234,6 +234,17 @@ def test_hysteresis_keeps_admission_closed_until_the_watermark() -> None:
     assert_pool_idle(d.scheduler.kv)
 
 
+def test_admission_closed_figure_is_0_once_the_free_blocks_reach_the_watermark() -> None:
+    d = make_driver(num_blocks=8, resume_watermark=0.9)
+    _trio(d)
+    _first_preemption(d)
+    assert d.scheduler.stats()["admission_closed"] == 1  # 8 free blocks needed, fewer free
+    d.run()
+    # Idle, every block free: admission waits for nothing, though no step has re-checked it.
+    assert d.scheduler.kv.num_free_blocks == 8
+    assert d.scheduler.stats()["admission_closed"] == 0
+
+
 def test_without_hysteresis_the_victim_returns_while_others_run() -> None:
     d = make_driver(num_blocks=8, resume_watermark=0.0)
     a, b, c = _trio(d)

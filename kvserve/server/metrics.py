@@ -63,6 +63,26 @@ _GAUGES: list[tuple[str, tuple[str, ...], str]] = [
     ("admission_closed", ("admission_closed",), "1 while admission waits for free blocks"),
     ("num_host_blocks", ("num_host_blocks",), "Blocks of the host tier"),
     ("num_free_host_blocks", ("num_free_host_blocks",), "Free blocks of the host tier"),
+    ("host_cache_blocks", ("host_cache_blocks",), "Prefix blocks cached in the host tier"),
+    (
+        "schedule_time_per_step_s",
+        ("schedule_time_per_step_s",),
+        "Mean seconds in the scheduler per step",
+    ),
+    # NOTE: a gauge although it grows with the loads: loaded tokens x the measured average
+    # prefill rate, which can fall, so the value can go down (a counter would break rate()).
+    (
+        "host_load_recompute_seconds",
+        ("host_load_recompute_seconds",),
+        "Prefill seconds the host-tier loaded tokens would have cost at the measured rate",
+    ),
+    # --kv-allocator contiguous only
+    ("largest_free_run_blocks", ("largest_free_run_blocks",), "Longest run of free blocks"),
+    (
+        "external_fragmentation",
+        ("external_fragmentation",),
+        "1 - largest free run / free blocks",
+    ),
 ]
 _COUNTERS: list[tuple[str, tuple[str, ...], str]] = [
     ("prefix_cache_queries", ("prefix_cache_queries",), "Prompt tokens looked up"),
@@ -99,6 +119,21 @@ _COUNTERS: list[tuple[str, tuple[str, ...], str]] = [
     ("aborted_requests", ("num_aborted_requests",), "Samples aborted (or failed)"),
     ("steps", ("num_steps",), "Engine steps"),
     ("schedule_seconds", ("schedule_time_s",), "Seconds spent in the scheduler"),
+    ("host_load_tokens", ("host_load_tokens",), "Tokens of host-tier prefix blocks loaded"),
+    ("num_scheduled_requests", ("num_scheduled_requests",), "Scheduled request-steps"),
+    ("num_scheduled_tokens", ("num_scheduled_tokens",), "Scheduled tokens"),
+    ("num_steps_with_preemption", ("num_steps_with_preemption",), "Steps that preempted"),
+    (
+        "swap_fallbacks_to_recompute",
+        ("swap_fallbacks_to_recompute",),
+        "Swap preemptions done by recompute for want of host blocks",
+    ),
+    (
+        "fragmented_alloc_failures",
+        ("fragmented_alloc_failures",),
+        "Allocations refused for want of a free run although enough blocks were free",
+    ),
+    ("window_freed_blocks", ("window_freed_blocks",), "Blocks freed out of the KV window"),
 ]
 
 _LATENCY_BUCKETS = (

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+from kvserve.config import SchedulerConfig
+from kvserve.core.contiguous import ContiguousKVCacheManager
+from kvserve.core.kv_cache_config import KVWindow
+from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.metrics import HostTransferStats
+from kvserve.core.scheduler import Scheduler
+from kvserve.core.window import WindowedKVCacheManager
 from kvserve.server.metrics import ServerMetrics
 
 
@@ -63,3 +70,62 @@ def test_every_capacity_figure_of_stats_is_exported() -> None:
             values.add(float(line.rsplit(" ", 1)[1]))
     missing = {k for k, v in stats.items() if v not in values}
     assert not missing, missing
+
+
+def _exported(metrics: ServerMetrics) -> dict[str, tuple[str, float]]:
+    """Every engine-stats sample of the page: name -> (TYPE of its family, value)."""
+    types: dict[str, str] = {}
+    samples: dict[str, tuple[str, float]] = {}
+    for line in metrics.render().decode().splitlines():
+        if line.startswith("# TYPE kvserve:"):
+            _, _, name, kind = line.split()
+            types[name] = kind
+        elif line.startswith("kvserve:") and "{" not in line:
+            name, value = line.rsplit(" ", 1)
+            family = name if name in types else name.removesuffix("_total")
+            samples[name] = (types.get(family, "?"), float(value))
+    return samples
+
+
+def test_every_numeric_figure_of_the_figure_sources_is_exported() -> None:
+    # The real sources of stats()' capacity figures: the scheduler (with the KV snapshot),
+    # the host-transfer figures and the contiguous / windowed allocators' extra figures.
+    kv = KVCacheManager(8, 4)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16), kv)
+    stats: dict[str, float] = {**scheduler.stats(), **HostTransferStats().as_dict(4)}
+    stats.update(ContiguousKVCacheManager(8, 4, max_model_len=16).snapshot())
+    stats.update(WindowedKVCacheManager(8, 4, kv_window=KVWindow(4)).snapshot())
+    stats = {key: 1000.0 + i for i, key in enumerate(sorted(stats))}
+    metrics = ServerMetrics()
+    metrics.set_engine_stats(stats)
+    values = {v for _, v in _exported(metrics).values()}
+    missing = {k for k, v in stats.items() if v not in values}
+    assert not missing, missing
+
+
+def test_figures_that_can_go_down_are_gauges_and_running_totals_counters() -> None:
+    metrics = ServerMetrics()
+    metrics.set_engine_stats(
+        {
+            # load tokens x the measured average prefill rate: the rate can fall
+            "host_load_recompute_seconds": 1.5,
+            "host_cache_blocks": 3,
+            "schedule_time_per_step_s": 0.001,
+            "largest_free_run_blocks": 4,
+            "external_fragmentation": 0.5,
+            "host_load_tokens": 64,
+            "fragmented_alloc_failures": 2,
+            "swap_fallbacks_to_recompute": 1,
+        }
+    )
+    page = _exported(metrics)
+    for gauge in (
+        "host_load_recompute_seconds",
+        "host_cache_blocks",
+        "schedule_time_per_step_s",
+        "largest_free_run_blocks",
+        "external_fragmentation",
+    ):
+        assert page["kvserve:" + gauge][0] == "gauge", gauge
+    for counter in ("host_load_tokens", "fragmented_alloc_failures", "swap_fallbacks_to_recompute"):
+        assert page[f"kvserve:{counter}_total"][0] == "counter", counter

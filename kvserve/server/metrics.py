@@ -178,6 +178,9 @@ class ServerMetrics:
         self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token")
         self.itl = self._histogram("inter_token_latency_seconds", "Time between output tokens")
         self.e2e = self._histogram("e2e_request_latency_seconds", "Arrival to finish")
+        self.tpot = self._histogram(
+            "request_time_per_output_token_seconds", "Mean time per output token after the first"
+        )
         self.queue_time = self._histogram("request_queue_time_seconds", "Arrival to scheduled")
         # request id -> time its last token was routed (one entry per sample index)
         self._last_token_time: dict[str, dict[int, float]] = {}
@@ -197,7 +200,8 @@ class ServerMetrics:
 
     def on_output(self, output: RequestOutput) -> None:
         """Record inter-token gaps; TTFT and queue time at the request's first token (a
-        stream aborted later still counts, as vLLM records it); e2e on the final output."""
+        stream aborted later still counts, as vLLM records it); e2e and TPOT on the final
+        output."""
         now = time.monotonic()
         last = self._last_token_time.setdefault(output.request_id, {})
         m = output.metrics
@@ -214,8 +218,10 @@ class ServerMetrics:
                 for _ in completion.delta_token_ids:
                     self.itl.observe(gap)
             last[completion.index] = now
-        if output.finished and m is not None and m.e2e is not None:
-            self.e2e.observe(m.e2e)
+        if output.finished and m is not None:
+            for hist, value in ((self.e2e, m.e2e), (self.tpot, m.tpot)):
+                if value is not None:
+                    hist.observe(value)
 
     def on_request_done(self, request_id: str) -> None:
         """Forget a finished or aborted request."""

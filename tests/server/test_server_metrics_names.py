@@ -9,6 +9,7 @@ from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.metrics import HostTransferStats
 from kvserve.core.scheduler import Scheduler
 from kvserve.core.window import WindowedKVCacheManager
+from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.server.metrics import ServerMetrics
 
 
@@ -129,3 +130,19 @@ def test_figures_that_can_go_down_are_gauges_and_running_totals_counters() -> No
         assert page["kvserve:" + gauge][0] == "gauge", gauge
     for counter in ("host_load_tokens", "fragmented_alloc_failures", "swap_fallbacks_to_recompute"):
         assert page[f"kvserve:{counter}_total"][0] == "counter", counter
+
+
+def test_tpot_is_a_histogram_observed_once_when_a_request_finishes() -> None:
+    # DESIGN.md: ttft / tpot / itl / e2e are exported as histograms.
+    metrics = ServerMetrics()
+
+    def output(tokens: list[int], finished: bool) -> RequestOutput:
+        done = CompletionOutput(index=0, text="", token_ids=tokens, delta_token_ids=tokens[-1:])
+        m = RequestMetrics(arrival_time=0.0, ttft=0.2, tpot=0.05 if finished else None, e2e=None)
+        return RequestOutput("r", None, [1], [done], finished=finished, metrics=m)
+
+    for i in range(1, 4):
+        metrics.on_output(output(list(range(i)), finished=i == 3))
+    page = metrics.render().decode().splitlines()
+    assert "kvserve:request_time_per_output_token_seconds_count 1.0" in page
+    assert "kvserve:request_time_per_output_token_seconds_sum 0.05" in page

@@ -113,6 +113,14 @@ class AdmissionControl:
             self.closed = False
         return not self.closed
 
+    def waits(self, num_free_blocks: int) -> bool:
+        """The ``admission_closed`` figure: closed and still below the resume watermark.
+
+        NOTE: ``closed`` is cleared only when a step next checks the gate (``is_open``), so
+        read alone it stayed 1 on an idle engine whose pool was all free after a preemption.
+        """
+        return self.closed and num_free_blocks < self.resume_blocks
+
     def reserved_children(self, request: Request) -> int:
         """Unforked children that fork with the parent: up to its share of the seats."""
         return min(len(request.pending_children), self.seat_share - 1)

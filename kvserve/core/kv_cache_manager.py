@@ -19,16 +19,13 @@ Life of a request:
 4. ``fork`` shares a whole table; ``swap_out`` / ``swap_in`` move it to and from the host
    tier; ``free`` drops it (tail first, so a request's tail is evicted before its head).
 
-Layers and collaborators: ``block_tables.BlockTableManager`` (the layer below: tables over
-the pool, copy-on-write, fork, skipped blocks, free), ``host_prefix.HostPrefixTier`` (the
-host prefix tier: offload on eviction, loads of host-resident hits, reported as
-``-1 - host id``), ``swap_space.SwapSpace`` (swapped-out requests' host tables and their
-copy plans), ``slot_plan`` (what an allocation or a swap-in needs, decided before anything
-changes), ``prefix_hits``, ``integrity`` and ``metrics`` (functions). Variants (``core/window.py``,
-``core/contiguous.py``; ``create_kv_cache_manager`` picks one) change behaviour only through
-protected hooks (those of the layer below, plus ``_allocate_slots``, ``_swap_out_blocks``,
-``_blocks_for_swap_in`` and ``prefix_caching_conflict`` here), never by reaching into
-either layer's state.
+Collaborators: ``block_tables.BlockTableManager`` (the layer below: tables, copy-on-write,
+fork, skipped blocks, free), ``host_prefix.HostPrefixTier`` (offload on eviction, loads of
+host hits, reported as ``-1 - host id``), ``swap_space.SwapSpace`` (swapped-out requests),
+``slot_plan`` (what an allocation needs, decided first), ``prefix_hits``, ``integrity``,
+``metrics``. Variants (``core/window.py``, ``core/contiguous.py``) change behaviour only
+through protected hooks (the layer below's, ``_allocate_slots``, ``_swap_out_blocks``,
+``_blocks_for_swap_in``, ``prefix_caching_conflict``), never by reaching into either layer.
 
 Invariants (``check_integrity`` raises ``IntegrityError`` naming the first broken one): listed
 in ``core/integrity.py``, next to the checks; the host tier's in ``core/host_prefix.py``.
@@ -103,9 +100,6 @@ class KVCacheManager(BlockTableManager):
         )
         self._host = self._host_prefix.tier  # host block ids, shared with swap preemption
         self._swapped = SwapSpace(self._host, self.counters)
-        # Device blocks a swap-in of this step copies into (not written until the step runs:
-        # never swapped for a cached twin before then); cleared by take_pending_swaps().
-        self._swapped_in_now: set[KVBlock] = set()
 
     @classmethod
     def from_config(cls, config: KVCacheConfig) -> KVCacheManager:
@@ -266,9 +260,7 @@ class KVCacheManager(BlockTableManager):
             table.blocks.extend(fresh[num_loads : num_loads + num_needed])
         if self.enable_prefix_caching:
             num_full = min(plan.num_total, request.num_tokens) // bs
-            self.counters.dedup_blocks += cache_full_blocks(
-                self._cache, table, num_full, bs, pool, self._all_tables(), self._swapped_in_now
-            )
+            self._offer_full_blocks(table, num_full)
             # NOTE: a request's first admission only: one preempted by recompute looks its
             # tokens up again, and counting that made hits exceed the prompt tokens.
             if first and request.num_preemptions == 0:
@@ -276,11 +268,16 @@ class KVCacheManager(BlockTableManager):
                 self.counters.record_prefix_query(request.num_tokens, hits, num_loads * bs)
         return [b.block_id for b in fresh]
 
+    def _offer_full_blocks(self, table: BlockTable, num_full: int) -> None:
+        """``cache_full_blocks``, counting the duplicates swapped (``dedup_blocks``)."""
+        args = (self.block_size, self.block_pool, self._all_tables(), self._swapped.restoring)
+        self.counters.dedup_blocks += cache_full_blocks(self._cache, table, num_full, *args)
+
     def take_pending_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The host prefix tier's (offloads, loads) since the last call, for the step's
         ``blocks_to_swap_out`` / ``blocks_to_swap_in``; clears and ends the step's host pins.
         Call once per step, after the last allocation (with ``take_pending_copies``)."""
-        self._swapped_in_now.clear()
+        self._swapped.restoring.clear()
         return self._host_prefix.take_plans()
 
     # ------------------------------------------------------------------ free / fork
@@ -376,18 +373,8 @@ class KVCacheManager(BlockTableManager):
         blocks, num_reused = got
         pairs = self._swapped.restore(rid, blocks, num_reused)
         table = self._new_table(request, blocks, num_reused)
-        self._swapped_in_now.update(blocks[num_reused:])
         if self.enable_prefix_caching:
-            num_full = request.num_computed_tokens // self.block_size
-            self.counters.dedup_blocks += cache_full_blocks(
-                self._cache,
-                table,
-                num_full,
-                self.block_size,
-                self.block_pool,
-                self._all_tables(),
-                self._swapped_in_now,
-            )
+            self._offer_full_blocks(table, request.num_computed_tokens // self.block_size)
         return pairs
 
     def _blocks_for_swap_in(

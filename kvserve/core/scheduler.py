@@ -148,18 +148,11 @@ class Scheduler:
         d: dict[str, float | int] = dict(self.kv.snapshot())
         d.update(self.totals.as_dict())
         d.update(num_running=self.num_running, num_waiting=self.num_waiting)
-        d.update(num_swapped=self.num_swapped, admission_closed=int(self._admission_waits()))
+        waits = self.admission.waits(self.kv.num_free_blocks)
+        d.update(num_swapped=self.num_swapped, admission_closed=int(waits))
         if self.step_budget is not None:
             d.update(self.step_budget.stats())
         return d
-
-    def _admission_waits(self) -> bool:
-        """The ``admission_closed`` figure: closed and still below the resume watermark.
-
-        NOTE: ``admission.closed`` is cleared only when a step next checks the gate, so read
-        alone it stayed 1 on an idle engine whose pool was all free after a preemption.
-        """
-        return self.admission.closed and self.kv.num_free_blocks < self.admission.resume_blocks
 
     def observe_step(self, record: dict[str, float]) -> None:
         """Feed one executed step's record (``LLMEngine.step_records``) to the step budget."""

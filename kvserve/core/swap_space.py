@@ -24,6 +24,9 @@ class SwapSpace:
         self.tier = tier
         self.counters = counters  # the manager's: swap_out_blocks, swap_in_blocks
         self._tables: dict[str, HostTable] = {}
+        # Device blocks this step's swap-in copies into (unwritten until the step runs);
+        # cleared by the manager's take_pending_swaps().
+        self.restoring: set[KVBlock] = set()
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._tables
@@ -68,6 +71,7 @@ class SwapSpace:
         self.tier.pin(hosts[num_reused:])
         self.tier.release(reversed(hosts))
         copied = blocks[num_reused : len(hosts)]
+        self.restoring.update(copied)
         self.counters.swap_in_blocks += len(copied)
         return [
             (h.host_block_id, b.block_id) for h, b in zip(hosts[num_reused:], copied, strict=True)

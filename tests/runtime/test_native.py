@@ -492,3 +492,24 @@ def test_argmax_rows_over_vector_tails_and_late_specials(
     _ops().argmax_rows(out, logits, finite)
     assert out.tolist() == logits.max(dim=-1).indices.tolist()
     assert finite.tolist() == torch.isfinite(logits).all(dim=-1).tolist()
+
+
+def test_a_lock_left_by_a_killed_build_does_not_stop_the_next_start() -> None:
+    """torch waits on its build directory's ``lock`` file while it exists; a build killed
+    midway left one, and every later start-up waited on it forever."""
+    baton = native.build_dir() / "lock"
+    baton.parent.mkdir(parents=True, exist_ok=True)
+    baton.touch()  # what the killed build left (it held no flock any more)
+    load = (
+        "from kvserve.runtime import native as n; "
+        "n.build_extension(n.build_name(), n.SOURCES, n.build_dir(), 'the native CPU kernels')"
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", load], capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "left by a build that was killed" in done.stderr
+        assert not baton.exists()
+    finally:
+        baton.unlink(missing_ok=True)

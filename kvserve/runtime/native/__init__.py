@@ -25,7 +25,8 @@ import os
 import shutil
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -140,15 +141,40 @@ def build_extension(
     directory.mkdir(parents=True, exist_ok=True)
     if not (directory / f"{name}.so").exists():
         print(f"[kvserve] building {what} into {directory} (once)", file=sys.stderr, flush=True)
-    cpp_extension.load(
-        name=name,
-        sources=[str(src) for src in sources],
-        extra_cflags=list(cflags()),
-        extra_ldflags=list(LDFLAGS),
-        build_directory=str(directory),
-        is_python_module=False,
-        verbose=verbose,
-    )
+    with build_lock(directory):
+        cpp_extension.load(
+            name=name,
+            sources=[str(src) for src in sources],
+            extra_cflags=list(cflags()),
+            extra_ldflags=list(LDFLAGS),
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=verbose,
+        )
+
+
+@contextmanager
+def build_lock(directory: Path) -> Iterator[None]:
+    """Hold an OS file lock on ``directory`` while torch builds or loads there, and clear the
+    ``lock`` file a killed build left behind.
+
+    NOTE: torch's ``cpp_extension`` guards a build directory with a ``lock`` file that it
+    waits on while it exists; a build killed midway left it there, and every later start-up
+    waited forever. An ``flock`` is released by the OS when its holder dies, so while this
+    one is held no other kvserve process is building here and a ``lock`` file is stale.
+    """
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's own lock only
+        yield
+        return
+    with open(directory / "kvserve-build.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        baton = directory / "lock"
+        if baton.exists():
+            print(f"[kvserve] removing {baton}, left by a build that was killed", file=sys.stderr)
+            baton.unlink(missing_ok=True)
+        yield
 
 
 def _build(verbose: bool) -> None:

@@ -288,9 +288,14 @@ class AsyncLLMEngine:
                 )
 
             await self.run_in_engine(add)
-        except BaseException:
-            self._streams.pop(request_id, None)
+        except BaseException as e:
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
             stream.finished = True
+            if isinstance(e, asyncio.CancelledError):
+                # NOTE: the caller was cancelled (a client disconnect), not the add, which may
+                # have run or be running on the engine thread: abort it there, after the add.
+                self._abort_in_engine(request_id)
             raise
         assert self._wakeup is not None
         self._wakeup.set()

@@ -215,3 +215,33 @@ def test_late_abort_of_a_finished_stream_spares_a_new_request_with_its_id() -> N
         await eng.shutdown()
 
     _run(main())
+
+
+def test_add_cancelled_while_the_engine_adds_it_leaves_no_request_behind() -> None:
+    """The caller of add_request is cancelled (a client disconnect) while the engine thread
+    is adding the request: the request does not stay in the engine with nobody to read it."""
+    import threading
+
+    adding, release = threading.Event(), threading.Event()
+
+    class SlowAdd(FakeEngine):
+        def add_request(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+            adding.set()
+            release.wait(10)
+            return super().add_request(*args, **kwargs)
+
+    async def main() -> None:
+        fake = SlowAdd()
+        eng = AsyncLLMEngine(fake)
+        task = asyncio.ensure_future(eng.add_request("abc", SamplingParams(max_tokens=200)))
+        while not adding.is_set():
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        release.set()
+        await eng.run_in_engine(lambda: None)  # after the add (and any abort) on the thread
+        assert not fake.requests and eng.num_unfinished == 0
+        await eng.shutdown()
+
+    _run(main())

@@ -479,7 +479,7 @@ class LLMEngine:
             outputs=completions,
             finished=all(s.request.is_finished for s in group.samples),
             num_cached_tokens=max(head.num_cached_tokens, 0),
-            metrics=_metrics(head),
+            metrics=_metrics([s.request for s in group.samples]),
             error=group.error,
             prompt_logprobs=list(group.prompt_logprobs)
             if group.prompt_logprobs is not None
@@ -514,7 +514,9 @@ class LLMEngine:
         return out
 
 
-def _metrics(req: Request) -> RequestMetrics:
+def _metrics(samples: list[Request]) -> RequestMetrics:
+    """The request's latencies: the first sample's, but e2e ends with its last sample."""
+    req = samples[0]
     m = RequestMetrics(arrival_time=req.arrival_time)
     if req.first_scheduled_time is not None:
         m.queue_time = req.first_scheduled_time - req.arrival_time
@@ -522,8 +524,11 @@ def _metrics(req: Request) -> RequestMetrics:
         m.ttft = req.first_token_time - req.arrival_time
         if req.last_token_time is not None and req.num_output_tokens > 1:
             m.tpot = (req.last_token_time - req.first_token_time) / (req.num_output_tokens - 1)
-    if req.finished_time is not None:
-        m.e2e = req.finished_time - req.arrival_time
+    # NOTE: an n > 1 request finishes with its last sample (a forked sample samples a step
+    # after the first one, or waits for a seat), not with the first.
+    ends = [s.finished_time for s in samples]
+    if all(t is not None for t in ends):
+        m.e2e = max(t for t in ends if t is not None) - req.arrival_time
     return m
 
 

@@ -164,14 +164,17 @@ class LLMEngine:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an int, got {priority!r}")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self._groups:
-            raise ValueError(f"request_id {request_id!r} is already in use")
         max_num_seqs = self.scheduler.config.max_num_seqs
         if params.n > max_num_seqs:
             raise ValueError(
                 f"SamplingParams.n={params.n} exceeds max_num_seqs={max_num_seqs} (the samples "
                 "of one request run at once)"
             )
+        # NOTE: every sample's id, finished or not, stays the engine's until its request
+        # ends: "a#1" names sample 1 of a live "a" (and "a" with n > 1 needs "a#1" free).
+        for rid in [request_id] + [f"{request_id}#{i}" for i in range(1, params.n)]:
+            if rid in self._sample_to_group:
+                raise ValueError(f"request_id {rid!r} is already in use")
         prompt_text, token_ids = self._tokenize(prompt)
         now = time.monotonic() if arrival_time is None else arrival_time
         samples = [

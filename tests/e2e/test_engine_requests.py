@@ -61,3 +61,31 @@ def test_e2e_of_an_n_request_ends_with_its_last_sample(model_dir: Path) -> None:
     metrics = finals[0].metrics
     assert metrics is not None and metrics.e2e == last - samples[0].arrival_time
     _assert_idle(engine)
+
+
+def test_an_id_of_a_live_requests_sample_is_in_use(model_dir: Path) -> None:
+    """While request "a" (n=2) runs, "a#1" names its second sample, finished or not; the id
+    is free again once "a" ends (before, a request added as "a#1" after that sample finished
+    lost its bookkeeping when "a" ended: it never got an output)."""
+    engine = _engine(model_dir)
+    params = SamplingParams(max_tokens=6, n=2, ignore_eos=True, temperature=1.0, seed=3)
+    engine.add_request(PROMPT, params, request_id="a")
+    tokens = {c.index: c.token_ids for c in _run(engine)[-1].outputs}
+    stop = tokens[1][0]  # the second sample's first token ends it there
+    assert stop not in tokens[0]
+    params = SamplingParams(
+        max_tokens=6, n=2, ignore_eos=True, temperature=1.0, seed=3, stop_token_ids=[stop]
+    )
+    engine.add_request(PROMPT, params, request_id="a")
+    outputs: list[RequestOutput] = []
+    while not outputs or outputs[-1].outputs[1].finish_reason is None:
+        outputs += engine.step()
+    assert outputs[-1].outputs[0].finish_reason is None  # "a" runs on
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request(PROMPT, SamplingParams(max_tokens=2), request_id="a#1")
+    finals = [o for o in _run(engine) if o.finished]
+    assert [o.request_id for o in finals] == ["a"]
+    engine.add_request(PROMPT, SamplingParams(max_tokens=2), request_id="a#1")
+    finals = [o for o in _run(engine) if o.finished]
+    assert [o.request_id for o in finals] == ["a#1"]
+    _assert_idle(engine)

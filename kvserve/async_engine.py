@@ -135,7 +135,7 @@ class RequestStream:
     ``abort()`` (idempotent) cancels the request in the engine and frees its blocks.
     """
 
-    def __init__(self, request_id: str, on_abort: Callable[[str], None]) -> None:
+    def __init__(self, request_id: str, on_abort: Callable[[RequestStream], None]) -> None:
         self.request_id = request_id
         self.finished = False
         self.num_outputs = 0  # outputs consumed
@@ -167,7 +167,7 @@ class RequestStream:
         """Abort the request unless it already finished (safe to call from ``finally``)."""
         if not self.finished:
             self.finished = True
-            self._on_abort(self.request_id)
+            self._on_abort(self)
 
 
 class AsyncLLMEngine:
@@ -288,9 +288,14 @@ class AsyncLLMEngine:
                 )
 
             await self.run_in_engine(add)
-        except BaseException:
-            self._streams.pop(request_id, None)
+        except BaseException as e:
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
             stream.finished = True
+            if isinstance(e, asyncio.CancelledError):
+                # NOTE: the caller was cancelled (a client disconnect), not the add, which may
+                # have run or be running on the engine thread: abort it there, after the add.
+                self._abort_in_engine(request_id)
             raise
         assert self._wakeup is not None
         self._wakeup.set()
@@ -331,10 +336,20 @@ class AsyncLLMEngine:
         if stream is not None:
             stream.abort()
 
-    def _abort(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
+    def _abort(self, stream: RequestStream) -> None:
+        """A stream's ``abort()``: forget it and abort its request in the engine."""
+        # NOTE: only a stream the loop still routes to. One that has ended (its final output
+        # or error is queued, unread) has no request in the engine, and its id may name a
+        # newer request by now: popping and aborting that one would leave its stream hanging.
+        if self._streams.get(stream.request_id) is not stream:
+            return
+        del self._streams[stream.request_id]
         if self.observer is not None:
-            self.observer.on_request_done(request_id)
+            self.observer.on_request_done(stream.request_id)
+        self._abort_in_engine(stream.request_id)
+
+    def _abort_in_engine(self, request_id: str) -> None:
+        """Submit ``engine.abort_request`` to the engine thread (after what is queued there)."""
         if self.is_dead or self._loop is None or self._loop.is_closed():
             return
         fut = self._loop.run_in_executor(self._executor, self.engine.abort_request, request_id)

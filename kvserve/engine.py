@@ -164,14 +164,17 @@ class LLMEngine:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an int, got {priority!r}")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self._groups:
-            raise ValueError(f"request_id {request_id!r} is already in use")
         max_num_seqs = self.scheduler.config.max_num_seqs
         if params.n > max_num_seqs:
             raise ValueError(
                 f"SamplingParams.n={params.n} exceeds max_num_seqs={max_num_seqs} (the samples "
                 "of one request run at once)"
             )
+        # NOTE: every sample's id, finished or not, stays the engine's until its request
+        # ends: "a#1" names sample 1 of a live "a" (and "a" with n > 1 needs "a#1" free).
+        for rid in [request_id] + [f"{request_id}#{i}" for i in range(1, params.n)]:
+            if rid in self._sample_to_group:
+                raise ValueError(f"request_id {rid!r} is already in use")
         prompt_text, token_ids = self._tokenize(prompt)
         now = time.monotonic() if arrival_time is None else arrival_time
         samples = [
@@ -479,7 +482,7 @@ class LLMEngine:
             outputs=completions,
             finished=all(s.request.is_finished for s in group.samples),
             num_cached_tokens=max(head.num_cached_tokens, 0),
-            metrics=_metrics(head),
+            metrics=_metrics([s.request for s in group.samples]),
             error=group.error,
             prompt_logprobs=list(group.prompt_logprobs)
             if group.prompt_logprobs is not None
@@ -514,7 +517,9 @@ class LLMEngine:
         return out
 
 
-def _metrics(req: Request) -> RequestMetrics:
+def _metrics(samples: list[Request]) -> RequestMetrics:
+    """The request's latencies: the first sample's, but e2e ends with its last sample."""
+    req = samples[0]
     m = RequestMetrics(arrival_time=req.arrival_time)
     if req.first_scheduled_time is not None:
         m.queue_time = req.first_scheduled_time - req.arrival_time
@@ -522,8 +527,11 @@ def _metrics(req: Request) -> RequestMetrics:
         m.ttft = req.first_token_time - req.arrival_time
         if req.last_token_time is not None and req.num_output_tokens > 1:
             m.tpot = (req.last_token_time - req.first_token_time) / (req.num_output_tokens - 1)
-    if req.finished_time is not None:
-        m.e2e = req.finished_time - req.arrival_time
+    # NOTE: an n > 1 request finishes with its last sample (a forked sample samples a step
+    # after the first one, or waits for a seat), not with the first.
+    ends = [s.finished_time for s in samples]
+    if all(t is not None for t in ends):
+        m.e2e = max(t for t in ends if t is not None) - req.arrival_time
     return m
 
 

@@ -193,3 +193,55 @@ def test_a_failing_build_raises_to_the_caller() -> None:
 
     with pytest.raises(ValueError, match="no such model"):
         build_on_engine_thread(broken)
+
+
+def test_late_abort_of_a_finished_stream_spares_a_new_request_with_its_id() -> None:
+    """A stream whose final output its consumer never read is aborted (a disconnect) after
+    its id was reused: the new request with that id runs on and finishes."""
+
+    async def main() -> None:
+        fake = FakeEngine()
+        eng = AsyncLLMEngine(fake)
+        old = await eng.add_request("abc", SamplingParams(max_tokens=1), request_id="x")
+        await eng.run_in_engine(lambda: None)  # the step that finishes "x" was submitted
+        while eng.num_unfinished:  # "x"'s final output is queued, not read
+            await asyncio.sleep(0)
+        assert not old.finished
+        new = await eng.add_request("abc", SamplingParams(max_tokens=3), request_id="x")
+        old.abort()
+        outs = [o async for o in new]
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+        assert fake.num_aborted == 0 and eng.num_unfinished == 0
+        await eng.shutdown()
+
+    _run(main())
+
+
+def test_add_cancelled_while_the_engine_adds_it_leaves_no_request_behind() -> None:
+    """The caller of add_request is cancelled (a client disconnect) while the engine thread
+    is adding the request: the request does not stay in the engine with nobody to read it."""
+    import threading
+
+    adding, release = threading.Event(), threading.Event()
+
+    class SlowAdd(FakeEngine):
+        def add_request(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+            adding.set()
+            release.wait(10)
+            return super().add_request(*args, **kwargs)
+
+    async def main() -> None:
+        fake = SlowAdd()
+        eng = AsyncLLMEngine(fake)
+        task = asyncio.ensure_future(eng.add_request("abc", SamplingParams(max_tokens=200)))
+        while not adding.is_set():
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        release.set()
+        await eng.run_in_engine(lambda: None)  # after the add (and any abort) on the thread
+        assert not fake.requests and eng.num_unfinished == 0
+        await eng.shutdown()
+
+    _run(main())

@@ -94,11 +94,11 @@ class Tokenizer:
             hf = _PROCESS_CACHE.get(key)
             source: str | None = "process" if hf is not None else None
             if hf is None:
-                _check_has_tokenizer(path, is_gguf=gguf_file is not None)
                 if gguf_file is not None:
                     hf, from_disk = _load_gguf_tokenizer(path)
                     source = "disk" if from_disk else None
                 else:
+                    _check_has_tokenizer(path, is_gguf=False)
                     hf = _auto_tokenizer().from_pretrained(path)
                 _PROCESS_CACHE[key] = hf
         tok = cls(hf, load_time_s=time.perf_counter() - start)
@@ -311,6 +311,8 @@ def _load_gguf_tokenizer(path: str) -> tuple[Any, bool]:
         except Exception as exc:  # a damaged cache entry: rebuild it
             logger.warning("tokenizer cache %s unreadable (%s); rebuilding", cache_dir, exc)
             shutil.rmtree(cache_dir, ignore_errors=True)
+    # NOTE: checked only on a disk-cache miss: it parses the GGUF header (~70 ms).
+    _check_has_tokenizer(path, is_gguf=True)
     hf = auto.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     _save_to_cache(hf, cache_dir)
     return hf, False

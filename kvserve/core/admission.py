@@ -109,8 +109,7 @@ class AdmissionControl:
 
     def is_open(self, num_free_blocks: int) -> bool:
         """Hysteresis: closed by a preemption until the free blocks reach the watermark."""
-        if self.closed and num_free_blocks >= self.resume_blocks:
-            self.closed = False
+        self.closed = self.waits(num_free_blocks)
         return not self.closed
 
     def waits(self, num_free_blocks: int) -> bool:

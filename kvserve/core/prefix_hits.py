@@ -112,7 +112,7 @@ def cache_full_blocks(
     block_size: int,
     pool: BlockPool,
     tables: Iterable[BlockTable],
-    unwritten: Container[KVBlock] = (),
+    unwritten: Container[KVBlock],
 ) -> int:
     """Offer the table's full blocks [num_cached_blocks, num_full) to the prefix cache.
 

@@ -4,8 +4,8 @@ Every call into the engine (add, abort, step, stats, integrity checks) runs on o
 thread, in submission order, so the engine never sees two callers at once and the event loop
 keeps serving while a step (10-100 ms of CPU work) runs. One asyncio task drives the loop:
 it submits ``step()`` to the worker, waits for it, and routes each RequestOutput to the
-asyncio.Queue of its request. That queue is the only coordination point between a request's
-handler and the loop.
+RequestStream of its request, which holds at most one unread output (later ones merge into
+it). That stream is the only coordination point between a request's handler and the loop.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import RequestOutput, merge_outputs
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured.spec import StructuredOutputsParams
 
@@ -131,42 +131,77 @@ class OutputObserver(Protocol):
 class RequestStream:
     """Async iterator over one request's RequestOutputs (per-step deltas); ends when finished.
 
-    Raises EngineDeadError if the step loop dies while the request is pending.
+    Holds at most one unread output: an output routed while the previous one is unread is
+    merged into it (``outputs.merge_outputs``), so a consumer that reads every step gets one
+    output per step, and a slow one fewer outputs whose deltas span several steps, with the
+    same tokens, text and logprobs in total. Raises EngineDeadError (or the request's own
+    error) after any unread output once the request has failed.
     ``abort()`` (idempotent) cancels the request in the engine and frees its blocks.
     """
 
     def __init__(self, request_id: str, on_abort: Callable[[RequestStream], None]) -> None:
         self.request_id = request_id
         self.finished = False
-        self.num_outputs = 0  # outputs consumed
-        self.num_received = 0  # outputs routed here by the loop
+        # Outputs taken by the consumer: each is one step's output, or several merged.
+        self.num_outputs = 0
+        # Outputs routed here by the loop: one per engine step that touched the request.
+        self.num_received = 0
         self._on_abort = on_abort
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        # NOTE: one pending output and a terminal error, not a queue: a consumer that stops
+        # reading (a stalled HTTP client) would otherwise queue one output per step, each
+        # with copies of the whole token and logprob lists (memory quadratic in its length).
+        self._pending: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()  # set while __anext__ would not wait
+
+    @property
+    def num_pending(self) -> int:
+        """Items waiting for the consumer: the unread (merged) output and the error, 0-2."""
+        return (self._pending is not None) + (self._error is not None)
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        """Called by the loop task only (same thread as the consumer)."""
-        self.num_received += 1
-        self._queue.put_nowait(item)
+        """Called by the loop task only (same thread as the consumer). An output merges into
+        the unread one; an exception ends the stream after it (the first one is kept)."""
+        if isinstance(item, BaseException):
+            if self._error is None:
+                self._error = item
+        else:
+            self.num_received += 1
+            pending = self._pending
+            self._pending = item if pending is None else merge_outputs(pending, item)
+        self._ready.set()
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
+        await self.wait_ready()
         if self.finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        self.num_outputs += 1
-        if item.finished:
-            self.finished = True
-        return item
+        if self._pending is not None:
+            out, self._pending = self._pending, None
+            if self._error is None:
+                self._ready.clear()
+            self.num_outputs += 1
+            if out.finished:
+                self.finished = True
+            return out
+        assert self._error is not None
+        self.finished = True
+        raise self._error
+
+    async def wait_ready(self) -> None:
+        """Return once ``__anext__`` would not wait: an output or an error is pending, or the
+        stream has ended. Takes nothing (a reader of several streams waits on all at once)."""
+        if not self.finished:
+            await self._ready.wait()
 
     def abort(self) -> None:
         """Abort the request unless it already finished (safe to call from ``finally``)."""
         if not self.finished:
             self.finished = True
+            self._pending = None  # NOTE: nobody will read it: free its lists now
+            self._ready.set()  # a consumer waiting on the stream ends
             self._on_abort(self)
 
 
@@ -339,7 +374,7 @@ class AsyncLLMEngine:
     def _abort(self, stream: RequestStream) -> None:
         """A stream's ``abort()``: forget it and abort its request in the engine."""
         # NOTE: only a stream the loop still routes to. One that has ended (its final output
-        # or error is queued, unread) has no request in the engine, and its id may name a
+        # or error is pending, unread) has no request in the engine, and its id may name a
         # newer request by now: popping and aborting that one would leave its stream hanging.
         if self._streams.get(stream.request_id) is not stream:
             return

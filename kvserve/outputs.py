@@ -55,3 +55,29 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: None for the first prompt token, then one entry per
     # prompt token (its raw logprob plus the top-N); filled once the prompt is computed.
     prompt_logprobs: list[LogprobsEntry | None] | None = None
+
+
+def merge_outputs(pending: RequestOutput, new: RequestOutput) -> RequestOutput:
+    """One output equal to reading ``pending`` then ``new`` (two steps of one request).
+
+    Everything of an output is the request's state at its step (text, token ids, logprobs,
+    finish, metrics, prompt logprobs) except each sample's ``delta_text`` and
+    ``delta_token_ids``, which are what that step added: ``new`` is kept, with each sample's
+    deltas being those of ``pending`` followed by its own. Returns ``new``, updated in place;
+    ``pending`` must not be used afterwards (its delta lists are reused).
+    """
+    olds = {c.index: c for c in pending.outputs}
+    for c in new.outputs:
+        old = olds.pop(c.index, None)
+        if old is None:
+            continue
+        # NOTE: extend the pending list (amortized O(new tokens)), not a fresh concatenation:
+        # a reader that never reads gets a merge every step of its request.
+        old.delta_token_ids.extend(c.delta_token_ids)
+        c.delta_token_ids = old.delta_token_ids
+        c.delta_text = old.delta_text + c.delta_text
+    if olds:
+        # NOTE: the engine sends every sample in every output; should a sample be missing from
+        # ``new``, its pending state is kept rather than lost.
+        new.outputs = sorted([*new.outputs, *olds.values()], key=lambda c: c.index)
+    return new

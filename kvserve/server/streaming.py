@@ -30,13 +30,14 @@ logger = logging.getLogger("kvserve.server")
 
 @dataclass
 class ChoiceDelta:
-    """What one choice of a streamed response got in one engine step."""
+    """What one choice of a streamed response got since its last chunk: one engine step, or
+    several merged (``RequestStream``) when the client reads slower than the engine steps."""
 
     index: int  # the choice's index in the response: prompt index * n + sample index
-    output: RequestOutput  # its request's output of this step
+    output: RequestOutput  # its request's output (of the latest of those steps)
     completion: CompletionOutput
     start: int  # the first new token in completion.token_ids
-    new_finish: bool  # the choice finished in this step
+    new_finish: bool  # the choice finished in those steps
 
 
 async def stream_events(
@@ -82,41 +83,48 @@ async def merge_streams(
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Yield ``(stream index, output)`` from several streams as outputs arrive.
 
-    Every stream still open is aborted when the consumer stops early (close, cancel, error).
+    An output is taken from its stream only when the consumer asks for the next one, so the
+    steps of a slow consumer merge in the streams (``RequestStream``) rather than queueing
+    here. Every stream still open is aborted when the consumer stops early (close, cancel,
+    error).
     """
     try:
         if len(streams) == 1:
             async for out in streams[0]:
                 yield 0, out
             return
-        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
-
-        async def pump(i: int, stream: RequestStream) -> None:
-            try:
-                async for out in stream:
-                    queue.put_nowait((i, out))
-            except Exception as e:  # noqa: BLE001 - handed to the consumer
-                queue.put_nowait((i, e))
-            finally:
-                queue.put_nowait((i, None))
-
-        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-        try:
-            num_open = len(streams)
-            while num_open:
-                i, item = await queue.get()
-                if item is None:
-                    num_open -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield i, item
-        finally:
-            for t in tasks:
-                t.cancel()
+        # NOTE: aclosing: an early stop cancels the waiter tasks now, not at garbage collection.
+        async with aclosing(_take_when_ready(streams)) as items:
+            async for item in items:
+                yield item
     finally:
         for s in streams:
             s.abort()
+
+
+async def _take_when_ready(
+    streams: list[RequestStream],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """``merge_streams`` of several streams: wait until some are ready, then take and yield
+    their outputs one at a time (a stream's error is raised)."""
+    # NOTE: waiters only watch; the output is taken just before it is yielded, so what arrives
+    # while the consumer is busy with another stream's output merges into the unread one.
+    waiters = {i: asyncio.ensure_future(s.wait_ready()) for i, s in enumerate(streams)}
+    try:
+        while waiters:
+            await asyncio.wait(waiters.values(), return_when=asyncio.FIRST_COMPLETED)
+            for i in [i for i, w in waiters.items() if w.done()]:
+                del waiters[i]
+                try:
+                    out = await streams[i].__anext__()  # ready: returns at once
+                except StopAsyncIteration:
+                    continue
+                yield i, out
+                if not streams[i].finished:
+                    waiters[i] = asyncio.ensure_future(streams[i].wait_ready())
+    finally:
+        for w in waiters.values():
+            w.cancel()
 
 
 async def collect_or_disconnect(raw: Request, streams: list[RequestStream]) -> list[RequestOutput]:

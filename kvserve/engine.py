@@ -267,15 +267,18 @@ class LLMEngine:
         """Run one scheduler iteration; returns outputs of requests that changed."""
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
-        self.structured.prepare(sched, self.scheduler.get_request)
+        grammar_faults = self.structured.prepare(sched, self.scheduler.get_request)
         # NOTE: requests whose own work fails (a raise isolated by bisection, non-finite
         # logits, a bad draw) come back in runner_out.failed; a fault no request can be
         # blamed for raises StepFault and stops the engine.
         runner_out = execute_isolated(self.runner.execute, sched)
         failed = self._fail_faulted(sched, runner_out.failed)
+        # NOTE: a request the grammar engine failed still ran in the forward (its KV is
+        # written, so readers of its blocks are unaffected); its sampled token is ignored.
+        failed.update(self._fail_grammar_faults(grammar_faults))
         self.host_transfers.record(sched, runner_out, self.kv_cache_manager.counters)
         changed = self.scheduler.update_from_output(sched, runner_out)
-        self._after_step_extras(runner_out, changed)
+        failed.update(self._after_step_extras(runner_out, changed))
         now = time.monotonic()
         touched: dict[str, _Group] = {}
         for req in changed:
@@ -394,6 +397,23 @@ class LLMEngine:
                     break
         return readers
 
+    def _fail_grammar_faults(self, faults: dict[str, str]) -> dict[str, _Group]:
+        """Fail every request (all samples of its group) the grammar engine failed (request
+        id -> reason, from StructuredOutputManager); returns them. Unlike a runner fault, the
+        KV of their step was written: their blocks stay valid for prefix hits."""
+        out: dict[str, _Group] = {}
+        for rid, reason in faults.items():
+            group = self._sample_to_group.get(rid)
+            if group is None:  # not the engine's own (a test's scheduler-level request)
+                self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+                continue
+            if group.error is not None:
+                continue  # already failed in this step (a runner fault)
+            self._fail_group(group, reason)
+            out[group.request_id] = group
+        self.num_failed_requests += len(out)
+        return out
+
     def _fail_group(self, group: _Group, reason: str) -> None:
         """Finish every sample of ``group`` with an error; frees their blocks."""
         if group.error is None:
@@ -401,10 +421,11 @@ class LLMEngine:
         ids = [s.request.request_id for s in group.samples if not s.request.is_finished]
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
 
-    def _after_step_extras(self, runner_out: Any, changed: list[Request]) -> None:
+    def _after_step_extras(self, runner_out: Any, changed: list[Request]) -> dict[str, _Group]:
         """Structured output and prompt logprobs: matchers consume the new tokens (an
-        unfinished request whose grammar has ended stops); prompt logprobs are recorded."""
-        ended = self.structured.update(changed)
+        unfinished request whose grammar has ended stops); prompt logprobs are recorded.
+        Returns the requests failed because the grammar engine raised for them."""
+        ended, grammar_faults = self.structured.update(changed)
         if ended:
             self.scheduler.finish_requests(ended, RequestStatus.FINISHED_STOPPED)
         for rid, (first_pos, entries) in runner_out.prompt_logprobs.items():
@@ -415,6 +436,7 @@ class LLMEngine:
                 # NOTE: a recompute preemption scores the prompt again; keep the first.
                 if pos == len(group.prompt_logprobs):
                     group.prompt_logprobs.append(entry)
+        return self._fail_grammar_faults(grammar_faults)
 
     def _consume_tokens(
         self, state: _SampleState, logprobs: LogprobsEntry | None, now: float

@@ -54,6 +54,10 @@ class Request:
     sample_index: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Of num_computed_tokens, those it got without computing them since it was last admitted:
+    # a prefix-cache hit (device or host tier), or the prompt a forked sample shares with its
+    # parent. A recompute preemption counts only the rest as wasted work.
+    num_reused_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_cached_tokens: int = (

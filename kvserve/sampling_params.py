@@ -28,7 +28,9 @@ class SamplingParams:
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1  # -1 (or 0) disables top-k
+    # -1 (or 0) disables top-k; a value above the vocabulary size is clipped to it (no
+    # restriction), as vLLM.
+    top_k: int = -1
     min_p: float = 0.0
     seed: int | None = None
     max_tokens: int | None = 16  # None = up to the model's context length

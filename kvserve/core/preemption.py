@@ -7,11 +7,12 @@ The policy (``core/policy.py``) ranks requests; this module applies it:
   victims: their new blocks may already sit in the prefix cache and must be written by this
   step's forward pass.
 - ``release_victim``: the preemption modes (``SchedulerConfig.preemption_mode``).
-  "recompute" frees the victim's blocks, discards its ``num_computed_tokens`` (counted as
-  wasted); the scheduler puts it back in the waiting queue (status PREEMPTED, ahead of fresh
-  requests of its priority); its output tokens are kept and recomputed with the prompt, and
-  the prefix cache may restore most of its blocks. "swap" moves its blocks to the host tier
-  (status SWAPPED); if the host tier is full it falls back to recompute.
+  "recompute" frees the victim's blocks, discards its ``num_computed_tokens`` (those it
+  computed itself, not its prefix-hit or forked ones, are counted as wasted); the scheduler
+  puts it back in the waiting queue (status PREEMPTED, ahead of fresh requests of its
+  priority); its output tokens are kept and recomputed with the prompt, and the prefix cache
+  may restore most of its blocks. "swap" moves its blocks to the host tier (status SWAPPED);
+  if the host tier is full it falls back to recompute.
 """
 
 from __future__ import annotations
@@ -75,8 +76,11 @@ def release_victim(
             return
         totals.swap_fallbacks_to_recompute += 1
     totals.preemptions_recompute += 1
-    totals.recomputed_tokens_wasted += victim.num_computed_tokens
-    step.stats.num_recomputed_tokens += victim.num_computed_tokens
+    # NOTE: only the tokens it computed itself: its prefix-hit (or forked) tokens cost no
+    # compute, so dropping them wastes none.
+    wasted = victim.num_computed_tokens - victim.num_reused_tokens
+    totals.recomputed_tokens_wasted += wasted
+    step.stats.num_recomputed_tokens += wasted
     kv.free(victim)
-    victim.num_computed_tokens = 0
+    victim.num_computed_tokens = victim.num_reused_tokens = 0
     victim.status = RequestStatus.PREEMPTED

@@ -19,7 +19,7 @@ class StepStats:
     num_scheduled_requests: int = 0
     num_scheduled_tokens: int = 0
     num_preemptions: int = 0
-    num_recomputed_tokens: int = 0  # num_computed_tokens discarded by recompute preemption
+    num_recomputed_tokens: int = 0  # tokens a victim computed, discarded by recompute preemption
     num_free_blocks: int = 0
     kv_usage: float = 0.0
     schedule_time_s: float = 0.0  # perf_counter time spent in schedule()
@@ -38,7 +38,7 @@ class SchedulerStats:
     preemptions_swap: int = 0
     swap_fallbacks_to_recompute: int = 0  # swap wanted but the host tier was full
     priority_preemptions: int = 0  # of preemptions: for a more important waiting request
-    recomputed_tokens_wasted: int = 0
+    recomputed_tokens_wasted: int = 0  # tokens computed, then discarded by recompute preemption
     max_concurrent_requests: int = 0  # peak number of RUNNING requests
     num_finished_requests: int = 0
     num_aborted_requests: int = 0

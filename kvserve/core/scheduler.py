@@ -353,7 +353,7 @@ class Scheduler:
         if new_block_ids is None:
             return False
         self.waiting.pop(0)
-        request.num_computed_tokens = num_hit
+        request.num_computed_tokens = request.num_reused_tokens = num_hit
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = min(num_hit, request.num_prompt_tokens)
         request.status = RequestStatus.RUNNING
@@ -412,7 +412,7 @@ class Scheduler:
             self._enqueue_waiting(child)
         for child in children[:num_fork]:
             self.kv.fork(parent, child)
-            child.num_computed_tokens = parent.num_prompt_tokens - 1
+            child.num_computed_tokens = child.num_reused_tokens = parent.num_prompt_tokens - 1
             child.num_cached_tokens = parent.num_cached_tokens
             child.status = RequestStatus.RUNNING
             self.running.append(child)

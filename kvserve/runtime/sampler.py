@@ -334,6 +334,8 @@ def _truncated_probs(
         log_min_p = [math.log(p.min_p) if p.min_p > 0.0 else -math.inf for p in params]
         threshold = logits.amax(dim=-1, keepdim=True) + _column(log_min_p, logits)  # [M, 1]
         logits = logits.masked_fill(logits < threshold, float("-inf"))
+    # NOTE: top_k -1 or 0 (off) and any top_k >= the vocabulary keep the whole row (vLLM
+    # clips top_k to the vocabulary).
     top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     top_ps = [p.top_p for p in params]
     rows = [j for j in range(len(params)) if top_ks[j] < vocab or top_ps[j] < 1.0]

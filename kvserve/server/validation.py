@@ -100,8 +100,8 @@ def sampling_params(
     lo, hi = SEED_RANGE
     if req.seed is not None and not lo <= req.seed <= hi:
         raise APIError(f"seed must be a 64-bit integer, in [{lo}, {hi}]", param="seed")
-    if req.top_k is not None and req.top_k > ctx.vocab_size:
-        raise APIError(f"top_k must be <= the vocabulary size {ctx.vocab_size}", param="top_k")
+    # NOTE: no upper bound on top_k: as vLLM, one above the vocabulary size means no
+    # restriction (the sampler clips it to the vocabulary).
     logit_bias = _logit_bias(ctx, req.logit_bias)
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
     if stop is not None and any(not s for s in stop):

@@ -11,10 +11,16 @@ Life cycle of a matcher, keyed by request id (core/ and the runner never see one
 - recompute preemption drops the matcher; it is rebuilt from the tokens already generated
   when the request runs again. A swapped-out request keeps its matcher. ``free`` (finish,
   abort) releases it.
+
+Fault isolation: an exception the grammar engine raises for one sequence (building its
+mask, consuming its token, rebuilding its matcher) is that sequence's fault, as a runner fault
+pinned on one request is: ``prepare`` and ``update`` catch it, drop that matcher and report
+the request id with the reason; the engine fails that request alone and steps on.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +33,8 @@ from kvserve.request import Request, RequestStatus
 from kvserve.structured.compiler import DEFAULT_CACHE_SIZE, GrammarCompiler
 from kvserve.structured.spec import StructuredOutputsParams
 
+logger = logging.getLogger("kvserve.structured")
+
 
 @dataclass(slots=True)
 class _SeqGrammar:
@@ -34,6 +42,7 @@ class _SeqGrammar:
 
     matcher: Any  # llguidance.LLMatcher
     num_consumed: int = 0
+    dead_logged: bool = False  # the "grammar allows no token" warning was logged
 
 
 @dataclass(slots=True)
@@ -43,6 +52,7 @@ class StructuredStats:
     num_rebuilt: int = 0  # matchers rebuilt after a recompute preemption
     num_forked: int = 0  # n > 1 samples given a copy of the first sample's matcher
     num_rejected_tokens: int = 0  # sampled tokens the grammar refused (should stay 0)
+    num_faults: int = 0  # sequences failed by the grammar engine (it raised, or no token)
     num_masked_rows: int = 0
     mask_seconds: float = 0.0
 
@@ -114,48 +124,105 @@ class StructuredOutputManager:
 
     # ---- per step ---------------------------------------------------------------------------
 
-    def prepare(self, sched: SchedulerOutput, get_request: Callable[[str], Request | None]) -> None:
+    def prepare(
+        self, sched: SchedulerOutput, get_request: Callable[[str], Request | None]
+    ) -> dict[str, str]:
         """Drop the matchers of requests this step preempted for recompute, then set
-        ``sched.grammar_bitmask`` for the constrained requests that sample (None if none)."""
+        ``sched.grammar_bitmask`` for the constrained requests that sample (None if none).
+
+        Returns the requests the grammar engine failed (request id -> reason): it raised
+        for them, or their grammar allows no token and there is no EOS to end them with.
+        They get no bitmask row and their matchers are dropped; the caller fails them (the
+        token the runner samples for them is never used).
+        """
+        faults: dict[str, str] = {}
         if not self._specs:
-            return
+            return faults
         for rid in sched.preempted_req_ids:
             req = get_request(rid)
             if req is not None and req.status == RequestStatus.PREEMPTED:
                 self._states.pop(rid, None)
         rows = [sr for sr in sched.scheduled if sr.sample and sr.request_id in self._specs]
         if not rows:
-            return
+            return faults
         t0 = time.perf_counter()
         bitmask = np.zeros((len(rows), self._num_words), dtype=np.int32)  # [G, ceil(V/32)]
         for i, sr in enumerate(rows):
-            state = self._sync(sr.request_id, sr.output_token_ids)
-            matcher = state.matcher
-            if not (matcher.is_error() or matcher.is_stopped()):
-                row = bitmask[i]
-                matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+            try:
+                self._fill_row(sr.request_id, sr.output_token_ids, bitmask[i])
+            except Exception as e:  # noqa: BLE001 - this sequence's grammar only
+                reason = f"structured output failed computing the mask: {e!r}"
+                faults[sr.request_id] = self._fault(sr.request_id, reason)
         # NOTE: a matcher in an error state, stopped, or with nothing allowed gets EOS only:
-        # the request ends instead of sampling from an empty distribution.
+        # the request ends instead of sampling from an empty distribution (as vLLM does).
         empty = ~bitmask.any(axis=1)
         if empty.any() and self.eos_token_id is not None:
             word, bit = divmod(self.eos_token_id, 32)
             bitmask[empty, word] = np.array([1 << bit], dtype=np.uint32).view(np.int32)[0]
-        sched.grammar_bitmask = GrammarBitmask([sr.request_id for sr in rows], bitmask)
-        self.stats.num_masked_rows += len(rows)
+        elif empty.any():
+            for i in np.flatnonzero(empty):
+                rid = rows[i].request_id
+                if rid not in faults:
+                    reason = "structured output: the grammar allows no next token (and no EOS)"
+                    faults[rid] = self._fault(rid, reason)
+        keep = [i for i, sr in enumerate(rows) if sr.request_id not in faults]
+        if keep:
+            # NOTE: a failed request's row is left out: its token is sampled unconstrained
+            # (never from an empty row) and then ignored.
+            ids = [rows[i].request_id for i in keep]
+            sched.grammar_bitmask = GrammarBitmask(ids, bitmask[keep] if faults else bitmask)
+        self.stats.num_masked_rows += len(keep)
         self.stats.mask_seconds += time.perf_counter() - t0
+        return faults
 
-    def update(self, changed: list[Request]) -> list[str]:
-        """Feed the new output tokens of ``changed`` to their matchers. Returns the ids of
-        unfinished requests whose grammar has ended (the caller finishes them: "stop")."""
-        ended = []
+    def update(self, changed: list[Request]) -> tuple[list[str], dict[str, str]]:
+        """Feed the new output tokens of ``changed`` to their matchers.
+
+        Returns the ids of unfinished requests whose grammar has ended (the caller finishes
+        them: "stop") and the requests the grammar engine raised for (request id -> reason;
+        their matchers are dropped, the caller fails them).
+        """
+        ended: list[str] = []
+        faults: dict[str, str] = {}
         for req in changed:
             rid = req.request_id
             if rid not in self._specs or rid not in self._states:
                 continue
-            state = self._sync(rid, req.output_token_ids)
-            if not req.is_finished and state.matcher.is_stopped():
+            try:
+                state = self._sync(rid, req.output_token_ids)
+                stopped = state.matcher.is_stopped()
+            except Exception as e:  # noqa: BLE001 - this sequence's grammar only
+                reason = f"structured output failed consuming the sampled token: {e!r}"
+                faults[rid] = self._fault(rid, reason)
+                continue
+            if not req.is_finished and stopped:
                 ended.append(rid)
-        return ended
+        return ended, faults
+
+    def _fill_row(self, request_id: str, output_token_ids: list[int], row: np.ndarray) -> None:
+        """Write the sequence's allowed next tokens into ``row`` (left all zero when its
+        matcher is stopped or in an error state)."""
+        state = self._sync(request_id, output_token_ids)
+        matcher = state.matcher
+        if not (matcher.is_error() or matcher.is_stopped()):
+            matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        if matcher.is_error() and not state.dead_logged:
+            # NOTE: a grammar that dead-ends (no token can extend the output) ends the request
+            # with EOS and finish reason "stop", as vLLM does; the warning says why it ended.
+            state.dead_logged = True
+            reason = (matcher.get_error().strip().splitlines() or ["(no message)"])[0]
+            logger.warning(
+                "request %s: its grammar allows no next token (%s): it ends with EOS",
+                request_id,
+                reason,
+            )
+
+    def _fault(self, request_id: str, reason: str) -> str:
+        """Drop the matcher of a sequence the grammar engine failed; returns ``reason``."""
+        logger.warning("request %s: %s", request_id, reason)
+        self._states.pop(request_id, None)
+        self.stats.num_faults += 1
+        return reason
 
     def _sync(self, request_id: str, output_token_ids: list[int]) -> _SeqGrammar:
         """The sequence's matcher, advanced over every output token it has not consumed

@@ -326,6 +326,58 @@ def test_recompute_counts_wasted_tokens_and_keeps_outputs() -> None:
     assert_pool_idle(d.scheduler.kv)
 
 
+def test_recompute_waste_leaves_out_prefix_hit_tokens() -> None:
+    d = make_driver(num_blocks=6)
+    p = make_request("p", prompt(8, base=1), max_tokens=1)
+    d.scheduler.add_request(p)
+    d.run()  # p's two prompt blocks stay in the prefix cache
+    a = make_request("a", prompt(8), max_tokens=12)
+    b = make_request("b", prompt(8, base=1) + prompt(4, base=5), max_tokens=12)
+    d.scheduler.add_request(a)
+    d.scheduler.add_request(b)
+    sched, _ = d.step()
+    # b hit p's blocks 0 and 1 (8 tokens, no compute) and computed its last 4 prompt tokens.
+    assert [(sr.request_id, sr.start_pos, sr.block_ids) for sr in sched.scheduled] == [
+        ("a", 0, [2, 3]),
+        ("b", 8, [0, 1, 4]),
+    ]
+    assert (b.num_cached_tokens, b.num_reused_tokens) == (8, 8)
+    sched, _ = d.step()
+    assert sched.preempted_req_ids == {"b"}  # b's 13th token needs a fourth block
+    # 12 tokens were computed for b, 4 of them by b: only those are wasted.
+    assert d.scheduler.totals.recomputed_tokens_wasted == 4
+    assert d.scheduler.last_step.num_recomputed_tokens == 4
+    assert (b.num_computed_tokens, b.num_reused_tokens) == (0, 0)
+    d.run()
+    assert d.scheduler.totals.preemptions == 1
+    assert d.scheduler.totals.recomputed_tokens_wasted == 4
+    assert_expected(d, p, a, b)
+    assert_pool_idle(d.scheduler.kv)
+
+
+def test_recompute_waste_of_a_forked_sample_leaves_out_its_shared_prompt() -> None:
+    d = make_driver(num_blocks=6)
+    f = make_request("f", prompt(8), max_tokens=12, n=2)
+    child = f.pending_children[0]
+    d.scheduler.add_request(f)
+    wasted_at: dict[int, int] = {}
+    d.on_step = lambda sched, _touched: wasted_at.update(
+        {len(d.outputs) - 1: d.scheduler.last_step.num_recomputed_tokens}
+    )
+    k = _first_preemption(d)
+    # The fork shared the parent's first 7 prompt tokens; the child then computed 8 (its
+    # copy of the 8th and 7 of its own): 8 wasted, not 15.
+    assert (k, d.outputs[k].preempted_req_ids) == (9, {"f#1"})
+    assert d.scheduler.totals.recomputed_tokens_wasted == wasted_at[9] == 8
+    d.run()
+    # Re-admitted with a 12-token prefix hit, it computed 4 before its second preemption.
+    assert d.scheduler.totals.preemptions == 2
+    assert [n for n in wasted_at.values() if n] == [8, 4]
+    assert d.scheduler.totals.recomputed_tokens_wasted == 12
+    assert_expected(d, f, child)
+    assert_pool_idle(d.scheduler.kv)
+
+
 def test_swap_round_trip_swaps_in_before_new_admissions() -> None:
     d = make_driver(num_blocks=6, num_host_blocks=12, preemption_mode="swap")
     a, b = _pressure_pair(d)

@@ -63,6 +63,20 @@ def test_e2e_of_an_n_request_ends_with_its_last_sample(model_dir: Path) -> None:
     _assert_idle(engine)
 
 
+def test_top_k_above_the_vocabulary_samples_as_top_k_disabled(model_dir: Path) -> None:
+    engine = _engine(model_dir)
+    vocab = engine.arch.vocab_size
+    tokens = {}
+    for top_k in (-1, vocab + 1000):
+        params = SamplingParams(temperature=1.0, seed=11, top_k=top_k, max_tokens=12, n=2)
+        rid = engine.add_request(PROMPT, params)
+        finals = [o for o in _run(engine) if o.request_id == rid and o.finished]
+        tokens[top_k] = [c.token_ids for c in finals[0].outputs]
+    assert tokens[vocab + 1000] == tokens[-1]
+    assert len({t for ids in tokens[-1] for t in ids}) > 4  # sampled, not one repeated token
+    assert engine.kv_cache_manager.usage == 0.0 and engine.num_request_states == 0
+
+
 def test_an_id_of_a_live_requests_sample_is_in_use(model_dir: Path) -> None:
     """While request "a" (n=2) runs, "a#1" names its second sample, finished or not; the id
     is free again once "a" ends (before, a request added as "a#1" after that sample finished

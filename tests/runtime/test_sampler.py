@@ -207,6 +207,31 @@ def test_top_k_one_is_greedy_inside_a_mixed_batch() -> None:
     assert torch.equal(logits, before)
 
 
+@pytest.mark.parametrize("with_truncated_row", [False, True])
+def test_top_k_above_the_vocabulary_is_no_restriction(with_truncated_row: bool) -> None:
+    """top_k > vocab (accepted, as vLLM) draws exactly what top_k disabled draws, seeded or
+    not, alone or next to a row that is truncated (the candidate path)."""
+    logits = random_logits(6, seed=4)
+
+    def draws(top_k: int) -> list[list[int]]:
+        sampler = Sampler(VOCAB, seed=9)
+        out = []
+        for pos in range(40):  # 40 draws per row: a seeded row's draw depends on its position
+            reqs = [
+                make_req(f"r{i}", SamplingParams(temperature=1.3, top_k=top_k),
+                         output=[0] * pos, seed=100 + i if i % 2 else None)
+                for i in range(5)
+            ]  # fmt: skip
+            if with_truncated_row:
+                reqs.append(make_req("k", SamplingParams(temperature=1.3, top_k=3), seed=7))
+            out.append(sampler.sample(logits[: len(reqs)], reqs)[0])
+        return out
+
+    disabled = draws(-1)
+    assert len({t for row in disabled for t in row[:5]}) > 10  # really sampled, not argmax
+    assert draws(VOCAB + 1000) == disabled == draws(VOCAB) == draws(0)
+
+
 def test_padding_columns_past_vocab_are_never_sampled() -> None:
     logits = torch.zeros((4, VOCAB + 8))
     logits[:, VOCAB:] = 100.0  # padding columns look most likely

@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kvserve.sampling_params import SamplingParams
 from kvserve.server.app import build_app, lifespan
 from tests.server.fake_engine import FakeEngine
 
@@ -134,7 +135,8 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], int, str | None]] = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "seed": 2**63}, 400, "seed"),  # -1 is a seed (vLLM)
-    ("/v1/completions", {"prompt": "hi", "top_k": 10**6}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "top_k": -2}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "top_k": 2.5}, 400, "top_k"),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
     ("/v1/completions", {"prompt": "hi", "min_tokens": 9, "max_tokens": 2}, 400, "min_tokens"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-9"}, 404, "model"),
@@ -176,6 +178,31 @@ def test_bad_request_then_good_request(
         assert not fake.requests
         ok = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert ok.status_code == 200 and len(ok.json()["choices"][0]["text"]) == 2
+
+    _with_client(check)
+
+
+def test_top_k_above_the_vocabulary_is_accepted() -> None:
+    # vLLM clips top_k to the vocabulary (no restriction) where this was a 400.
+    async def check(c: httpx.AsyncClient, fake: FakeEngine) -> None:
+        seen: list[SamplingParams] = []
+        real_add = fake.add_request
+
+        def add_request(prompt: Any, params: SamplingParams | None = None, **kw: Any) -> str:
+            assert params is not None
+            seen.append(params)
+            return real_add(prompt, params, **kw)
+
+        fake.add_request = add_request  # type: ignore[method-assign]
+        vocab = fake.arch.vocab_size
+        for path, body in (
+            ("/v1/completions", {"prompt": "hi"}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ):
+            for top_k in (vocab + 1000, 10**6):
+                r = await c.post(path, json={**body, "max_tokens": 2, "top_k": top_k})
+                assert r.status_code == 200, r.text
+        assert [p.top_k for p in seen] == [vocab + 1000, 10**6] * 2
 
     _with_client(check)
 

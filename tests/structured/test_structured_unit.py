@@ -137,7 +137,7 @@ def test_matcher_follows_tokens_forks_rebuilds_and_frees(
     # Sample 0 takes "yes": its grammar is complete (the engine then finishes it); were it
     # sampled again, only EOS would be allowed. Sample 1 is untouched.
     reqs[0].output_token_ids.extend(yes)
-    assert manager.update(reqs) == ["r#0"]
+    assert manager.update(reqs) == (["r#0"], {})
     sched = _sched(reqs)
     manager.prepare(sched, {r.request_id: r for r in reqs}.get)
     assert sched.grammar_bitmask is not None
@@ -161,6 +161,64 @@ def test_matcher_follows_tokens_forks_rebuilds_and_frees(
         manager.free(r.request_id)
     assert not manager.has("r#0") and manager.num_matchers == num_before - 1
     assert manager.stats.num_rejected_tokens == 0
+
+
+class _NothingAllowed:
+    """A matcher stand-in whose mask allows no token at all (nor EOS), not stopped."""
+
+    def is_error(self) -> bool:
+        return False
+
+    def is_stopped(self) -> bool:
+        return False
+
+    def unsafe_compute_mask_ptr(self, ptr: int, nbytes: int) -> None:
+        return None  # leaves the row all zero
+
+
+class _Broken:
+    """A matcher stand-in that raises from every method (a grammar-engine bug)."""
+
+    def __getattr__(self, name: str) -> object:
+        raise RuntimeError(f"matcher.{name} is broken")
+
+
+@pytest.mark.parametrize("has_eos", [True, False])
+def test_grammar_faults_are_reported_per_request_and_get_no_row(
+    tokenizer: Tokenizer, has_eos: bool
+) -> None:
+    eos = tokenizer.eos_token_id
+    manager = StructuredOutputManager(tokenizer.hf_tokenizer, 49152, eos if has_eos else None)
+    spec = S(choice=["yes", "no"])
+    reqs = [Request(f"r{i}", [1, 2], SamplingParams(structured_outputs=spec)) for i in range(4)]
+    manager.add_request([r.request_id for r in reqs], spec)
+    manager._states["r1"].matcher = _NothingAllowed()
+    manager._states["r2"].matcher = _Broken()
+    sched = _sched(reqs)
+    faults = manager.prepare(sched, {r.request_id: r for r in reqs}.get)
+    grammar = sched.grammar_bitmask
+    assert grammar is not None
+    yes = tokenizer.encode("yes", add_special_tokens=False)
+    assert "computing the mask" in faults["r2"] and "is broken" in faults["r2"]
+    if has_eos:  # every token masked: EOS only, the request ends on it
+        assert list(faults) == ["r2"] and grammar.request_ids == ["r0", "r1", "r3"]
+        assert _allowed(grammar.bitmask, 1, 49152) == {eos}
+    else:  # no EOS to end it with: it fails instead of sampling from an empty row
+        assert set(faults) == {"r1", "r2"}
+        assert "allows no next token" in faults["r1"]
+        assert grammar.request_ids == ["r0", "r3"]
+    assert grammar.bitmask.shape == (len(grammar.request_ids), 49152 // 32)
+    assert yes[0] in _allowed(grammar.bitmask, 0, 49152)
+    assert yes[0] in _allowed(grammar.bitmask, len(grammar.request_ids) - 1, 49152)
+    assert manager.num_matchers == 4 - len(faults) and manager.stats.num_faults == len(faults)
+    # update: a matcher that raises on consuming is reported, the others advance.
+    manager._states["r3"].matcher = _Broken()
+    for r in (reqs[0], reqs[3]):
+        r.output_token_ids.extend(yes)
+    ended, update_faults = manager.update([reqs[0], reqs[3]])
+    assert ended == ["r0"] and list(update_faults) == ["r3"]
+    assert "consuming the sampled token" in update_faults["r3"]
+    assert manager.stats.num_faults == len(faults) + 1 and "r3" not in manager._states
 
 
 def test_sampler_applies_bitmask_before_sampling_and_keeps_raw_logprobs() -> None:

@@ -132,6 +132,25 @@ def native_decode_scratch_bytes(
     return num_threads * (num_heads * (max_context + 2 * head_dim) * 4 + stream)
 
 
+# bf16 bytes kvserve_amx_attention.cpp packs per KV head and 32-key step (K rows and V^T, 32
+# keys x 64 dims each), and its per-thread TaskScratch (Q^T, two steps' S^T and P^T, an O^T
+# tile).
+_AMX_PREFILL_STEP_BYTES = 2 * 32 * 64 * 2
+_AMX_PREFILL_TASK_BYTES = 2 * 512 * 2 + 2 * 32 * 16 * 4 + 2 * 512 * 2 + 16 * 16 * 4
+
+
+def amx_prefill_scratch_bytes(num_kv_heads: int, context: int, num_threads: int) -> int:
+    """Most bytes ``kvserve::amx_prefill_attention`` holds during one call over ``context``
+    keys: the keys packed per KV head on the calling thread (plus 64 bytes of alignment) and
+    each thread's task buffers."""
+    if num_threads < 1:
+        raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+    steps = -(-context // 32)
+    return (
+        num_kv_heads * steps * _AMX_PREFILL_STEP_BYTES + 64 + num_threads * _AMX_PREFILL_TASK_BYTES
+    )
+
+
 @dataclass(frozen=True, slots=True, order=True)
 class GemmShape:
     """One matrix product ``[m, k] @ [k, n]``; ``b_transposed``: B is the transpose of a

@@ -13,9 +13,9 @@ a pre-allocated arena so that tensors whose lifetimes do not overlap reuse the s
    NOTE: the paged-attention code is plain eager PyTorch with Python control flow over the
    step's sequences, which torch.fx cannot trace; a dispatch mode sees the ops it issues.
    Op-internal workspace (a kernel's scratch) is invisible to it, so the recorder adds what
-   ``kernel_scratch.py`` models (the per-thread buffers of CPU flash attention and of the
-   native decode kernel) as a buffer live at that op only, and collects the step's GEMM
-   shapes, whose library buffers the engine measures at start-up
+   ``kernel_scratch.py`` models (the per-thread buffers of CPU flash attention, of the
+   native decode kernel and of the AMX prefill kernel) as a buffer live at that op only, and
+   collects the step's GEMM shapes, whose library buffers the engine measures at start-up
    (``kernel_scratch.measure_gemm_scratch``). The native kernels are custom ops with fake
    kernels (``kvserve.runtime.native``), so the trace sees them as one op each.
 2. **Pack.** ``pack_intervals``: greedy by size (largest first) with best-fit offsets, the
@@ -45,6 +45,7 @@ from kvserve.config import ModelArchConfig
 from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
 from kvserve.runtime.kernel_scratch import (
     GemmShape,
+    amx_prefill_scratch_bytes,
     gemm_shape,
     native_decode_scratch_bytes,
     sdpa_cpu_flash_scratch_bytes,
@@ -268,6 +269,12 @@ class LifetimeRecorder(TorchDispatchMode):
                 q.shape[1], max_context, q.shape[2], self.num_threads, block_tables.shape[1]
             )
             self._add_scratch(size, step, "kernel scratch: native decode attention")
+        elif func._schema.name == "kvserve::amx_prefill_attention":
+            q, kv_cache, ctx_len = args[1], args[2], args[4]
+            size = amx_prefill_scratch_bytes(
+                kv_cache.shape[3], ctx_len + q.shape[0], self.num_threads
+            )
+            self._add_scratch(size, step, "kernel scratch: AMX prefill attention")
 
     def _add_scratch(self, size: int, step: int, label: str) -> None:
         """A kernel's own buffer, live at its op only."""

@@ -4,6 +4,7 @@ them, and the start-up measurement that sets the limit (kvserve/runtime/native/c
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -15,7 +16,7 @@ from kvserve.models.loader import default_model_path
 from kvserve.runtime import native
 from kvserve.runtime.attention import SeqSpec, TorchSDPABackend, build_attention_metadata
 from kvserve.runtime.native import chunk_limit
-from kvserve.runtime.native.backend import NativeCPUBackend
+from kvserve.runtime.native.backend import NativeCPUBackend, amx_prefill_available
 from kvserve.runtime.native.chunk_limit import (
     ChunkAttention,
     choice_from_timings,
@@ -68,6 +69,23 @@ def test_choice_is_the_last_size_before_the_kernel_loses() -> None:
     assert choice_from_timings({16: t(3, 2, 2.5)}, 512) == ChunkAttention(0, False)
     assert choice_from_timings({16: t(1, 2, 1.5), 32: t(1, 1, 1)}, 512) == ChunkAttention(512)
     assert choice_from_timings({}, 512) == ChunkAttention(0, False)
+    # the AMX kernel timed: fastest where the decode kernel first loses -> it takes over
+    amx = {16: t(1, 2, 3) | {"amx": 1.5}, 32: t(3, 4, 2) | {"amx": 1}}
+    assert choice_from_timings(amx, 512) == ChunkAttention(16, True, True)
+    assert choice_from_timings({16: t(2, 3, 4) | {"amx": 1}}, 512) == ChunkAttention(0, False, True)
+    # timed but slower than SDPA in float32 there: SDPA in float32 serves the long chunks
+    assert choice_from_timings({16: t(3, 4, 1) | {"amx": 2}}, 512) == ChunkAttention(0, True)
+
+
+def test_chunk_ways_add_the_amx_kernel_for_bf16_head_dim_64(monkeypatch) -> None:
+    monkeypatch.setattr(chunk_limit, "amx_prefill_available", lambda: True)
+    d64 = dataclasses.replace(ARCH, head_dim=64)
+    assert chunk_limit.chunk_ways(d64, torch.bfloat16) == ("kernel", "sdpa", "sdpa_float32", "amx")
+    assert chunk_limit.chunk_ways(d64, torch.float16) == ("kernel", "sdpa", "sdpa_float32")
+    assert chunk_limit.chunk_ways(d64, torch.float32) == ("kernel", "sdpa")
+    assert chunk_limit.chunk_ways(ARCH, torch.bfloat16) == ("kernel", "sdpa", "sdpa_float32")
+    monkeypatch.setattr(chunk_limit, "amx_prefill_available", lambda: False)
+    assert chunk_limit.chunk_ways(d64, torch.bfloat16) == ("kernel", "sdpa", "sdpa_float32")
 
 
 def test_choice_is_measured_once_then_cached(tmp_path, monkeypatch, caplog) -> None:
@@ -146,6 +164,15 @@ def test_real_probe_runs_both_paths(tmp_path, monkeypatch) -> None:
         assert choice.max_kernel_tokens in (0, 16, 32, 64)
 
 
+@pytest.mark.skipif(not amx_prefill_available(), reason="the AMX prefill kernel does not run here")
+def test_real_probe_times_the_amx_kernel(tmp_path, monkeypatch, caplog) -> None:
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    d64 = dataclasses.replace(ARCH, num_attention_heads=6, num_key_value_heads=2, head_dim=64)
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        chunk_attention_limit(d64, torch.bfloat16, 32, mode="measure", budget_s=0.0)
+    assert "kernel / sdpa / sdpa_float32 / amx" in caplog.text
+
+
 @pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
 def test_engine_gives_its_backend_the_measured_limit(monkeypatch) -> None:
     asked = []
@@ -165,11 +192,19 @@ def test_engine_gives_its_backend_the_measured_limit(monkeypatch) -> None:
 
 
 def test_choice_read_back_from_a_backend_and_applied_to_another() -> None:
-    choice = ChunkAttention.of(NativeCPUBackend(5, chunk_sdpa_float32=True))
-    assert choice == ChunkAttention(5, True)
+    choice = ChunkAttention.of(NativeCPUBackend(5, chunk_sdpa_float32=True, chunk_amx=True))
+    assert choice == ChunkAttention(5, True, True)
     assert ChunkAttention.of(TorchSDPABackend()) is None
     other = NativeCPUBackend()
     choice.apply(other)
-    assert (other.chunk_kernel_max_tokens, other.chunk_sdpa_float32) == (5, True)
+    assert (other.chunk_kernel_max_tokens, other.chunk_sdpa_float32, other.chunk_amx) == (
+        5,
+        True,
+        True,
+    )
+    assert choice.summary() == (
+        "the decode kernel up to 5 rows, the AMX prefill kernel above "
+        "(SDPA in float32 where it cannot serve)"
+    )
     with pytest.raises(ValueError, match="chunk_kernel_max_tokens must be >= 0"):
         NativeCPUBackend(-1)

@@ -5,7 +5,9 @@
 ``paged_decode_attention``, ``silu_mul``, ``argmax_rows`` and ``decode_layers`` (every
 decoder layer of a step in one call, ``kvserve/models/fused_layers.py``);
 ``kvserve_amx_linear.cpp`` adds ``amx_supported`` and ``amx_linear`` (the bf16 AMX projection
-kernel, ``kvserve/runtime/amx_linear.py``) to the same library. They are built on first use with
+kernel, ``kvserve/runtime/amx_linear.py``) and ``kvserve_amx_attention.cpp``
+``amx_prefill_supported`` and ``amx_prefill_attention`` (prefill chunks' attention on AMX,
+``kvserve/runtime/native/backend.py``) to the same library. They are built on first use with
 ``torch.utils.cpp_extension`` (g++ and ninja, ~15 s on this 2-core box) into
 ``$KVSERVE_CACHE_DIR/native/`` (default ``~/.cache/kvserve/native/``), keyed by the sources,
 the torch version and the CPU's feature flags (the build uses ``-march=native``, or the target
@@ -32,8 +34,12 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("kvserve_cpu_ops.cpp")
-# NOTE: one op library from both files (the AMX linear is a TORCH_LIBRARY_FRAGMENT of it).
-SOURCES = (SOURCE, Path(__file__).with_name("kvserve_amx_linear.cpp"))
+# NOTE: one op library from these files (the AMX ones are TORCH_LIBRARY_FRAGMENTs of it).
+SOURCES = (
+    SOURCE,
+    Path(__file__).with_name("kvserve_amx_linear.cpp"),
+    Path(__file__).with_name("kvserve_amx_attention.cpp"),
+)
 DISABLE_ENV = "KVSERVE_NATIVE"  # "0" turns the native kernels off
 CACHE_ENV = "KVSERVE_CACHE_DIR"
 # NOTE: "native" unless KVSERVE_NATIVE_MARCH names a gcc -march target (x86-64-v3, cooperlake, ...):
@@ -125,6 +131,7 @@ def _register_fakes() -> None:
         "argmax_rows",
         "decode_layers",
         "amx_linear",
+        "amx_prefill_attention",
     ):
         torch.library.register_fake(f"kvserve::{op}")(lambda *args, **kwargs: None)
 

@@ -7,8 +7,10 @@ there are fewer than two sequences per thread). New K/V go in with
 ``kvserve::write_kv``, before any read (the backend invariant). A multi-token chunk of at
 most ``chunk_kernel_max_tokens`` rows runs through the same kernel, each row a decode query
 of its own causal length (``AttentionMetadata.query_tables``); a longer one attends as in
-``TorchSDPABackend`` (one SDPA call). The engine sets the limit at start-up where the kernel
-measured faster (``chunk_limit.chunk_attention_limit``).
+``TorchSDPABackend`` (one SDPA call) or, on an AMX CPU, through ``kvserve::amx_prefill_attention``
+(bf16, head_dim 64, no sliding window: flash attention on AMX tiles over the paged cache). The
+engine sets the limit and the way longer chunks go at start-up, where each measured faster
+(``chunk_limit.chunk_attention_limit``).
 
 Where the kernels cannot serve (not loaded, a CUDA cache, a quantized cache) every call
 takes ``TorchSDPABackend``'s path, so the backend is safe to select anywhere.
@@ -16,6 +18,7 @@ takes ``TorchSDPABackend``'s path, so the backend is safe to select anywhere.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -25,22 +28,42 @@ from kvserve.runtime import native
 from kvserve.runtime.attention import AttentionMetadata, ChunkMeta, LayerCache, TorchSDPABackend
 from kvserve.runtime.kv_cache import QuantizedLayerCache
 
+# The one head size kvserve::amx_prefill_attention serves (its O^T takes four of the 8 tiles).
+AMX_PREFILL_HEAD_DIM = 64
+
+
+@functools.cache
+def amx_prefill_available() -> bool:
+    """Whether ``kvserve::amx_prefill_attention`` runs here: the native kernels loaded, built
+    with AMX-BF16, and the tile state granted to this process."""
+    return native.available() and bool(
+        native.ops().amx_prefill_supported(AMX_PREFILL_HEAD_DIM)  # type: ignore[attr-defined]
+    )
+
 
 class NativeCPUBackend(TorchSDPABackend):
     """Native decode (and short-chunk) attention on CPU; ``TorchSDPABackend`` elsewhere."""
 
     name = "native"
 
-    def __init__(self, chunk_kernel_max_tokens: int = 0, chunk_sdpa_float32: bool = False) -> None:
+    def __init__(
+        self,
+        chunk_kernel_max_tokens: int = 0,
+        chunk_sdpa_float32: bool = False,
+        chunk_amx: bool = False,
+    ) -> None:
         """``chunk_kernel_max_tokens``: a chunk of at most this many query tokens attends
         through the decode kernel, one query row at a time (its context read in place, no
         gathered copy, no mask), a longer one through SDPA; ``chunk_sdpa_float32``: that SDPA
-        runs in float32 for a half-precision model (``chunk_limit.chunk_attention_limit``
-        measures both choices on this CPU)."""
+        runs in float32 for a half-precision model; ``chunk_amx``: longer chunks run
+        ``kvserve::amx_prefill_attention`` instead, where it serves them (``amx_serves``),
+        SDPA where not (``chunk_limit.chunk_attention_limit`` measures the choices on this
+        CPU)."""
         if chunk_kernel_max_tokens < 0:
             raise ValueError(f"chunk_kernel_max_tokens must be >= 0, got {chunk_kernel_max_tokens}")
         self.chunk_kernel_max_tokens = chunk_kernel_max_tokens
         self.chunk_sdpa_float32 = chunk_sdpa_float32
+        self.chunk_amx = chunk_amx
 
     def forward(
         self,
@@ -76,13 +99,16 @@ class NativeCPUBackend(TorchSDPABackend):
                 window,
                 sinks,
             )
-        for c in plan.rest:
+        amx = self.chunk_amx and self.amx_serves(q, kv_cache, meta)
+        for c, table in zip(plan.rest, plan.rest_tables, strict=True):
             rows = slice(c.token_offset, c.token_offset + c.num_query_tokens)
             if c.num_query_tokens <= limit:
                 tables, lens = meta.query_tables
                 ops.paged_decode_attention(
                     out[rows], q[rows], kv_cache, tables[rows], lens[rows], scale, window, sinks
                 )
+            elif amx:
+                ops.amx_prefill_attention(out[rows], q[rows], kv_cache, table, c.start_pos, scale)
             else:
                 compute = torch.float32 if self.chunk_sdpa_float32 else None
                 out[rows] = self._chunk(q[rows], k[rows], v[rows], kv_cache, c, compute)
@@ -94,6 +120,19 @@ class NativeCPUBackend(TorchSDPABackend):
         cache, the kernels loaded); where not, every call takes the SDPA path."""
         return (
             not isinstance(kv_cache, QuantizedLayerCache) and kv_cache.is_cpu and native.available()
+        )
+
+    @staticmethod
+    def amx_serves(q: torch.Tensor, kv_cache: LayerCache, meta: AttentionMetadata) -> bool:
+        """Whether ``kvserve::amx_prefill_attention`` can attend this step's long chunks: a
+        bf16 model and cache of head_dim 64, no sliding window, the kernel available."""
+        return (
+            q.dtype == torch.bfloat16
+            and kv_cache.dtype == torch.bfloat16
+            and q.shape[-1] == AMX_PREFILL_HEAD_DIM
+            and not meta.sliding_window
+            and not meta.num_sink_tokens
+            and amx_prefill_available()
         )
 
     def kernel_rows(self, meta: AttentionMetadata) -> _KernelRows:
@@ -125,7 +164,8 @@ class _KernelRows:
 
     Rows ``[0, end)`` run as decode queries in one kernel call (``tables``, ``lens``): the
     decodes and then every chunk up to the first one too long for the kernel (``limit``);
-    ``rest`` are the chunks after it.
+    ``rest`` are the chunks after it, ``rest_tables`` their sequences' block tables (for the AMX
+    prefill kernel).
     """
 
     limit: int
@@ -133,6 +173,7 @@ class _KernelRows:
     tables: torch.Tensor | None  # [end, max_blocks] int32
     lens: torch.Tensor | None  # [end] int32
     rest: tuple[ChunkMeta, ...]
+    rest_tables: tuple[torch.Tensor, ...]  # each rest chunk's block table, int32
 
     @classmethod
     def of(cls, meta: AttentionMetadata, limit: int) -> _KernelRows:
@@ -147,4 +188,10 @@ class _KernelRows:
         elif end:
             tables, lens = meta.query_tables
             tables, lens = tables[:end], lens[:end]
-        return cls(limit, end, tables, lens, tuple(meta.chunks[lead:]))
+        rest = tuple(meta.chunks[lead:])
+        blocks = {s.token_offset: s.block_ids for s in meta.seqs}
+        device = meta.slot_mapping.device
+        rest_tables = tuple(
+            torch.tensor(blocks[c.token_offset], dtype=torch.int32, device=device) for c in rest
+        )
+        return cls(limit, end, tables, lens, rest, rest_tables)

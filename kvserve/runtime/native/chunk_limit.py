@@ -11,8 +11,11 @@ by how much depends on the CPU and dtype. ``chunk_attention_limit`` times both o
 half-precision model SDPA is also timed in float32 (inputs converted, output converted
 back): on a CPU without AMX its float32 kernels beat its bf16 ones (session 15's Xeon,
 256-row chunk: 1.93-2.08 vs 2.32-2.45 ms), on others the reverse may hold; the faster
-one at the size where the kernel lost serves the longer chunks. The answer is cached like
-the kernel selections (``kvserve.runtime.kernel_select``).
+one at the size where the kernel lost serves the longer chunks. On an AMX CPU a bf16 model of
+head_dim 64 has a fourth way, ``kvserve::amx_prefill_attention`` (flash attention on AMX tiles
+over the paged cache, no gathered copy), timed with the others: it can also take over chunks
+the decode kernel would have served. The answer is cached like the kernel selections
+(``kvserve.runtime.kernel_select``).
 """
 
 from __future__ import annotations
@@ -33,14 +36,18 @@ from kvserve.runtime.kernel_select import (
     read_cached_value,
     write_cached_value,
 )
-from kvserve.runtime.native.backend import NativeCPUBackend
+from kvserve.runtime.native.backend import (
+    AMX_PREFILL_HEAD_DIM,
+    NativeCPUBackend,
+    amx_prefill_available,
+)
 
 log = logging.getLogger("kvserve")
 
 PROBE_ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 BLOCK_SIZE = 16
-CACHE_VERSION = 2  # 2: SDPA in float32 as a third way
-WAYS = ("kernel", "sdpa", "sdpa_float32")
+CACHE_VERSION = 3  # 2: SDPA in float32 as a third way; 3: the AMX prefill kernel a fourth
+WAYS = ("kernel", "sdpa", "sdpa_float32", "amx")
 
 # timer(n, way) -> seconds of one layer's attention over a chunk of n rows, way in WAYS.
 ChunkTimer = Callable[[int, str], float]
@@ -48,27 +55,43 @@ ChunkTimer = Callable[[int, str], float]
 
 @dataclass(frozen=True, slots=True)
 class ChunkAttention:
-    """How prefill chunks attend: ``NativeCPUBackend``'s two settings."""
+    """How prefill chunks attend: ``NativeCPUBackend``'s three settings."""
 
     max_kernel_tokens: int = 0  # chunks up to this many rows: the decode kernel
     sdpa_float32: bool = False  # longer ones: SDPA in float32 (half-precision models)
+    amx: bool = False  # longer ones: the AMX prefill kernel where it serves them
 
     @classmethod
     def of(cls, backend: object) -> ChunkAttention | None:
         """The choice ``backend`` holds (None when it is not a ``NativeCPUBackend``)."""
         if not isinstance(backend, NativeCPUBackend):
             return None
-        return cls(backend.chunk_kernel_max_tokens, backend.chunk_sdpa_float32)
+        return cls(backend.chunk_kernel_max_tokens, backend.chunk_sdpa_float32, backend.chunk_amx)
 
     def apply(self, backend: NativeCPUBackend) -> None:
-        """Set ``backend``'s chunk limit and SDPA dtype to this choice."""
+        """Set ``backend``'s chunk limit, SDPA dtype and AMX kernel choice to this choice."""
         backend.chunk_kernel_max_tokens = self.max_kernel_tokens
         backend.chunk_sdpa_float32 = self.sdpa_float32
+        backend.chunk_amx = self.amx
 
     def summary(self) -> str:
         """One log line's worth."""
         sdpa = "SDPA in float32" if self.sdpa_float32 else "SDPA"
-        return f"the decode kernel up to {self.max_kernel_tokens} rows, {sdpa} above"
+        above = (
+            f"the AMX prefill kernel above ({sdpa} where it cannot serve)"
+            if self.amx
+            else (f"{sdpa} above")
+        )
+        return f"the decode kernel up to {self.max_kernel_tokens} rows, {above}"
+
+
+def chunk_ways(arch: ModelArchConfig, dtype: torch.dtype) -> tuple[str, ...]:
+    """The ways timed for a model of ``arch`` in ``dtype``: SDPA in float32 for a
+    half-precision model, the AMX prefill kernel for a bf16 model of its head size where it
+    runs (``amx_prefill_available``)."""
+    ways = WAYS[:2] if dtype == torch.float32 else WAYS[:3]
+    amx = dtype == torch.bfloat16 and arch.head_dim == AMX_PREFILL_HEAD_DIM
+    return (*ways, "amx") if amx and amx_prefill_available() else ways
 
 
 def probe_rows(max_tokens: int) -> list[int]:
@@ -81,16 +104,19 @@ def probe_rows(max_tokens: int) -> list[int]:
 
 
 def choice_from_timings(timings: dict[int, dict[str, float]], max_tokens: int) -> ChunkAttention:
-    """The kernel up to the first probe at which it was slower than the faster SDPA way
-    (``timings[n][way]`` seconds; all probes: ``max_tokens``); SDPA in float32 when it was
-    timed and faster at that probe."""
+    """The decode kernel up to the first probe at which another way was faster
+    (``timings[n][way]`` seconds; all probes: ``max_tokens``); the fastest way at that probe
+    serves the longer chunks: the AMX kernel when it was timed and fastest, and SDPA in
+    float32 (for what the AMX kernel cannot serve, or all) when it was timed and faster than
+    SDPA in the model's dtype."""
     limit = 0
     for n in sorted(timings):
         t = timings[n]
-        sdpa = min(t.get("sdpa", float("inf")), t.get("sdpa_float32", float("inf")))
-        if t["kernel"] > sdpa:
+        others = {w: v for w, v in t.items() if w != "kernel"}
+        fastest = min(others, key=others.__getitem__)
+        if t["kernel"] > others[fastest]:
             float32 = t.get("sdpa_float32", float("inf")) < t.get("sdpa", float("inf"))
-            return ChunkAttention(limit, float32)
+            return ChunkAttention(limit, float32, fastest == "amx")
         limit = n
     return ChunkAttention(max_tokens if timings else 0, False)
 
@@ -105,6 +131,7 @@ class ChunkAttentionProbe:
             "kernel": NativeCPUBackend(chunk_kernel_max_tokens=PROBE_ROWS[-1]),
             "sdpa": NativeCPUBackend(),
             "sdpa_float32": NativeCPUBackend(chunk_sdpa_float32=True),
+            "amx": NativeCPUBackend(chunk_amx=True),
         }
         # n -> (metadata, cache [2, blocks, block_size, kvh, d], qkv [n, H + 2 kvh, d])
         self._cases: dict[int, tuple[AttentionMetadata, torch.Tensor, torch.Tensor]] = {}
@@ -172,6 +199,7 @@ def chunk_attention_limit(
     if mode == "off" or max_tokens < 1:
         return ChunkAttention()
     rows = probe_rows(max_tokens)
+    ways = chunk_ways(arch, dtype)
     model, flags = cpu_identity()
     key = {
         "what": "chunk_attention_limit",
@@ -183,14 +211,14 @@ def chunk_attention_limit(
         "dtype": str(dtype),
         "heads": [arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim],
         "rows": rows,
+        "ways": list(ways),  # NOTE: an emulated kind's build may lack the AMX kernel
     }
     path = cache_path(key).with_name("chunkattn_" + cache_path(key).name)
     load = machine_load()
     cached = None if mode == "measure" else read_cached_value(path, key, "choice", "chunk attn")
     if cached is not None:
-        return ChunkAttention(int(cached[0]), bool(cached[1]))
+        return ChunkAttention(int(cached[0]), bool(cached[1]), bool(cached[2]))
     timer = timer or ChunkAttentionProbe(arch, dtype)
-    ways = WAYS if dtype != torch.float32 else WAYS[:2]
     timings: dict[int, dict[str, float]] = {}
     for n in rows:
         best = dict.fromkeys(ways, float("inf"))
@@ -214,6 +242,6 @@ def chunk_attention_limit(
             f"{n}: " + " / ".join(f"{t[w] * 1e6:.0f}" for w in ways) for n, t in timings.items()
         ),
     )
-    value = [choice.max_kernel_tokens, choice.sdpa_float32]
+    value = [choice.max_kernel_tokens, choice.sdpa_float32, choice.amx]
     write_cached_value(path, key, "choice", value, load, "chunk attn")
     return choice

@@ -113,7 +113,11 @@ _COUNTERS: list[tuple[str, tuple[str, ...], str]] = [
     ("preemptions_recompute", ("preemptions_recompute",), "Preemptions by recompute"),
     ("preemptions_swap", ("preemptions_swap",), "Preemptions by swap"),
     ("priority_preemptions", ("priority_preemptions",), "Preemptions for a higher priority"),
-    ("recomputed_tokens_wasted", ("recomputed_tokens_wasted",), "Tokens recomputed"),
+    (
+        "recomputed_tokens_wasted",
+        ("recomputed_tokens_wasted",),
+        "Tokens a request computed and lost to a recompute preemption (prefix hits excluded)",
+    ),
     ("failed_requests", ("num_failed_requests",), "Requests failed by a fault of their own"),
     ("finished_requests", ("num_finished_requests",), "Samples finished (any reason)"),
     ("aborted_requests", ("num_aborted_requests",), "Samples aborted (or failed)"),

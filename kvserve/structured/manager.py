@@ -99,6 +99,7 @@ class StructuredOutputManager:
         return len(self._states)
 
     def has(self, request_id: str) -> bool:
+        """Whether ``request_id`` has a structured-output constraint (a matcher to feed)."""
         return request_id in self._specs
 
     def validate(self, spec: StructuredOutputsParams) -> None:

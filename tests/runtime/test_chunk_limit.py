@@ -69,10 +69,13 @@ def test_choice_is_the_last_size_before_the_kernel_loses() -> None:
     assert choice_from_timings({16: t(3, 2, 2.5)}, 512) == ChunkAttention(0, False)
     assert choice_from_timings({16: t(1, 2, 1.5), 32: t(1, 1, 1)}, 512) == ChunkAttention(512)
     assert choice_from_timings({}, 512) == ChunkAttention(0, False)
-    # the AMX kernel timed: fastest where the decode kernel first loses -> it takes over
+    # the AMX kernel timed: faster than SDPA where the decode kernel first loses -> it serves
+    # the longer chunks (SDPA in float32 what it cannot)
     amx = {16: t(1, 2, 3) | {"amx": 1.5}, 32: t(3, 4, 2) | {"amx": 1}}
     assert choice_from_timings(amx, 512) == ChunkAttention(16, True, True)
-    assert choice_from_timings({16: t(2, 3, 4) | {"amx": 1}}, 512) == ChunkAttention(0, False, True)
+    # faster than the decode kernel but not SDPA's loss: the decode kernel keeps its chunks
+    # (its steps run fused), the AMX kernel is not used
+    assert choice_from_timings({16: t(2, 3, 4) | {"amx": 1}}, 512) == ChunkAttention(512)
     # timed but slower than SDPA in float32 there: SDPA in float32 serves the long chunks
     assert choice_from_timings({16: t(3, 4, 1) | {"amx": 2}}, 512) == ChunkAttention(0, True)
 

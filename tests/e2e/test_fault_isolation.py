@@ -21,6 +21,7 @@ from kvserve.engine import LLMEngine
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.step_guard import StepFault
+from tests.e2e.engine_steps import drain
 from tests.tiny_models import make_tiny_model
 
 BLOCK_SIZE = 4
@@ -63,16 +64,7 @@ def _run_all(engine: LLMEngine, n_of: Callable[[int], int]) -> dict[str, Request
     for i, prompt in enumerate(PROMPTS):
         params = SamplingParams(temperature=0.0, max_tokens=6 + i, ignore_eos=True, n=n_of(i))
         engine.add_request(prompt, params, request_id=f"r{i}")
-    finals: dict[str, RequestOutput] = {}
-    for _ in range(500):
-        if not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-        engine.kv_cache_manager.check_integrity()
-    assert not engine.has_unfinished_requests()
-    return finals
+    return drain(engine)
 
 
 def _assert_no_leak(engine: LLMEngine) -> None:

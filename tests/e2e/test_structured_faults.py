@@ -19,6 +19,7 @@ from kvserve.engine import LLMEngine
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured import StructuredOutputsParams as S
+from tests.e2e.engine_steps import drain
 from tests.tiny_models import make_tiny_model
 
 SPECS: dict[str, S | None] = {
@@ -59,16 +60,7 @@ def _add_all(
 
 
 def _drain(engine: LLMEngine) -> dict[str, RequestOutput]:
-    finals: dict[str, RequestOutput] = {}
-    for _ in range(100):
-        if not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-        engine.kv_cache_manager.check_integrity()
-    assert not engine.has_unfinished_requests()
-    return finals
+    return drain(engine, max_steps=100)
 
 
 def _tokens(out: RequestOutput) -> list[list[int]]:

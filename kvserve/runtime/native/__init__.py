@@ -40,6 +40,8 @@ SOURCES = (
     Path(__file__).with_name("kvserve_amx_linear.cpp"),
     Path(__file__).with_name("kvserve_amx_attention.cpp"),
 )
+# Headers the sources include: hashed into the build name with them.
+HEADERS = (Path(__file__).with_name("kvserve_amx_tiles.h"),)
 DISABLE_ENV = "KVSERVE_NATIVE"  # "0" turns the native kernels off
 CACHE_ENV = "KVSERVE_CACHE_DIR"
 # NOTE: "native" unless KVSERVE_NATIVE_MARCH names a gcc -march target (x86-64-v3, cooperlake, ...):
@@ -93,7 +95,7 @@ def cpu_flags() -> str:
 def build_name() -> str:
     """Extension name: source, flags, torch version and CPU features hashed together."""
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in (*SOURCES, *HEADERS):
         h.update(src.read_bytes())
     for part in (*cflags(), *LDFLAGS, torch.__version__, cpu_flags()):
         h.update(part.encode())

@@ -39,8 +39,8 @@
     defined(__AVX512BW__)
 #define KVSERVE_AMX_ATTN 1
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "kvserve_amx_tiles.h"
 #endif
 
 namespace kvserve {
@@ -58,25 +58,6 @@ constexpr int64_t kTile = 512;  // bf16 elements in a 16 x 64-byte tile
 // units), so most steps rescale nothing: P <= 2^8 then, exact enough in fp32 and in bf16
 // (relative precision does not depend on the magnitude). FlashAttention-3's lazy rescaling.
 constexpr float kRescale = 8.0f;
-
-struct alignas(64) AttnTileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// All eight tiles 16 rows of 64 bytes. NOTE: from a static object, as kvserve_amx_linear.cpp's
-// load_tile_config (GCC may drop the stores of a stack-built configuration).
-void attn_tile_config() {
-  static const AttnTileConfig cfg = [] {
-    AttnTileConfig c;
-    for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
-    return c;
-  }();
-  _tile_loadconfig(&cfg);
-}
 
 // 2^x on 16 lanes for x <= kRescale: 2^n * p(f), n = round(x), f in [-0.5, 0.5], p of degree
 // 4 (relative error ~4e-5). x below -126 (a masked -inf included) gives 2^-126; callers zero
@@ -271,12 +252,6 @@ void attend_rows(const uint16_t* q, int64_t q_ld, uint16_t* out, int64_t out_ld,
   store_out(w.o, 48, inv, nr, dst, out_ld);
 }
 
-bool amx_tiles_granted() {
-  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  static const bool granted =
-      syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  return granted;
-}
 #endif  // KVSERVE_AMX_ATTN
 
 bool amx_prefill_supported(int64_t head_dim) {
@@ -346,7 +321,7 @@ void amx_prefill_attention(Tensor out, Tensor q, Tensor kv_cache, Tensor block_t
   auto* os = reinterpret_cast<uint16_t*>(out.data_ptr());
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, row_blocks * heads, 1, [&](int64_t begin, int64_t end) {
-    attn_tile_config();
+    load_tile_config();
     thread_local TaskScratch w;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t j = i / heads, head = i % heads;

@@ -41,8 +41,8 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define KVSERVE_AMX 1
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "kvserve_amx_tiles.h"
 #endif
 
 namespace kvserve {
@@ -51,34 +51,7 @@ namespace {
 using at::Tensor;
 
 #if defined(KVSERVE_AMX)
-constexpr long kArchReqXcompPerm = 0x1023;  // arch_prctl: request an XSAVE feature
-constexpr long kXfeatureXtiledata = 18;     // the AMX tile data state
-constexpr int64_t kPrefetchBytes = 4096;    // how far ahead of the tile loads to prefetch
-
-// The tile configuration: all eight tiles 16 rows of 64 bytes.
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// NOTE: from a static object: GCC 12 does not count _tile_loadconfig as reading its operand,
-// so the stores of a configuration built on the stack may be removed as dead. Inlined into
-// its caller they survive; called out of line (tried in session 19) they were gone and
-// ldtilecfg faulted on the garbage.
-void load_tile_config() {
-  static const TileConfig cfg = [] {
-    TileConfig c;
-    for (int t = 0; t < 8; ++t) {
-      c.colsb[t] = 64;
-      c.rows[t] = 16;
-    }
-    return c;
-  }();
-  _tile_loadconfig(&cfg);
-}
+constexpr int64_t kPrefetchBytes = 4096;  // how far ahead of the tile loads to prefetch
 
 // Prefetch `n` cache lines from `p` on into the cache level HINT names (_MM_HINT_T0: L1,
 // _MM_HINT_T1: L2). A prefetch never faults, so `p` may run past the weight's end.
@@ -129,9 +102,7 @@ void group_tiles(const uint16_t* x0, int64_t ld0, const uint16_t* x1, int64_t ld
 
 bool amx_supported() {
 #if defined(KVSERVE_AMX)
-  static const bool granted =
-      syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  return granted;
+  return amx_tiles_granted();
 #else
   return false;
 #endif

@@ -1,0 +1,51 @@
+// What the AMX kernels of the `kvserve` op library share (kvserve_amx_linear.cpp,
+// kvserve_amx_attention.cpp): the tile state request and the one tile configuration they use.
+#pragma once
+
+#if defined(__AMX_TILE__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdint>
+
+namespace kvserve {
+
+// Whether the kernel granted this process the AMX tile data state (arch_prctl
+// ARCH_REQ_XCOMP_PERM, asked once); without it the first tile instruction faults.
+inline bool amx_tiles_granted() {
+  constexpr long kArchReqXcompPerm = 0x1023;  // arch_prctl: request an XSAVE feature
+  constexpr long kXfeatureXtiledata = 18;     // the AMX tile data state
+  static const bool granted =
+      syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  return granted;
+}
+
+// The tile configuration: all eight tiles 16 rows of 64 bytes.
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Load that configuration on the calling thread.
+// NOTE: from a static object: GCC 12 does not count _tile_loadconfig as reading its operand,
+// so the stores of a configuration built on the stack may be removed as dead. Inlined into
+// its caller they survive; called out of line (tried in session 19) they were gone and
+// ldtilecfg faulted on the garbage.
+inline void load_tile_config() {
+  static const TileConfig cfg = [] {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) {
+      c.colsb[t] = 64;
+      c.rows[t] = 16;
+    }
+    return c;
+  }();
+  _tile_loadconfig(&cfg);
+}
+
+}  // namespace kvserve
+#endif  // __AMX_TILE__

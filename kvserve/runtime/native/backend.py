@@ -99,16 +99,21 @@ class NativeCPUBackend(TorchSDPABackend):
                 window,
                 sinks,
             )
-        amx = self.chunk_amx and self.amx_serves(q, kv_cache, meta)
-        for c, table in zip(plan.rest, plan.rest_tables, strict=True):
+        # The rest chunks' block tables where they go through the AMX kernel, else None.
+        amx_tables = (
+            plan.rest_tables if self.chunk_amx and self.amx_serves(q, kv_cache, meta) else None
+        )
+        for i, c in enumerate(plan.rest):
             rows = slice(c.token_offset, c.token_offset + c.num_query_tokens)
             if c.num_query_tokens <= limit:
                 tables, lens = meta.query_tables
                 ops.paged_decode_attention(
                     out[rows], q[rows], kv_cache, tables[rows], lens[rows], scale, window, sinks
                 )
-            elif amx:
-                ops.amx_prefill_attention(out[rows], q[rows], kv_cache, table, c.start_pos, scale)
+            elif amx_tables is not None:
+                ops.amx_prefill_attention(
+                    out[rows], q[rows], kv_cache, amx_tables[i], c.start_pos, scale
+                )
             else:
                 compute = torch.float32 if self.chunk_sdpa_float32 else None
                 out[rows] = self._chunk(q[rows], k[rows], v[rows], kv_cache, c, compute)
@@ -137,10 +142,14 @@ class NativeCPUBackend(TorchSDPABackend):
 
     def kernel_rows(self, meta: AttentionMetadata) -> _KernelRows:
         """Which rows of ``meta``'s step run through the kernel (made once a step)."""
-        limit = self.chunk_kernel_max_tokens
+        limit, amx = self.chunk_kernel_max_tokens, self.chunk_amx
         plan = meta.backend_plans.get(self.name)
-        if not isinstance(plan, _KernelRows) or plan.limit != limit:
-            plan = meta.backend_plans[self.name] = _KernelRows.of(meta, limit)
+        if (
+            not isinstance(plan, _KernelRows)
+            or plan.limit != limit
+            or (amx and plan.rest_tables is None)
+        ):
+            plan = meta.backend_plans[self.name] = _KernelRows.of(meta, limit, with_tables=amx)
         return plan
 
     def whole_step_tables(
@@ -165,7 +174,7 @@ class _KernelRows:
     Rows ``[0, end)`` run as decode queries in one kernel call (``tables``, ``lens``): the
     decodes and then every chunk up to the first one too long for the kernel (``limit``);
     ``rest`` are the chunks after it, ``rest_tables`` their sequences' block tables (for the AMX
-    prefill kernel).
+    prefill kernel; None unless asked for, so that a step that will not use them builds none).
     """
 
     limit: int
@@ -173,11 +182,12 @@ class _KernelRows:
     tables: torch.Tensor | None  # [end, max_blocks] int32
     lens: torch.Tensor | None  # [end] int32
     rest: tuple[ChunkMeta, ...]
-    rest_tables: tuple[torch.Tensor, ...]  # each rest chunk's block table, int32
+    rest_tables: tuple[torch.Tensor, ...] | None  # each rest chunk's block table, int32
 
     @classmethod
-    def of(cls, meta: AttentionMetadata, limit: int) -> _KernelRows:
-        """The plan of ``meta`` under a chunk limit of ``limit`` query tokens."""
+    def of(cls, meta: AttentionMetadata, limit: int, *, with_tables: bool = False) -> _KernelRows:
+        """The plan of ``meta`` under a chunk limit of ``limit`` query tokens (with the rest
+        chunks' block tables when ``with_tables``)."""
         end, lead = meta.num_decode_seqs, 0
         while lead < len(meta.chunks) and meta.chunks[lead].num_query_tokens <= limit:
             end = meta.chunks[lead].token_offset + meta.chunks[lead].num_query_tokens
@@ -189,9 +199,11 @@ class _KernelRows:
             tables, lens = meta.query_tables
             tables, lens = tables[:end], lens[:end]
         rest = tuple(meta.chunks[lead:])
-        blocks = {s.token_offset: s.block_ids for s in meta.seqs}
-        device = meta.slot_mapping.device
-        rest_tables = tuple(
-            torch.tensor(blocks[c.token_offset], dtype=torch.int32, device=device) for c in rest
-        )
+        rest_tables = None
+        if with_tables:
+            blocks = {s.token_offset: s.block_ids for s in meta.seqs}
+            device = meta.slot_mapping.device
+            rest_tables = tuple(
+                torch.tensor(blocks[c.token_offset], dtype=torch.int32, device=device) for c in rest
+            )
         return cls(limit, end, tables, lens, rest, rest_tables)

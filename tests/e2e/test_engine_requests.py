@@ -12,6 +12,7 @@ import pytest
 from kvserve.engine import LLMEngine
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
+from tests.e2e.engine_steps import small_engine
 from tests.tiny_models import make_tiny_model
 
 PROMPT = [300 + 7 * j for j in range(9)]
@@ -20,12 +21,6 @@ PROMPT = [300 + 7 * j for j in range(9)]
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama")
-
-
-def _engine(model_dir: Path) -> LLMEngine:
-    return LLMEngine(
-        model=str(model_dir), block_size=4, max_model_len=64, num_threads=1, num_kv_blocks=96
-    )
 
 
 def _run(engine: LLMEngine) -> list[RequestOutput]:
@@ -48,7 +43,7 @@ def _assert_idle(engine: LLMEngine) -> None:
 def test_e2e_of_an_n_request_ends_with_its_last_sample(model_dir: Path) -> None:
     """The final output's e2e runs to the finish of the request's last sample (a forked
     sample samples its first token a step after the parent, so it ends a step later)."""
-    engine = _engine(model_dir)
+    engine = small_engine(model_dir)
     params = SamplingParams(max_tokens=3, n=2, ignore_eos=True, temperature=0.8, seed=1)
     engine.add_request(PROMPT, params, request_id="a")
     samples = [engine.scheduler.get_request(rid) for rid in ("a", "a#1")]
@@ -64,7 +59,7 @@ def test_e2e_of_an_n_request_ends_with_its_last_sample(model_dir: Path) -> None:
 
 
 def test_top_k_above_the_vocabulary_samples_as_top_k_disabled(model_dir: Path) -> None:
-    engine = _engine(model_dir)
+    engine = small_engine(model_dir)
     vocab = engine.arch.vocab_size
     tokens = {}
     for top_k in (-1, vocab + 1000):
@@ -81,7 +76,7 @@ def test_an_id_of_a_live_requests_sample_is_in_use(model_dir: Path) -> None:
     """While request "a" (n=2) runs, "a#1" names its second sample, finished or not; the id
     is free again once "a" ends (before, a request added as "a#1" after that sample finished
     lost its bookkeeping when "a" ended: it never got an output)."""
-    engine = _engine(model_dir)
+    engine = small_engine(model_dir)
     params = SamplingParams(max_tokens=6, n=2, ignore_eos=True, temperature=1.0, seed=3)
     engine.add_request(PROMPT, params, request_id="a")
     tokens = {c.index: c.token_ids for c in _run(engine)[-1].outputs}

@@ -19,7 +19,7 @@ from kvserve.engine import LLMEngine
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured import StructuredOutputsParams as S
-from tests.e2e.engine_steps import drain
+from tests.e2e.engine_steps import drain, small_engine
 from tests.tiny_models import make_tiny_model
 
 SPECS: dict[str, S | None] = {
@@ -38,12 +38,6 @@ DEAD_AT_START = "start: A\nA: /a/ & /b/"
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama")
-
-
-def _engine(model_dir: Path) -> LLMEngine:
-    return LLMEngine(
-        model=str(model_dir), block_size=4, max_model_len=64, num_threads=1, num_kv_blocks=96
-    )
 
 
 def _add_all(
@@ -100,7 +94,7 @@ class RaisingMatcher:
 @pytest.fixture(scope="module")
 def expected(model_dir: Path) -> dict[str, RequestOutput]:
     """Every request but r1 (the one that will fault), unfaulted."""
-    engine = _engine(model_dir)
+    engine = small_engine(model_dir)
     _add_all(engine, skip="r1")
     return _drain(engine)
 
@@ -113,7 +107,7 @@ def expected(model_dir: Path) -> dict[str, RequestOutput]:
 def test_grammar_engine_fault_fails_only_its_request(
     model_dir: Path, expected: dict[str, RequestOutput], method: str, phase: str
 ) -> None:
-    engine = _engine(model_dir)
+    engine = small_engine(model_dir)
     _add_all(engine)
     state = engine.structured._states["r1"]
     # NOTE: the second call raises: r1 has sampled a constrained token before its fault.
@@ -155,7 +149,7 @@ def test_grammar_that_allows_no_token_ends_its_request_with_eos(
     text: str,
     ignore_eos: bool,
 ) -> None:
-    engine = _engine(model_dir)
+    engine = small_engine(model_dir)
     eos = engine.tokenizer.eos_token_id
     assert eos is not None
     _add_all(engine, override={"r1": S(grammar=grammar)}, ignore_eos=ignore_eos)

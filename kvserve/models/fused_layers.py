@@ -10,10 +10,11 @@ same bit for bit. It takes a step when:
   tensor-parallel ones, which all-reduce between them);
 - every projection of every layer runs one of these methods at this step's row count, with
   no bias: the int8-dot kernel (``QuantKernelMethod``), AMX bf16 on the blocks
-  (``QuantAmxBf16Method``), a split of int8-dot parts (``QuantSplitMethod``, mixed formats
-  in one fused weight), ``torch.mm`` (``DenseMmMethod``) or oneDNN on a prepacked weight
-  (``OneDnnPrepackedMethod``), the last two unless ``Linear`` would pad the rows. That is a
-  GGUF model as stored and a dense model in fp32 or bf16, on every CPU kind;
+  (``QuantAmxBf16Method``), AMX int8 on an int8 copy (``QuantAmxInt8Method``), a split of
+  int8-dot parts (``QuantSplitMethod``, mixed formats in one fused weight), ``torch.mm``
+  (``DenseMmMethod``) or oneDNN on a prepacked weight (``OneDnnPrepackedMethod``), the last
+  two unless ``Linear`` would pad the rows. That is a GGUF model as stored and a dense model
+  in fp32 or bf16, on every CPU kind;
 - the attention backend is ``NativeCPUBackend`` and every query row of the step goes through
   its decode kernel (decodes, and chunks up to its measured limit) on an unquantized CPU
   cache.
@@ -37,7 +38,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from kvserve.models.quant_linear import QuantAmxBf16Method, QuantKernelMethod, QuantSplitMethod
+from kvserve.models.quant_linear import (
+    QuantAmxBf16Method,
+    QuantAmxInt8Method,
+    QuantKernelMethod,
+    QuantSplitMethod,
+)
 from kvserve.runtime.layer_ops import NATIVE_OPS
 from kvserve.runtime.linear import DenseMmMethod, LinearMethod, OneDnnPrepackedMethod, row_bucket
 from kvserve.runtime.native.backend import NativeCPUBackend
@@ -64,6 +70,7 @@ PART_INT8_DOT = 0  # kvserve_quant::linear
 PART_AMX_BF16 = 1  # kvserve_quant::amx_bf16_linear
 PART_MM = 2  # torch.mm on the [in, out] weight (DenseMmMethod)
 PART_ONEDNN = 3  # mkldnn::_linear_pointwise on the prepacked weight (OneDnnPrepackedMethod)
+PART_AMX_INT8 = 4  # kvserve::amx_int8_linear on the int8 copy (QuantAmxInt8Method)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +103,10 @@ def projection_parts(
         w = method.weight
         codes = [QTYPE_CODES[w.qtype], 0, LAYOUT_CODES[w.layout]]
         return [(w.data, [PART_AMX_BF16, *codes, 0, method.out_features])]
+    if kind is QuantAmxInt8Method:
+        method.prepare()
+        assert method.packed is not None
+        return [(method.packed, [PART_AMX_INT8, 0, 0, 0, 0, method.out_features])]
     if kind is QuantSplitMethod:
         parts = []
         for start, end, run in method.runs:

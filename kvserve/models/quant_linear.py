@@ -16,6 +16,8 @@ Candidates for a ``QuantizedWeight`` source (``kvserve.models.quant``):
   same dense copy reordered once into oneDNN's blocked layout (the dense path's
   ``onednn_prepacked_*``), which runs decode-sized M faster than ``torch.mm`` on the CPUs
   measured; same memory cost.
+- ``QuantAmxInt8Method`` (``int8_amx``, bf16 on a CPU with AMX-INT8): an int8 copy per block
+  of 64 inputs (1.06 bytes a weight) on AMX int8 tiles; no dequantization per call.
 
 A fused projection whose parts have different formats (``QuantizedParts``, from
 ``fuse_weights``) gets ``QuantSplitMethod``: each part runs into its column slice of ``out``.
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.models.quant import QuantizedWeight
+from kvserve.runtime import amx_int8
 from kvserve.runtime.amx_linear import AmxBf16Method, amx_available
 from kvserve.runtime.linear import (
     LinearMethod,
@@ -322,6 +325,47 @@ class DequantAmxMethod(DequantPrepackedMethod):
         return AmxBf16Method(weight)
 
 
+class QuantAmxInt8Method(DenseCopyMethod):
+    """An int8 copy per block of 64 inputs on AMX int8 tiles (``kvserve::amx_int8_linear``,
+    ``kvserve/runtime/amx_int8.py``), activations quantized the same way per call.
+
+    NOTE: why: at decode sizes the AMX bf16 kernel on the blocks is bound by dequantizing
+    them, per call; this copy goes into the tiles as held, at 1.06 bytes a weight (1.7x
+    Q4_1). Offered for quantized weights only: a dense model keeps the precision it was
+    given; a GGUF's weights are rounded already, and this rounding cost the embedded model
+    0.1 % perplexity over bf16 (bench/ACCURACY.md).
+    """
+
+    supports_bias = False
+    min_rows = AMX_MIN_ROWS
+
+    def __init__(self, source: QuantizedWeight | QuantizedParts) -> None:
+        super().__init__(source, torch.bfloat16, "int8_amx")
+        self.packed: torch.Tensor | None = None  # int8 [ceil(out/32), ceil(in/64) * 2176]
+
+    @property
+    def nbytes(self) -> int:
+        rows, row_bytes = amx_int8.packed_shape(self.out_features, self.in_features)
+        return rows * row_bytes
+
+    def prepare(self) -> None:
+        if self.packed is None:
+            self.packed = amx_int8.pack_int8_weight(self.source.dequantize(torch.float32))
+
+    def streamed_tensors(self) -> list[torch.Tensor]:
+        return [] if self.packed is None else [self.packed]
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if self.packed is None:
+            self.prepare()
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        if out is None:
+            out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)  # [M, out]
+        torch.ops.kvserve.amx_int8_linear(out, x, self.packed)
+        return out
+
+
 class DequantTileMethod(LinearMethod):
     """Dequantize a tile of rows at a time into a small scratch, then ``torch.mm`` it.
 
@@ -406,8 +450,8 @@ def quantized_candidates(
     source: object, *, act_dtype: torch.dtype, device: torch.device
 ) -> list[LinearMethod]:
     """The kernel (when the native quantized kernels load, on CPU), the tiled dequantization,
-    and the dense copies (``torch.mm``; on CPU oneDNN prepacked and, for bf16 on an AMX CPU,
-    AMX tiles)."""
+    and the copies: dense (``torch.mm``; on CPU oneDNN prepacked and, for bf16 on an AMX CPU,
+    AMX tiles) and, for bf16 on a CPU with AMX-INT8, int8 on AMX tiles."""
     if not is_quantized(source):
         return []
     methods: list[LinearMethod] = []
@@ -428,4 +472,6 @@ def quantized_candidates(
         methods.append(DequantPrepackedMethod(source, act_dtype))  # type: ignore[arg-type]
     if device.type == "cpu" and act_dtype == torch.bfloat16 and amx_available():
         methods.append(DequantAmxMethod(source, act_dtype))  # type: ignore[arg-type]
+    if device.type == "cpu" and act_dtype == torch.bfloat16 and amx_int8.amx_int8_available():
+        methods.append(QuantAmxInt8Method(source))  # type: ignore[arg-type]
     return methods

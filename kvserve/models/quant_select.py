@@ -25,6 +25,7 @@ import torch
 
 from kvserve.models.quant import QuantizedWeight, quantize_dense
 from kvserve.models.quant_linear import kernel_layout, quantized_candidates
+from kvserve.runtime import native
 from kvserve.runtime.kernel_select import (
     DECODE_BOUNDS,
     Selection,
@@ -43,7 +44,8 @@ from kvserve.runtime.native import quant_ops
 
 log = logging.getLogger(__name__)
 # Bumped when the quantized candidates change (the cache then measures again).
-QUANT_CANDIDATES_VERSION = 4  # 2: dequant_tile_*; 3: dequant_onednn_*; 4: *_x16_amx_bf16
+# 2: dequant_tile_*; 3: dequant_onednn_*; 4: *_x16_amx_bf16; 5: int8_amx
+QUANT_CANDIDATES_VERSION = 5
 
 
 def quantized_shapes(model: Any) -> dict[tuple[int, int], str]:
@@ -80,6 +82,8 @@ def quantized_cache_key(
     )
     key["quantized"] = sorted([o, i, q, lay] for (o, i), (q, lay) in formats.items())
     key["quant_kernels"] = quant_ops.build_name() if quant_ops.available() else None
+    # NOTE: int8_amx runs in the `kvserve` op library (kvserve_amx_int8.cpp), not this one.
+    key["native_kernels"] = native.build_name() if native.available() else None
     key["quant_candidates"] = QUANT_CANDIDATES_VERSION
     return key
 

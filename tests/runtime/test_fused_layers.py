@@ -12,8 +12,9 @@ import torch
 from kvserve.models import fused_layers
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_model
-from kvserve.models.quant_linear import QuantAmxBf16Method, QuantSplitMethod
+from kvserve.models.quant_linear import QuantAmxBf16Method, QuantAmxInt8Method, QuantSplitMethod
 from kvserve.runtime import native
+from kvserve.runtime.amx_int8 import amx_int8_available
 from kvserve.runtime.attention import SeqSpec, build_attention_metadata
 from kvserve.runtime.linear import (
     EXACT_ROWS,
@@ -141,6 +142,26 @@ def test_amx_bf16_projections_fuse(tmp_path: Path) -> None:
     ref = run(model, torch.bfloat16, fused=False)
     got = run(model, torch.bfloat16, fused=True)
     assert fused_rows(model) == {3}
+    for a, b in zip(ref, got, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not amx_int8_available(), reason="needs AMX-INT8")
+def test_amx_int8_projections_fuse(tmp_path: Path) -> None:
+    """Projections on ``QuantAmxInt8Method`` (an int8 copy the selection takes from ~16 rows
+    where it measures faster) run in the fused call too, bit for bit."""
+    model = build(make_tiny_gguf(tmp_path, "smollm", tensor_type="Q4_1"), "auto", torch.bfloat16)
+    model.ensure_linears()
+    for layer in model.layers:
+        for name in fused_layers.PROJECTIONS:
+            source = getattr(layer, name).method_for(1).weight
+            method = QuantAmxInt8Method(source)
+            setattr(layer, name, Linear(source, [(M_MAX, method)]))
+        layer.linears_version = next(fused_layers.LINEAR_VERSIONS)
+    ref = run(model, torch.bfloat16, fused=False)
+    got = run(model, torch.bfloat16, fused=True)
+    assert fused_rows(model) == {3}
+    assert fused_layers.PART_AMX_INT8 in model.fused_cache[3][1].parts[::6]
     for a, b in zip(ref, got, strict=True):
         assert torch.equal(a, b)
 

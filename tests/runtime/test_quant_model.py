@@ -19,12 +19,14 @@ from kvserve.models.quant_linear import (
     DequantDenseMethod,
     DequantPrepackedMethod,
     DequantTileMethod,
+    QuantAmxInt8Method,
     QuantizedParts,
     QuantKernelMethod,
     QuantSplitMethod,
     quantized_candidates,
 )
 from kvserve.models.quant_model import quantization_summary, quantized_nbytes, summary_line
+from kvserve.runtime.amx_int8 import amx_int8_available
 from kvserve.runtime.amx_linear import amx_available
 from kvserve.runtime.attention import SeqSpec, build_attention_metadata
 from kvserve.runtime.linear import onednn_available, onednn_supports
@@ -174,6 +176,8 @@ def test_candidates_kernel_first_then_dense_copy_with_its_cost() -> None:
         want_types.append(DequantPrepackedMethod)
     if amx_available():
         want_types.append(DequantAmxMethod)
+    if amx_int8_available():
+        want_types.append(QuantAmxInt8Method)
     assert [type(m) for m in methods] == want_types
     kernel, tile, dense = methods[:3]
     assert kernel.shares_source and kernel.nbytes == weight.nbytes

@@ -7,7 +7,9 @@ decoder layer of a step in one call, ``kvserve/models/fused_layers.py``);
 ``kvserve_amx_linear.cpp`` adds ``amx_supported`` and ``amx_linear`` (the bf16 AMX projection
 kernel, ``kvserve/runtime/amx_linear.py``) and ``kvserve_amx_attention.cpp``
 ``amx_prefill_supported`` and ``amx_prefill_attention`` (prefill chunks' attention on AMX,
-``kvserve/runtime/native/backend.py``) to the same library. They are built on first use with
+``kvserve/runtime/native/backend.py``) and ``kvserve_amx_int8.cpp`` ``amx_int8_supported`` and
+``amx_int8_linear`` (int8 weights on AMX int8 tiles, ``kvserve/runtime/amx_linear.py``) to the
+same library. They are built on first use with
 ``torch.utils.cpp_extension`` (g++ and ninja, ~15 s on this 2-core box) into
 ``$KVSERVE_CACHE_DIR/native/`` (default ``~/.cache/kvserve/native/``), keyed by the sources,
 the torch version and the CPU's feature flags (the build uses ``-march=native``, or the target
@@ -39,6 +41,7 @@ SOURCES = (
     SOURCE,
     Path(__file__).with_name("kvserve_amx_linear.cpp"),
     Path(__file__).with_name("kvserve_amx_attention.cpp"),
+    Path(__file__).with_name("kvserve_amx_int8.cpp"),
 )
 # Headers the sources include: hashed into the build name with them.
 HEADERS = (Path(__file__).with_name("kvserve_amx_tiles.h"),)
@@ -133,6 +136,7 @@ def _register_fakes() -> None:
         "argmax_rows",
         "decode_layers",
         "amx_linear",
+        "amx_int8_linear",
         "amx_prefill_attention",
     ):
         torch.library.register_fake(f"kvserve::{op}")(lambda *args, **kwargs: None)

@@ -1728,6 +1728,7 @@ void argmax_rows(Tensor out, Tensor logits, const std::optional<Tensor>& finite)
 using QuantLinearFn = void(Tensor, const Tensor&, const Tensor&, int64_t,
                            const std::optional<Tensor>&, int64_t, int64_t);
 using AmxBf16LinearFn = void(Tensor, const Tensor&, const Tensor&, int64_t);
+using AmxInt8LinearFn = void(Tensor, const Tensor&, const Tensor&);
 
 // A projection part: which kernel, its codes, and the output columns it writes.
 constexpr int64_t kPartInts = 6;  // kind, qtype, isa, layout, first column, end column
@@ -1735,10 +1736,12 @@ constexpr int64_t kPartInt8Dot = 0;   // kvserve_quant::linear (qtype, isa, layo
 constexpr int64_t kPartAmxBf16 = 1;   // kvserve_quant::amx_bf16_linear (qtype; x16 layout)
 constexpr int64_t kPartMm = 2;        // at::mm_out on the weight's [K, N] view
 constexpr int64_t kPartOneDnn = 3;    // mkldnn::_linear_pointwise on a prepacked weight
+constexpr int64_t kPartAmxInt8 = 4;   // kvserve::amx_int8_linear on an int8 copy
 
 // out [T, N] = x [T, K] times the weight of parts [first, first + count): each part writes
-// its columns, as QuantKernelMethod, QuantAmxBf16Method, QuantSplitMethod, DenseMmMethod and
-// OneDnnPrepackedMethod do (the last allocates its result; it is copied into out).
+// its columns, as QuantKernelMethod, QuantAmxBf16Method, QuantSplitMethod, QuantAmxInt8Method,
+// DenseMmMethod and OneDnnPrepackedMethod do (the last allocates its result; it is copied
+// into out).
 // NOTE: each kernel's handle is looked up on its first use, so a dense model runs without the
 // quantized-weight library loaded.
 void project(const Tensor& out, const Tensor& x, at::TensorList weights, at::IntArrayRef parts,
@@ -1752,6 +1755,11 @@ void project(const Tensor& out, const Tensor& x, at::TensorList weights, at::Int
                                   .findSchemaOrThrow("kvserve_quant::amx_bf16_linear", "")
                                   .typed<AmxBf16LinearFn>();
       amx.call(dst, x, weights[p], info[1]);
+    } else if (info[0] == kPartAmxInt8) {
+      static const auto int8 = c10::Dispatcher::singleton()
+                                   .findSchemaOrThrow("kvserve::amx_int8_linear", "")
+                                   .typed<AmxInt8LinearFn>();
+      int8.call(dst, x, weights[p]);
     } else if (info[0] == kPartMm) {
       at::mm_out(dst, x, weights[p]);
     } else if (info[0] == kPartOneDnn) {

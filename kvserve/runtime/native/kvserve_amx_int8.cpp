@@ -112,61 +112,77 @@ inline void quantize_row(const uint16_t* x, int64_t k, int64_t kpad, int8_t* q, 
   }
 }
 
-// One 32-column group times `rows` (1-32) rows of quantized x (16 * BLOCKS rows padded; row
-// stride kpad bytes, scales sa [rows][kblocks]) -> acc [32 rows][32 cols] fp32. Each k block
+// Block kb's sums c [32 rows][32 cols] int32 scaled by x's and W's block scales (sa [rows]
+// [kblocks], sw [32]) into acc [32 rows][32 cols] fp32 (the first block sets it).
+inline void scale_block(const int32_t* c, const float* sa, int64_t rows, int64_t kblocks,
+                        int64_t kb, const float* sw, float* acc) {
+  const __m512 sw_lo = _mm512_loadu_ps(sw), sw_hi = _mm512_loadu_ps(sw + 16);
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 s = _mm512_set1_ps(sa[r * kblocks + kb]);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_load_si512(c + r * 32));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_load_si512(c + r * 32 + 16));
+    float* o = acc + r * 32;
+    if (kb == 0) {
+      _mm512_store_ps(o, _mm512_mul_ps(lo, _mm512_mul_ps(sw_lo, s)));
+      _mm512_store_ps(o + 16, _mm512_mul_ps(hi, _mm512_mul_ps(sw_hi, s)));
+    } else {
+      _mm512_store_ps(o, _mm512_fmadd_ps(lo, _mm512_mul_ps(sw_lo, s), _mm512_load_ps(o)));
+      _mm512_store_ps(o + 16,
+                      _mm512_fmadd_ps(hi, _mm512_mul_ps(sw_hi, s), _mm512_load_ps(o + 16)));
+    }
+  }
+}
+
+// One 32-column group times `rows` (1-32) rows of quantized x (16 * BLOCKS rows, padded; row
+// stride kpad bytes; scales sa [rows][kblocks]) -> acc [32 rows][32 cols] fp32. Each k block
 // prefetches `pf_lines` cache lines from `pf` on (into L2 with `pf_to_l2`, else L1), as
 // kvserve_amx_linear.cpp's group_tiles does.
+// NOTE: software pipelined: block kb's tile products are issued, then block kb - 1's sums
+// (stored by the previous step, in the other of two buffers) are scaled while they run, then
+// kb's are stored. Scaling a block's sums right after storing them left the AMX unit idle
+// meanwhile; storing every block's sums first and then summing 8 rows at a time in registers
+// was slower still (1.1-1.3x at M = 1-128: no overlap, and at K = 1536 the sums spill to L2).
 template <int BLOCKS>
 void group_rows(const int8_t* a, const float* sa, int64_t rows, int64_t kpad, const int8_t* w,
                 float* acc, int32_t* cbuf, const char* pf, int pf_lines, bool pf_to_l2) {
   const int64_t kblocks = kpad / kKBlock;
-  for (int64_t kb = 0; kb < kblocks; ++kb) {
+  for (int64_t kb = 0; kb <= kblocks; ++kb) {
     const int8_t* b = w + kb * kBlockBytes;  // the two B tiles and the scales of this block
-    const char* ahead = pf + kb * pf_lines * 64;
-    for (int line = 0; line < pf_lines; ++line) {
-      if (pf_to_l2)
-        _mm_prefetch(ahead + line * 64, _MM_HINT_T1);
-      else
-        _mm_prefetch(ahead + line * 64, _MM_HINT_T0);
-    }
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_loadd(6, b, 64);
-    _tile_loadd(7, b + kTileBytes, 64);
-    _tile_loadd(4, a + kb * kKBlock, kpad);
-    _tile_dpbssd(0, 4, 6);
-    _tile_dpbssd(1, 4, 7);
-    // NOTE: two buffers in turn, so that this block's tile stores do not wait on the loads
-    // of the previous block's sums. The scaling runs block by block, beside the next
-    // block's tile products: a version that stored every block's sums first and then summed
-    // 8 rows at a time in registers ran the model's projections 1.1-1.3x slower at M = 1-128
-    // (no overlap; at K = 1536 the sums spill to L2).
     int32_t* c = cbuf + (kb % 2) * 32 * 32;
-    _tile_stored(0, c, 128);
-    _tile_stored(1, c + 16, 128);
-    if (BLOCKS == 2) {
-      _tile_zero(2);
-      _tile_zero(3);
-      _tile_loadd(5, a + 16 * kpad + kb * kKBlock, kpad);
-      _tile_dpbssd(2, 5, 6);
-      _tile_dpbssd(3, 5, 7);
-      _tile_stored(2, c + 16 * 32, 128);
-      _tile_stored(3, c + 16 * 32 + 16, 128);
+    if (kb < kblocks) {
+      const char* ahead = pf + kb * pf_lines * 64;
+      for (int line = 0; line < pf_lines; ++line) {
+        if (pf_to_l2)
+          _mm_prefetch(ahead + line * 64, _MM_HINT_T1);
+        else
+          _mm_prefetch(ahead + line * 64, _MM_HINT_T0);
+      }
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_loadd(6, b, 64);
+      _tile_loadd(7, b + kTileBytes, 64);
+      _tile_loadd(4, a + kb * kKBlock, kpad);
+      _tile_dpbssd(0, 4, 6);
+      _tile_dpbssd(1, 4, 7);
+      if (BLOCKS == 2) {
+        _tile_zero(2);
+        _tile_zero(3);
+        _tile_loadd(5, a + 16 * kpad + kb * kKBlock, kpad);
+        _tile_dpbssd(2, 5, 6);
+        _tile_dpbssd(3, 5, 7);
+      }
     }
-    const float* sw = reinterpret_cast<const float*>(b + 2 * kTileBytes);
-    const __m512 sw_lo = _mm512_loadu_ps(sw), sw_hi = _mm512_loadu_ps(sw + 16);
-    for (int64_t r = 0; r < rows; ++r) {
-      const __m512 s = _mm512_set1_ps(sa[r * kblocks + kb]);
-      const __m512 lo = _mm512_cvtepi32_ps(_mm512_load_si512(c + r * 32));
-      const __m512 hi = _mm512_cvtepi32_ps(_mm512_load_si512(c + r * 32 + 16));
-      float* o = acc + r * 32;
-      if (kb == 0) {
-        _mm512_store_ps(o, _mm512_mul_ps(lo, _mm512_mul_ps(sw_lo, s)));
-        _mm512_store_ps(o + 16, _mm512_mul_ps(hi, _mm512_mul_ps(sw_hi, s)));
-      } else {
-        _mm512_store_ps(o, _mm512_fmadd_ps(lo, _mm512_mul_ps(sw_lo, s), _mm512_load_ps(o)));
-        _mm512_store_ps(o + 16,
-                        _mm512_fmadd_ps(hi, _mm512_mul_ps(sw_hi, s), _mm512_load_ps(o + 16)));
+    if (kb > 0) {
+      const int8_t* prev = b - kBlockBytes;
+      scale_block(cbuf + ((kb - 1) % 2) * 32 * 32, sa, rows, kblocks, kb - 1,
+                  reinterpret_cast<const float*>(prev + 2 * kTileBytes), acc);
+    }
+    if (kb < kblocks) {
+      _tile_stored(0, c, 128);
+      _tile_stored(1, c + 16, 128);
+      if (BLOCKS == 2) {
+        _tile_stored(2, c + 16 * 32, 128);
+        _tile_stored(3, c + 16 * 32 + 16, 128);
       }
     }
   }

@@ -35,7 +35,7 @@ import torch
 
 from kvserve.models.quant import QuantizedWeight
 from kvserve.runtime import amx_int8
-from kvserve.runtime.amx_linear import AmxBf16Method, amx_available
+from kvserve.runtime.amx_linear import AmxBf16Method, amx_available, run_packed
 from kvserve.runtime.linear import (
     LinearMethod,
     OneDnnPrepackedMethod,
@@ -356,14 +356,10 @@ class QuantAmxInt8Method(DenseCopyMethod):
         return [] if self.packed is None else [self.packed]
 
     def apply(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        if self.packed is None:
-            self.prepare()
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        if out is None:
-            out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)  # [M, out]
-        torch.ops.kvserve.amx_int8_linear(out, x, self.packed)
-        return out
+        self.prepare()
+        assert self.packed is not None
+        op = torch.ops.kvserve.amx_int8_linear
+        return run_packed(op, self.packed, x, out, self.out_features)
 
 
 class DequantTileMethod(LinearMethod):

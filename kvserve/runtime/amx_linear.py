@@ -12,6 +12,7 @@ be freed.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,6 +57,23 @@ def unpack_weight(packed: torch.Tensor, out_features: int, in_features: int) -> 
     return dense[:out_features, :in_features].contiguous()
 
 
+def run_packed(
+    op: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+    packed: torch.Tensor,
+    x: torch.Tensor,  # [M, in]
+    out: torch.Tensor | None,  # [M, out_features] or None
+    out_features: int,
+) -> torch.Tensor:
+    """``op(out, x, packed)`` (an AMX kernel writing ``out``) on ``x`` with contiguous rows,
+    into a new ``out`` when none is given; returns ``out``."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if out is None:
+        out = torch.empty(x.shape[0], out_features, dtype=x.dtype)  # [M, out]
+    op(out, x, packed)
+    return out
+
+
 class AmxBf16Method(LinearMethod):
     """``kvserve::amx_linear`` on the weight repacked into AMX tiles (bf16 in, bf16 out).
 
@@ -92,14 +110,9 @@ class AmxBf16Method(LinearMethod):
         return unpack_weight(self.packed, self.out_features, self.in_features)
 
     def apply(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        if self.packed is None:
-            self.prepare()
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        if out is None:
-            out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)  # [M, out]
-        torch.ops.kvserve.amx_linear(out, x, self.packed)
-        return out
+        self.prepare()
+        assert self.packed is not None
+        return run_packed(torch.ops.kvserve.amx_linear, self.packed, x, out, self.out_features)
 
 
 @register_candidates

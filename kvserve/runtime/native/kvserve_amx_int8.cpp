@@ -265,12 +265,7 @@ void amx_int8_linear(Tensor out, const Tensor& x, const Tensor& packed) {
           group_rows<2>(a, s, rows, kpad, wg, acc, cbuf, pf, lines, to_l2);
         else
           group_rows<1>(a, s, rows, kpad, wg, acc, cbuf, pf, lines, to_l2);
-        for (int64_t r = 0; r < rows; ++r) {
-          const __m512 lo = _mm512_load_ps(acc + r * 32);
-          const __m512 hi = _mm512_load_ps(acc + r * 32 + 16);
-          _mm512_mask_storeu_epi16(o + (r0 + r) * ldo + g * 32, keep,
-                                   (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-        }
+        store_rows_bf16(acc, rows, o + r0 * ldo + g * 32, ldo, keep);
       }
     }
     _tile_release();

@@ -190,13 +190,7 @@ void amx_linear(Tensor out, Tensor x, Tensor packed) {
         } else {
           group_tiles<1>(x0, ld0, x0, ld0, kpad, wg, cbuf, pf, lines, to_l2);
         }
-        const int64_t rows = std::min<int64_t>(32, m - r0);
-        for (int64_t r = 0; r < rows; ++r) {
-          const __m512 lo = _mm512_load_ps(cbuf + r * 32);
-          const __m512 hi = _mm512_load_ps(cbuf + r * 32 + 16);
-          _mm512_mask_storeu_epi16(o + (r0 + r) * ldo + g * 32, keep,
-                                   (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-        }
+        store_rows_bf16(cbuf, std::min<int64_t>(32, m - r0), o + r0 * ldo + g * 32, ldo, keep);
       }
     }
     _tile_release();

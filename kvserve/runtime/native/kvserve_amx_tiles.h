@@ -1,5 +1,6 @@
 // What the AMX kernels of the `kvserve` op library share (kvserve_amx_linear.cpp,
-// kvserve_amx_attention.cpp): the tile state request and the one tile configuration they use.
+// kvserve_amx_attention.cpp, kvserve_amx_int8.cpp): the tile state request, the one tile
+// configuration they use, and the store of an fp32 result as bf16 rows.
 #pragma once
 
 #if defined(__AMX_TILE__)
@@ -45,6 +46,17 @@ inline void load_tile_config() {
     return c;
   }();
   _tile_loadconfig(&cfg);
+}
+
+// Rows [0, rows) of an fp32 result buf [rows][32] -> bf16 rows of out (row stride ldo), the
+// columns in `keep` of 32, each rounded once (RNE).
+inline void store_rows_bf16(const float* buf, int64_t rows, uint16_t* out, int64_t ldo,
+                            __mmask32 keep) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 lo = _mm512_load_ps(buf + r * 32);
+    const __m512 hi = _mm512_load_ps(buf + r * 32 + 16);
+    _mm512_mask_storeu_epi16(out + r * ldo, keep, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
 }
 
 }  // namespace kvserve

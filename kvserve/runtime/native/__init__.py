@@ -8,12 +8,12 @@ decoder layer of a step in one call, ``kvserve/models/fused_layers.py``);
 kernel, ``kvserve/runtime/amx_linear.py``) and ``kvserve_amx_attention.cpp``
 ``amx_prefill_supported`` and ``amx_prefill_attention`` (prefill chunks' attention on AMX,
 ``kvserve/runtime/native/backend.py``) and ``kvserve_amx_int8.cpp`` ``amx_int8_supported`` and
-``amx_int8_linear`` (int8 weights on AMX int8 tiles, ``kvserve/runtime/amx_linear.py``) to the
-same library. They are built on first use with
-``torch.utils.cpp_extension`` (g++ and ninja, ~15 s on this 2-core box) into
-``$KVSERVE_CACHE_DIR/native/`` (default ``~/.cache/kvserve/native/``), keyed by the sources,
-the torch version and the CPU's feature flags (the build uses ``-march=native``, or the target
-in ``$KVSERVE_NATIVE_MARCH``), so a later process only loads the built library.
+``amx_int8_linear`` (int8 weights on AMX int8 tiles, ``kvserve/runtime/amx_int8.py``) to the
+same library. They are built on first use with ``torch.utils.cpp_extension`` (g++ and ninja,
+~15 s on this 2-core box) into ``$KVSERVE_CACHE_DIR/native/`` (default
+``~/.cache/kvserve/native/``), keyed by the sources, the torch version and the CPU's feature
+flags (the build uses ``-march=native``, or the target in ``$KVSERVE_NATIVE_MARCH``), so a
+later process only loads the built library.
 
 ``load()`` never raises: without a compiler, or with ``KVSERVE_NATIVE=0`` in the
 environment, it returns False once, logs why, and the model runs its torch ops instead

@@ -22,11 +22,11 @@
 // to bf16 once.
 //
 // NOTE: why blocks of 64. One scale per row of x over all of K (per-token int8, as W8A8
-// schemes use) cost the embedded model 3.2 % perplexity on `kvserve bench accuracy` (its
-// activations have outlier channels); blocks of 64 on both sides cost 0.1 % over bf16's own
-// (docs/KERNELS_HISTORY.md, session 28). A block is one tile product, so the scaling is
-// vector work per block and output, ~4 instructions per 16 outputs, while the weight comes
-// from memory; the alternative it replaces dequantizes every weight to bf16 per call.
+// schemes use) cost the embedded model 2.8 % perplexity in `kvserve bench accuracy`,
+// simulated (its activations have outlier channels); blocks of 64 on both sides left it
+// within the run's noise of fp32 (bench/ACCURACY.md, session 28). A block is one tile
+// product, so the scaling is vector work per block and output, ~6 instructions per 16
+// outputs; the kernel it competes with dequantizes every weight to bf16 per call instead.
 //
 // NOTE: why at all. At decode sizes (16-64 rows) the Q4_1 kernel on AMX bf16 tiles
 // (kvserve_quant_ops.cpp, amx_bf16_linear) is bound by dequantizing the blocks to bf16 in

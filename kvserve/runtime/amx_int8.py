@@ -40,23 +40,29 @@ def _inverse_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
 
 
+def _round_blocks(t: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` [R, K] -> ``q`` [rows, Kp] int8 and ``scale`` [rows, Kp / 64] fp32 with
+    ``t ~ scale * q`` per block of 64 inputs, ``t`` zero-padded to ``rows`` rows and whole
+    blocks (``q = round(t * (127 / max|t|))`` to nearest even, as the kernel rounds x)."""
+    kblocks = -(-t.shape[1] // KBLOCK)
+    padded = torch.zeros(rows, kblocks * KBLOCK, dtype=torch.float32)
+    padded[: t.shape[0], : t.shape[1]] = t
+    blocks = padded.view(rows, kblocks, KBLOCK)
+    amax = blocks.abs().amax(2)  # [rows, KB]
+    q = torch.round(blocks * _inverse_scale(amax)[..., None]).clamp_(-127, 127)
+    return q.to(torch.int8).view(rows, kblocks * KBLOCK), amax / 127.0
+
+
 def quantize_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight`` [N, K] -> ``q`` [Np, Kp] int8 and ``scale`` [Np, Kp / 64] fp32 with
     ``weight ~ scale * q`` per block of 64 inputs, zero-padded to whole groups of 32 rows and
-    blocks (``q = round(w * (127 / max|w|))`` to nearest even, as the kernel rounds x)."""
+    blocks (rounded as ``_round_blocks``)."""
     n, k = weight.shape
     if n == 0 or k == 0:
         raise ValueError(f"an int8-packed weight needs both dims non-zero, got {n}x{k}")
     if not bool(torch.isfinite(weight).all()):
         raise ValueError("an int8-packed weight must be finite")
-    rows, kblocks = -(-n // GROUP) * GROUP, -(-k // KBLOCK)
-    w = torch.zeros(rows, kblocks * KBLOCK, dtype=torch.float32)
-    w[:n, :k] = weight
-    blocks = w.view(rows, kblocks, KBLOCK)
-    amax = blocks.abs().amax(2)  # [Np, KB]
-    inv = _inverse_scale(amax)
-    q = torch.round(blocks * inv[..., None]).clamp_(-127, 127).to(torch.int8)
-    return q.view(rows, kblocks * KBLOCK), amax / 127.0
+    return _round_blocks(weight, -(-n // GROUP) * GROUP)
 
 
 def pack_int8_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -91,12 +97,5 @@ def unpack_int8_weight(
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """What the kernel makes of ``x`` [M, K] (bf16): ``q`` [M, K] int8 and ``scale``
     [M, ceil(K/64)] fp32, rounded as the kernel rounds (a reference for tests and probes)."""
-    m, k = x.shape
-    kblocks = -(-k // KBLOCK)
-    xf = torch.zeros(m, kblocks * KBLOCK, dtype=torch.float32)
-    xf[:, :k] = x.float()
-    blocks = xf.view(m, kblocks, KBLOCK)
-    amax = blocks.abs().amax(2)  # [M, KB]
-    inv = _inverse_scale(amax)
-    q = torch.round(blocks * inv[..., None]).to(torch.int8).view(m, -1)[:, :k]
-    return q.contiguous(), amax / 127.0
+    q, scale = _round_blocks(x.float(), x.shape[0])
+    return q[:, : x.shape[1]].contiguous(), scale

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.models.quant import quantize_dense
+from kvserve.models.quant import QuantizedWeight, quantize_dense
 from kvserve.models.quant_linear import QuantAmxInt8Method, kernel_layout, quantized_candidates
 from kvserve.runtime import native
 from kvserve.runtime.amx_int8 import (
@@ -145,7 +145,7 @@ def test_bad_arguments_name_what_is_wrong() -> None:
         torch.ops.kvserve.amx_int8_linear(torch.empty(2, 40).bfloat16(), x, packed)
 
 
-def _q4_1(n: int, k: int, seed: int = 0):  # noqa: ANN202 - a QuantizedWeight
+def _q4_1(n: int, k: int, seed: int = 0) -> QuantizedWeight:
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
     return kernel_layout(quantize_dense(w, "q4_1"), "x16")
 

@@ -11,10 +11,12 @@ same bit for bit. It takes a step when:
 - every projection of every layer runs one of these methods at this step's row count, with
   no bias: the int8-dot kernel (``QuantKernelMethod``), AMX bf16 on the blocks
   (``QuantAmxBf16Method``), AMX int8 on an int8 copy (``QuantAmxInt8Method``), a split of
-  int8-dot parts (``QuantSplitMethod``, mixed formats in one fused weight), ``torch.mm``
-  (``DenseMmMethod``) or oneDNN on a prepacked weight (``OneDnnPrepackedMethod``), the last
-  two unless ``Linear`` would pad the rows. That is a GGUF model as stored and a dense model
-  in fp32 or bf16, on every CPU kind;
+  int8-dot parts (``QuantSplitMethod``, mixed formats in one fused weight), AMX bf16 on a
+  dense weight in tiles (``AmxBf16Method``), ``torch.mm`` (``DenseMmMethod``) or oneDNN on a
+  prepacked weight (``OneDnnPrepackedMethod``), the last two unless ``Linear`` would pad the
+  rows; the dense copies of quantized weights (``DequantDenseMethod``,
+  ``DequantPrepackedMethod``, ``DequantAmxMethod``) run as the dense method they hold. That
+  is a GGUF model as stored and a dense model in fp32 or bf16, on every CPU kind;
 - the attention backend is ``NativeCPUBackend`` and every query row of the step goes through
   its decode kernel (decodes, and chunks up to its measured limit) on an unquantized CPU
   cache.
@@ -39,11 +41,15 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from kvserve.models.quant_linear import (
+    DenseCopyMethod,
+    DequantDenseMethod,
+    DequantPrepackedMethod,
     QuantAmxBf16Method,
     QuantAmxInt8Method,
     QuantKernelMethod,
     QuantSplitMethod,
 )
+from kvserve.runtime.amx_linear import AmxBf16Method
 from kvserve.runtime.layer_ops import NATIVE_OPS
 from kvserve.runtime.linear import DenseMmMethod, LinearMethod, OneDnnPrepackedMethod, row_bucket
 from kvserve.runtime.native.backend import NativeCPUBackend
@@ -71,6 +77,7 @@ PART_AMX_BF16 = 1  # kvserve_quant::amx_bf16_linear
 PART_MM = 2  # torch.mm on the [in, out] weight (DenseMmMethod)
 PART_ONEDNN = 3  # mkldnn::_linear_pointwise on the prepacked weight (OneDnnPrepackedMethod)
 PART_AMX_INT8 = 4  # kvserve::amx_int8_linear on the int8 copy (QuantAmxInt8Method)
+PART_AMX_DENSE = 5  # kvserve::amx_linear on a dense weight in tiles (AmxBf16Method)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,15 +95,25 @@ def projection_parts(
     method: LinearMethod, num_rows: int
 ) -> list[tuple[torch.Tensor, list[int]]] | None:
     """``method``'s kernel calls at ``num_rows`` rows as (weight, codes) parts, or None for a
-    method the fused call does not run (a dequantizing one, a split with a dense part, a
-    shape-cached one that ``Linear`` would run on padded rows)."""
-    kind = type(method)
+    method the fused call does not run (a split with a dense part, a shape-cached one that
+    ``Linear`` would run on padded rows). A dense copy of a quantized weight runs as the
+    dense method it holds."""
     if method.shape_cached and row_bucket(num_rows) != num_rows:
         return None
-    if kind is DenseMmMethod:
+    if isinstance(method, DenseCopyMethod) and not isinstance(method, QuantAmxInt8Method):
+        method.prepare()
+        if isinstance(method, DequantPrepackedMethod):  # oneDNN or AMX tiles
+            assert method.packed is not None
+            method = method.packed
+    kind = type(method)
+    if kind is DenseMmMethod or kind is DequantDenseMethod:
         return [(method.weight_t, [PART_MM, 0, 0, 0, 0, method.out_features])]
     if kind is OneDnnPrepackedMethod:
         return [(method.packed, [PART_ONEDNN, 0, 0, 0, 0, method.out_features])]
+    if kind is AmxBf16Method:
+        method.prepare()
+        assert method.packed is not None
+        return [(method.packed, [PART_AMX_DENSE, 0, 0, 0, 0, method.out_features])]
     if kind is QuantKernelMethod:
         return [(method.weight.data, [*_int8_dot_codes(method), 0, method.out_features])]
     if kind is QuantAmxBf16Method:

@@ -12,9 +12,17 @@ import torch
 from kvserve.models import fused_layers
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_model
-from kvserve.models.quant_linear import QuantAmxBf16Method, QuantAmxInt8Method, QuantSplitMethod
+from kvserve.models.quant_linear import (
+    DequantAmxMethod,
+    DequantDenseMethod,
+    DequantPrepackedMethod,
+    QuantAmxBf16Method,
+    QuantAmxInt8Method,
+    QuantSplitMethod,
+)
 from kvserve.runtime import native
 from kvserve.runtime.amx_int8 import amx_int8_available
+from kvserve.runtime.amx_linear import AmxBf16Method, amx_available
 from kvserve.runtime.attention import SeqSpec, build_attention_metadata
 from kvserve.runtime.linear import (
     EXACT_ROWS,
@@ -162,6 +170,58 @@ def test_amx_int8_projections_fuse(tmp_path: Path) -> None:
     got = run(model, torch.bfloat16, fused=True)
     assert fused_rows(model) == {3}
     assert fused_layers.PART_AMX_INT8 in model.fused_cache[3][1].parts[::6]
+    for a, b in zip(ref, got, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not amx_available(), reason="needs AMX-BF16")
+def test_amx_dense_projections_fuse(tmp_path: Path) -> None:
+    """A dense bf16 model's projections on ``AmxBf16Method`` (its choice on AMX CPUs) run in
+    the fused call too, bit for bit."""
+    model = build(make_tiny_gguf(tmp_path, "smollm", tensor_type="F32"), "none", torch.bfloat16)
+    model.ensure_linears()
+    for layer in model.layers:
+        for name in fused_layers.PROJECTIONS:
+            weight = getattr(layer, name).method_for(1).weight
+            setattr(layer, name, Linear(weight, [(M_MAX, AmxBf16Method(weight))]))
+        layer.linears_version = next(fused_layers.LINEAR_VERSIONS)
+    ref = run(model, torch.bfloat16, fused=False)
+    got = run(model, torch.bfloat16, fused=True)
+    assert fused_rows(model) == {3}
+    assert set(model.fused_cache[3][1].parts[::6]) == {fused_layers.PART_AMX_DENSE}
+    for a, b in zip(ref, got, strict=True):
+        assert torch.equal(a, b)
+
+
+COPIES = {  # a dense copy of a quantized weight -> the part kind it runs as
+    DequantDenseMethod: fused_layers.PART_MM,
+    DequantPrepackedMethod: fused_layers.PART_ONEDNN,
+    DequantAmxMethod: fused_layers.PART_AMX_DENSE,
+}
+
+
+@pytest.mark.parametrize("copy", list(COPIES), ids=lambda c: c.__name__)
+def test_dense_copies_of_quantized_weights_fuse(tmp_path: Path, copy: type) -> None:
+    """Projections on a dense copy of a quantized weight (the selection's choice for some
+    shapes at 17-32 rows on the AMX Xeon) run in the fused call as the dense method the copy
+    holds, beside the int8-dot kernel on the blocks, bit for bit."""
+    if copy is DequantAmxMethod and not amx_available():
+        pytest.skip("needs AMX-BF16")
+    if copy is DequantPrepackedMethod and not (
+        onednn_available() and onednn_supports(torch.bfloat16)
+    ):
+        pytest.skip("needs oneDNN with bf16")
+    model = build(make_tiny_gguf(tmp_path, "smollm", tensor_type="Q4_1"), "auto", torch.bfloat16)
+    model.ensure_linears()
+    for layer in model.layers:
+        for name in ("qkv_proj", "down_proj"):  # o and gate/up stay on the int8-dot kernel
+            source = getattr(layer, name).method_for(1).weight
+            setattr(layer, name, Linear(source, [(M_MAX, copy(source, torch.bfloat16))]))
+        layer.linears_version = next(fused_layers.LINEAR_VERSIONS)
+    ref = run(model, torch.bfloat16, fused=False)
+    got = run(model, torch.bfloat16, fused=True)
+    assert fused_rows(model) == {3}
+    assert set(model.fused_cache[3][1].parts[::6]) == {fused_layers.PART_INT8_DOT, COPIES[copy]}
     for a, b in zip(ref, got, strict=True):
         assert torch.equal(a, b)
 

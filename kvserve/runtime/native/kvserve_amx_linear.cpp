@@ -108,7 +108,7 @@ bool amx_supported() {
 #endif
 }
 
-void amx_linear(Tensor out, Tensor x, Tensor packed) {
+void amx_linear(Tensor out, const Tensor& x, const Tensor& packed) {
   TORCH_CHECK(amx_supported(), "amx_linear: this build or CPU has no AMX-BF16");
   TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu() && packed.device().is_cpu(),
               "amx_linear: tensors must be on CPU");

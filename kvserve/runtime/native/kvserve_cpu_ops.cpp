@@ -1728,7 +1728,9 @@ void argmax_rows(Tensor out, Tensor logits, const std::optional<Tensor>& finite)
 using QuantLinearFn = void(Tensor, const Tensor&, const Tensor&, int64_t,
                            const std::optional<Tensor>&, int64_t, int64_t);
 using AmxBf16LinearFn = void(Tensor, const Tensor&, const Tensor&, int64_t);
-using AmxInt8LinearFn = void(Tensor, const Tensor&, const Tensor&);
+// kvserve::amx_linear and kvserve::amx_int8_linear (this library, also called through the
+// dispatcher, so that a build without AMX keeps its own checks).
+using PackedLinearFn = void(Tensor, const Tensor&, const Tensor&);
 
 // A projection part: which kernel, its codes, and the output columns it writes.
 constexpr int64_t kPartInts = 6;  // kind, qtype, isa, layout, first column, end column
@@ -1737,11 +1739,12 @@ constexpr int64_t kPartAmxBf16 = 1;   // kvserve_quant::amx_bf16_linear (qtype; 
 constexpr int64_t kPartMm = 2;        // at::mm_out on the weight's [K, N] view
 constexpr int64_t kPartOneDnn = 3;    // mkldnn::_linear_pointwise on a prepacked weight
 constexpr int64_t kPartAmxInt8 = 4;   // kvserve::amx_int8_linear on an int8 copy
+constexpr int64_t kPartAmxDense = 5;  // kvserve::amx_linear on a dense bf16 weight in tiles
 
 // out [T, N] = x [T, K] times the weight of parts [first, first + count): each part writes
 // its columns, as QuantKernelMethod, QuantAmxBf16Method, QuantSplitMethod, QuantAmxInt8Method,
-// DenseMmMethod and OneDnnPrepackedMethod do (the last allocates its result; it is copied
-// into out).
+// AmxBf16Method (and DequantAmxMethod, its copy of a quantized weight), DenseMmMethod and
+// OneDnnPrepackedMethod do (the last allocates its result; it is copied into out).
 // NOTE: each kernel's handle is looked up on its first use, so a dense model runs without the
 // quantized-weight library loaded.
 void project(const Tensor& out, const Tensor& x, at::TensorList weights, at::IntArrayRef parts,
@@ -1758,8 +1761,13 @@ void project(const Tensor& out, const Tensor& x, at::TensorList weights, at::Int
     } else if (info[0] == kPartAmxInt8) {
       static const auto int8 = c10::Dispatcher::singleton()
                                    .findSchemaOrThrow("kvserve::amx_int8_linear", "")
-                                   .typed<AmxInt8LinearFn>();
+                                   .typed<PackedLinearFn>();
       int8.call(dst, x, weights[p]);
+    } else if (info[0] == kPartAmxDense) {
+      static const auto dense = c10::Dispatcher::singleton()
+                                    .findSchemaOrThrow("kvserve::amx_linear", "")
+                                    .typed<PackedLinearFn>();
+      dense.call(dst, x, weights[p]);
     } else if (info[0] == kPartMm) {
       at::mm_out(dst, x, weights[p]);
     } else if (info[0] == kPartOneDnn) {

@@ -221,13 +221,26 @@ def _die_with_parent() -> None:
 
 
 def exit_on_sigterm() -> None:
-    """Make SIGTERM raise SystemExit, so that ``finally`` blocks stop the replicas.
+    """Make SIGTERM raise SystemExit, so that ``finally`` blocks stop the replicas; a SIGTERM
+    after that is logged and ignored, so that it cannot cut their clean-up short.
 
     NOTE: uvicorn re-raises the signal that stopped it once it has shut down; with the
-    default handler that kills the process before any clean-up runs.
+    default handler that kills the process before any clean-up runs. A second SIGTERM (a
+    supervisor that signals the process group, or an impatient ``kill``) raised SystemExit
+    again inside the clean-up, with a traceback and the later replicas not yet terminated.
+    A handler, not SIG_IGN: a replica started meanwhile would inherit SIG_IGN through exec.
     """
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def stopping(*_: object) -> None:
+        logger.warning("SIGTERM again: already stopping the replicas")
+
+    def stop(*_: object) -> None:
+        signal.signal(signal.SIGTERM, stopping)
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 class ReplicaServer:

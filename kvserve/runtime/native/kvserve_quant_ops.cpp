@@ -53,8 +53,7 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define KVQ_HAVE_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "kvserve_amx_tiles.h"  // the tile state request and configuration (shared)
 #endif
 
 namespace kvserve_quant {
@@ -72,15 +71,10 @@ constexpr int kIsaAuto = 0, kIsaScalar = 1, kIsaAvx2 = 2, kIsaAvxVnni = 3, kIsaA
 #define KVQ_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define KVQ_AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
 
-// Whether this build has the AMX kernel and the kernel granted this process the tile state
-// (arch_prctl ARCH_REQ_XCOMP_PERM; asked once, as kvserve_amx_linear.cpp does).
+// Whether this build has the AMX kernel and the kernel granted this process the tile state.
 bool amx_tiles_ready() {
 #if defined(KVQ_HAVE_AMX)
-  static const bool ok = [] {
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
+  return kvserve::amx_tiles_granted();
 #else
   return false;
 #endif
@@ -844,20 +838,6 @@ void check_weight(const Tensor& weight, int64_t qtype, int64_t k);
   __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16," \
                         "fma,f16c")))
 
-struct alignas(64) AmxTileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-KVQ_AMXBF16 void amx_bf16_config() {
-  AmxTileConfig cfg;
-  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-  _tile_loadconfig(&cfg);
-}
-
 // Lane r: byte J of lane r of `wv` as a float: q8_0's signed value, or a nibble format's low
 // nibble (HIGH: its high nibble).
 // NOTE: int to float through the float bits of 2^23 + q (an add or an OR, then a subtraction,
@@ -996,7 +976,7 @@ KVQ_AMXBF16 void run_amx_bf16(const uint16_t* xs, int64_t ldx, int64_t m, int64_
     for (int b = 0; b < 2; ++b)
       bts[b] = reinterpret_cast<uint16_t*>(
           (reinterpret_cast<uintptr_t>(bt_buf.data() + b * bt_elems) + 63) & ~uintptr_t(63));
-    amx_bf16_config();
+    kvserve::load_tile_config();
     alignas(64) float cbuf[32 * 32];
     // NOTE: software pipelined: group G + 1's tiles are dequantized (vector ALU work) between
     // group G's tile products (AMX work), one k block at a time, so that the two overlap in

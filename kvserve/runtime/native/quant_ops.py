@@ -41,6 +41,8 @@ _state: dict[str, object] = {}
 def build_name() -> str:
     """Extension name: source, flags, torch version and CPU features hashed together."""
     h = hashlib.sha256(SOURCE.read_bytes())
+    for header in native.HEADERS:  # NOTE: the AMX kernel includes kvserve_amx_tiles.h
+        h.update(header.read_bytes())
     for part in (*native.cflags(), *native.LDFLAGS, torch.__version__, native.cpu_flags()):
         h.update(part.encode())
     return f"kvserve_quant_ops_{h.hexdigest()[:16]}"

@@ -1,24 +1,7 @@
 #!/usr/bin/env bash
-# kvserve and vLLM (bf16) alternated on the two traces where this kind's ratio is marginal,
-# uniform 128+128 at B=32 and ShareGPT-like 64 @ 32 (the sitting's workload files):
-# kvserve, vLLM, kvserve, vLLM, kvserve, vLLM, kvserve, so that each vLLM run has a kvserve run
-# on each side and the host's drift shows in both.
+# Session 29's alternated runs (kvserve, vLLM bf16, ... on uniform B=32 and ShareGPT 64 @ 32)
+# on the sitting's workload files; the body is bench/run_alternate.sh.
 #   bench/results/session29/alternate.sh > bench/results/session29/alternate.txt
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-S=bench/results/session29/sitting
-OUT=bench/results/session29/alternate; mkdir -p "$OUT"
-tps() { .venv/bin/python -c "import json,sys; print(round(json.load(open(sys.argv[1]))['results']['output_tokens_per_s'], 1))" "$1"; }
-kv() {  # round
-  .venv/bin/kvserve bench throughput --workload-file "$S/uniform/workload_128x128.jsonl" \
-    --num-prompts 32 --max-num-seqs 32 --num-threads 2 --output-json "$OUT/kv_uniform_$1.json" > /dev/null 2>&1
-  .venv/bin/kvserve bench throughput --workload-file "$S/sharegpt/workload_sharegpt_64.jsonl" \
-    --num-prompts 64 --max-num-seqs 32 --num-threads 2 --output-json "$OUT/kv_sharegpt_$1.json" > /dev/null 2>&1
-  echo "$(date -u +%H:%M:%S) kvserve $1: uniform B=32 $(tps "$OUT/kv_uniform_$1.json"), ShareGPT $(tps "$OUT/kv_sharegpt_$1.json") tok/s"
-}
-vl() {  # round
-  BATCH_SIZES=32 SYSTEMS=vllm MODES=offline VLLM_DTYPES=bfloat16 bench/run_side_by_side.sh "$OUT/vllm_uniform_$1" 2>&1 | grep "tok/s" | sed "s/^/$(date -u +%H:%M:%S) /"
-  WORKLOAD=sharegpt BATCH_SIZES=32 NUM_PROMPTS=64 MAX_OUTPUT_LEN=512 SYSTEMS=vllm MODES=offline VLLM_DTYPES=bfloat16 \
-    bench/run_side_by_side.sh "$OUT/vllm_sharegpt_$1" 2>&1 | grep "tok/s" | sed "s/^/$(date -u +%H:%M:%S) /"
-}
-kv 1; vl 1; kv 2; vl 2; kv 3; vl 3; kv 4
+exec bench/run_alternate.sh bench/results/session29/sitting bench/results/session29/alternate 3

@@ -283,6 +283,7 @@ def kv_cache_config(
         num_host_blocks=report.num_host_blocks,
         kv_window=window,
         max_model_len=max_model_len,
+        max_num_batched_tokens=config.max_num_batched_tokens,
     )
 
 

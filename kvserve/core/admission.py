@@ -84,9 +84,9 @@ def validate_request(
     # recomputed into: an n > 1 child's too) must fit. A block-aligned prompt that filled
     # the pool exactly was admitted and then could not run alone, which stopped the engine.
     num_tokens = num_prompt + (max_tokens if max_tokens is not None else 1)
-    if kv.num_blocks_for(num_tokens) > kv.num_blocks:
+    if kv.max_live_blocks(num_tokens) > kv.num_blocks:
         raise ValueError(
-            f"request {rid!r} needs {kv.num_blocks_for(num_tokens)} KV blocks for "
+            f"request {rid!r} needs {kv.max_live_blocks(num_tokens)} KV blocks at once for "
             f"{num_tokens} tokens, more than the whole pool (num_kv_blocks={kv.num_blocks})"
         )
     if not cfg.enable_chunked_prefill and num_prompt > cfg.max_num_batched_tokens:
@@ -148,5 +148,5 @@ class AdmissionControl:
     def reserve(self, kv: KVCacheManager, request: Request, num_computed: int) -> int:
         """Blocks to keep free when admitting ``request`` with ``num_computed`` tokens
         allocated now: the rest of its known tokens, plus the headroom."""
-        rest = kv.num_blocks_for(request.num_tokens) - kv.num_blocks_for(num_computed)
-        return self.headroom_blocks + rest
+        rest = kv.max_live_blocks(request.num_tokens) - kv.num_blocks_for(num_computed)
+        return self.headroom_blocks + max(0, rest)

@@ -9,7 +9,8 @@ and release them (``free``).
 
 Hooks a variant overrides (vLLM's single_type_kv_cache_manager style): ``_new_block_pool``
 (the pool), ``_skipped_blocks`` (which blocks no later query reads; none for full
-attention) and ``_check_table_policy`` (extra per-table invariants). Helpers the layers
+attention), ``max_live_blocks`` (the most blocks a request holds at once; all of its tokens'
+for full attention) and ``_check_table_policy`` (extra per-table invariants). Helpers the layers
 above use instead of this class's state: ``_table``, ``_new_table``, ``_pop_table``,
 ``_all_tables``, ``_queue_copies``, ``_num_copy_pins``, ``_copies_into``, ``_release``.
 
@@ -75,11 +76,18 @@ class BlockTableManager:
         check_count("num_tokens", num_tokens)
         return -(-num_tokens // self.block_size)
 
+    def max_live_blocks(self, num_tokens: int) -> int:
+        """The most blocks a request of ``num_tokens`` tokens holds at once (hook): here all
+        of them; the windowed manager frees blocks as they leave the window. Admission
+        rejects a request whose bound exceeds the pool, and a request without max_tokens stops
+        where its next token's would."""
+        return self.num_blocks_for(num_tokens)
+
     def has_room_for(self, request: Request, reserve: int = 0) -> bool:
         """Whether ``request``'s known tokens (and ``reserve`` blocks more) fit the free blocks
         now: the priority policy's test of a waiting request (hook: the contiguous manager
         asks for one free run of its whole reservation)."""
-        return self.num_free_blocks >= self.num_blocks_for(request.num_tokens) + reserve
+        return self.num_free_blocks >= self.max_live_blocks(request.num_tokens) + reserve
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's device block table (a new list; empty if it has none).

@@ -29,7 +29,9 @@ class KVCacheConfig:
 
     ``kind`` picks the class: "windowed" when ``kv_window`` is set, else ``allocator``
     ("paged": blocks on demand with prefix sharing; "contiguous": one run per request).
-    ``max_model_len`` is needed by the contiguous allocator (its reservation).
+    ``max_model_len`` is needed by the contiguous allocator (its reservation);
+    ``max_num_batched_tokens`` (the step's token budget, the largest chunk a request is given
+    in one step) by the windowed one, to bound the blocks a request holds at once.
     """
 
     num_blocks: int
@@ -40,6 +42,7 @@ class KVCacheConfig:
     num_host_blocks: int = 0
     kv_window: KVWindow | None = None
     max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
 
     @property
     def kind(self) -> str:

@@ -37,8 +37,9 @@ def check_stop(
     """Stop checks after appending ``token_id``; sets ``stop_reason`` for stop tokens.
 
     EOS (unless ignore_eos) and stop_token_ids count only once min_tokens tokens exist;
-    then max_tokens, max_model_len, and a next token whose KV would need more blocks
-    than the whole pool (a request growing without max_tokens) finish with "length".
+    then max_tokens, max_model_len, and a next token whose KV would need more blocks at
+    once than the whole pool (a request growing without max_tokens; ``max_live_blocks``)
+    finish with "length".
     """
     params = request.sampling_params
     if request.num_output_tokens >= params.min_tokens and is_stop_token(request, token_id):
@@ -49,6 +50,6 @@ def check_stop(
         return RequestStatus.FINISHED_LENGTH
     if request.num_tokens >= max_model_len:
         return RequestStatus.FINISHED_LENGTH
-    if kv.num_blocks_for(request.num_tokens) > kv.num_blocks:
+    if kv.max_live_blocks(request.num_tokens) > kv.num_blocks:
         return RequestStatus.FINISHED_LENGTH
     return None

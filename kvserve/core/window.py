@@ -81,6 +81,7 @@ class WindowedKVCacheManager(KVCacheManager):
         kv_window: KVWindow,
         enable_prefix_caching: bool = False,
         num_host_blocks: int = 0,
+        max_chunk: int | None = None,
     ) -> None:
         super().__init__(
             num_blocks,
@@ -88,7 +89,10 @@ class WindowedKVCacheManager(KVCacheManager):
             enable_prefix_caching=enable_prefix_caching,
             num_host_blocks=num_host_blocks,
         )
+        if max_chunk is not None and (not isinstance(max_chunk, int) or max_chunk < 1):
+            raise ValueError(f"max_chunk must be a positive int or None, got {max_chunk!r}")
         self.kv_window = kv_window
+        self.max_chunk = max_chunk  # the most tokens one step schedules for a request
         self.num_window_freed_blocks = 0
 
     @classmethod
@@ -102,7 +106,26 @@ class WindowedKVCacheManager(KVCacheManager):
             kv_window=config.kv_window,
             enable_prefix_caching=config.enable_prefix_caching,
             num_host_blocks=config.num_host_blocks,
+            max_chunk=config.max_num_batched_tokens,
         )
+
+    def max_live_blocks(self, num_tokens: int) -> int:
+        """At most the sinks' blocks plus those a window and two steps' chunks span (with
+        ``max_chunk`` known; else every block of ``num_tokens`` tokens, as unwindowed).
+
+        NOTE: why two chunks. The scheduler frees a request's out-of-window blocks after the
+        step's allocations (``remove_skipped_blocks``), by the tokens computed when it was
+        scheduled, c'. At its next allocation it holds the sinks' blocks and those from the
+        window's start at c' (position c' - W + 1) through the new chunk's end: the chunk
+        computed since (<= max_chunk tokens), the new one (<= max_chunk) and W - 2 more,
+        plus two blocks of alignment.
+        """
+        every = self.num_blocks_for(num_tokens)
+        if self.max_chunk is None:
+            return every
+        w, bs = self.kv_window, self.block_size
+        span = (2 * self.max_chunk + w.window - 2) // bs + 2
+        return min(every, -(-w.num_sink_tokens // bs) + span)
 
     def _skipped_blocks(self, request: Request) -> range:
         """The request's blocks out of its window (sinks and the last ``window`` stay)."""

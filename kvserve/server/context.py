@@ -9,7 +9,7 @@ import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends, Request
 
@@ -21,6 +21,9 @@ from kvserve.server.errors import APIError
 from kvserve.structured.spec import StructuredOutputsParams
 from kvserve.tokenizer import ChatOptionError, generation_flags
 
+if TYPE_CHECKING:
+    from kvserve.core.kv_cache_manager import KVCacheManager
+
 
 @dataclass
 class ServingContext:
@@ -31,7 +34,7 @@ class ServingContext:
     max_model_len: int
     vocab_size: int
     tokenizer: TokenizerLike
-    max_total_tokens: int  # min(max_model_len, KV pool capacity in tokens)
+    max_total_tokens: int  # the longest request the KV pool runs, at most max_model_len
     chat_template: str | None = None  # --chat-template: replaces the model's template
     tool_call_parser: str = "hermes"  # --tool-call-parser
     # Compiles a structured-output constraint (ValueError if invalid); runs on a tokenizer
@@ -64,11 +67,21 @@ class ServingContext:
             max_model_len=max_model_len,
             vocab_size=int(engine.arch.vocab_size),
             tokenizer=engine.tokenizer,
-            max_total_tokens=min(max_model_len, kv.num_blocks * kv.block_size),
+            max_total_tokens=longest_request(max_model_len, kv),
             chat_template=chat_template,
             tool_call_parser=tool_call_parser,
             validate_constraint=structured.validate if structured is not None else None,
         )
+
+
+def longest_request(max_model_len: int, kv: KVCacheManager) -> int:
+    """The most tokens (prompt and output) a request can reach on ``kv``'s pool: the pool's
+    tokens, or ``max_model_len`` where it is smaller or where a request that long holds few
+    enough blocks at once (``max_live_blocks``: a windowed pool runs requests longer than
+    itself)."""
+    if kv.max_live_blocks(max_model_len) <= kv.num_blocks:
+        return max_model_len
+    return min(max_model_len, kv.num_blocks * kv.block_size)
 
 
 def default_model_name(model_path: str) -> str:

@@ -420,8 +420,8 @@ def test_swap_falls_back_to_recompute_when_the_host_tier_is_full() -> None:
         (33, None, 1, "num_kv_blocks=8"),
         # a prompt that fills the pool leaves no room for its first token (nor for the copy
         # an n > 1 child or a cached last block is recomputed into)
-        (32, None, 1, "9 KV blocks for 33 tokens"),
-        (32, None, 2, "9 KV blocks for 33 tokens"),
+        (32, None, 1, "9 KV blocks at once for 33 tokens"),
+        (32, None, 2, "9 KV blocks at once for 33 tokens"),
         (4, 4, 9, "max_num_seqs=8"),
     ],
 )

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvserve.config import SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
@@ -153,3 +155,110 @@ def test_scheduler_frees_out_of_window_blocks_and_bounds_live_blocks() -> None:
     assert windowed["peak_live"] <= sinks // bs + window // bs + 2
     assert dense["peak_live"] == -(-60 // bs)
     assert windowed["stats"]["window_freed_blocks"] > 0
+
+
+def _run_long(
+    kv: KVCacheManager, prompts: dict[str, int], max_tokens: int | None, chunk: int
+) -> dict:
+    """``prompts`` through a scheduler over ``kv`` with a ``chunk``-token step budget;
+    records each request's most live blocks right after any allocation (before the step's
+    out-of-window blocks are freed), and the requests it rejected."""
+    cfg = SchedulerConfig(
+        max_num_seqs=4,
+        max_num_batched_tokens=chunk,
+        max_model_len=400,
+        admission_headroom=0.0,
+        resume_watermark=0.0,
+    )
+    sched = Scheduler(cfg, kv)
+    peak: dict[str, int] = {}
+    allocate = kv.allocate_slots
+
+    def counted(request, *args, **kwargs):  # type: ignore[no-untyped-def]
+        got = allocate(request, *args, **kwargs)
+        live = sum(b != NULL_BLOCK_ID for b in kv.get_block_ids(request.request_id))
+        peak[request.request_id] = max(peak.get(request.request_id, 0), live)
+        return got
+
+    kv.allocate_slots = counted  # type: ignore[method-assign]
+    rejected = []
+    for rid, n in prompts.items():
+        try:
+            sched.add_request(
+                make_request(
+                    rid, [(5 * i + len(rid)) % 40 + 1 for i in range(n)], max_tokens=max_tokens
+                )
+            )
+        except ValueError as e:
+            rejected.append(str(e))
+    outputs: dict[str, list[int]] = {}
+    for _ in range(3000):
+        if not sched.has_unfinished_requests():
+            break
+        out = sched.schedule()
+        # NOTE: a function of the sampled position, so recompute preemptions (the pool is
+        # tight) and chunk boundaries leave the token flow unchanged.
+        sampled = {
+            sr.request_id: ((sr.start_pos + len(sr.token_ids)) * 3) % 40 + 1
+            for sr in out.scheduled
+            if sr.sample
+        }
+        for r in sched.update_from_output(out, runner_output(sampled)):
+            if r.status != RequestStatus.RUNNING:
+                outputs[r.request_id] = list(r.output_token_ids)
+        kv.check_integrity()
+    assert not sched.has_unfinished_requests()
+    assert kv.num_free_blocks == kv.num_blocks
+    return {"peak": peak, "outputs": outputs, "rejected": rejected}
+
+
+@given(
+    bs=st.integers(1, 6),
+    window=st.integers(1, 24),
+    sinks=st.integers(0, 9),
+    chunk=st.integers(1, 12),
+    prompts=st.lists(st.integers(1, 80), min_size=1, max_size=3),
+    max_tokens=st.integers(1, 60),
+)
+@settings(max_examples=100, deadline=None)
+def test_windowed_requests_longer_than_the_pool_run_within_their_live_bound(
+    bs: int, window: int, sinks: int, chunk: int, prompts: list[int], max_tokens: int
+) -> None:
+    """With the step budget known, a windowed request is bounded by the blocks it holds at
+    once (``max_live_blocks``), not by all of its tokens': a pool just that large runs it
+    to the end with the token flow of an unwindowed run, and no allocation holds more."""
+    win = KVWindow(window, sinks)
+    probe = WindowedKVCacheManager(1, bs, kv_window=win, max_chunk=chunk)
+    longest = max(prompts) + max_tokens
+    pool = probe.max_live_blocks(longest)
+    kv = WindowedKVCacheManager(pool, bs, kv_window=win, max_chunk=chunk)
+    named = {"r" * (i + 1): n for i, n in enumerate(prompts)}
+    got = _run_long(kv, named, max_tokens, chunk)
+    dense = _run_long(
+        KVCacheManager(-(-400 // bs) * 4, bs, enable_prefix_caching=False), named, max_tokens, chunk
+    )
+    assert got["rejected"] == dense["rejected"] == []
+    assert got["outputs"] == dense["outputs"]
+    assert all(len(o) == max_tokens for o in got["outputs"].values())
+    for rid, n in named.items():
+        assert got["peak"][rid] <= kv.max_live_blocks(n + max_tokens)
+
+
+def test_windowed_admission_and_stop_count_blocks_held_at_once() -> None:
+    """A 200-token windowed request runs in an 8-block pool of 4-token blocks; without the
+    step budget (``max_chunk``) the manager counts every block, as before; a bound past
+    the pool is rejected by name; with no max_tokens the request runs to max_model_len."""
+    win = KVWindow(8, 4)
+    assert WindowedKVCacheManager(8, 4, kv_window=win, max_chunk=4).max_live_blocks(200) == 6
+    assert WindowedKVCacheManager(8, 4, kv_window=win).max_live_blocks(200) == 50
+    got = _run_long(WindowedKVCacheManager(8, 4, kv_window=win, max_chunk=4), {"a": 20}, 180, 4)
+    assert len(got["outputs"]["a"]) == 180
+    got = _run_long(WindowedKVCacheManager(8, 4, kv_window=win, max_chunk=12), {"a": 20}, 180, 12)
+    assert got["rejected"] == [
+        "request 'a' needs 10 KV blocks at once for 200 tokens, more than the whole pool "
+        "(num_kv_blocks=8)"
+    ]
+    got = _run_long(WindowedKVCacheManager(8, 4, kv_window=win, max_chunk=4), {"a": 20}, None, 4)
+    assert len(got["outputs"]["a"]) == 400 - 20
+    with pytest.raises(ValueError, match="max_chunk"):
+        WindowedKVCacheManager(8, 4, kv_window=win, max_chunk=0)

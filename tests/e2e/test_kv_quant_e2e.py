@@ -63,3 +63,27 @@ def test_windowed_eviction_frees_blocks_and_bounds_usage(make_llm) -> None:
     assert stats["window_freed_blocks"] >= -(-num_tokens // 16) - 1 - 2 - 1
     assert stats["num_free_blocks"] == 64 and stats["kv_usage"] == 0
     assert stats["prefix_cache_queries"] == 0  # prefix caching is off when windowed
+
+
+def test_windowed_request_longer_than_the_pool_runs(make_llm) -> None:
+    """A windowed request needs only the blocks it holds at once: ~424 tokens run in a
+    16-block pool of 16-token blocks (256 tokens) when the step budget is 64 tokens, with
+    the same greedy tokens as in a pool that holds them all."""
+    prompt = " ".join(f"item {i} is number {i * 7};" for i in range(40))  # ~400 tokens
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    outs = {}
+    for blocks in (16, 64):
+        llm = make_llm(
+            kv_window=32,
+            kv_sink_tokens=4,
+            num_kv_blocks=blocks,
+            block_size=16,
+            max_model_len=512,
+            max_num_batched_tokens=64,
+        )
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        assert len(out.prompt_token_ids) + 24 > 16 * 16
+        outs[blocks] = out.outputs[0].token_ids
+        assert llm.stats()["num_free_blocks"] == blocks
+    assert len(outs[16]) == 24
+    assert outs[16] == outs[64]

@@ -69,6 +69,10 @@ class FakeKVCacheManager:
         self.num_blocks = num_blocks
         self.block_size = 16
 
+    def max_live_blocks(self, num_tokens: int) -> int:
+        """Blocks a request of ``num_tokens`` tokens holds at once (all of them)."""
+        return -(-num_tokens // self.block_size)
+
     def check_integrity(self) -> None:
         live = sum(
             1 for r in self.engine.requests.values() for s in r.samples if s.finish_reason is None

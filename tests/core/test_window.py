@@ -109,39 +109,76 @@ def test_utilization_ignores_freed_entries() -> None:
     assert kv_utilization_windowed(iter([([NULL_BLOCK_ID, 3, 5], 10)]), 4) == pytest.approx(6 / 8)
 
 
-def _run(kv: KVCacheManager, prompts: dict[str, int], max_tokens: int) -> dict:
+def _run(
+    kv: KVCacheManager,
+    prompts: dict[str, int],
+    max_tokens: int | None,
+    *,
+    chunk: int = 8,
+    max_model_len: int = 256,
+) -> dict:
+    """``prompts`` through a scheduler over ``kv`` with a ``chunk``-token step budget.
+
+    Returns the outputs, the requests it rejected, the scheduler's stats, the most live
+    blocks of any scheduled request after a step's scheduling ("peak_live", its
+    out-of-window blocks freed) and each request's most right after any allocation
+    ("peak", before they are).
+    """
     cfg = SchedulerConfig(
         max_num_seqs=4,
-        max_num_batched_tokens=8,
-        max_model_len=256,
+        max_num_batched_tokens=chunk,
+        max_model_len=max_model_len,
         admission_headroom=0.0,
         resume_watermark=0.0,
     )
     sched = Scheduler(cfg, kv)
+    peak: dict[str, int] = {}
+    allocate = kv.allocate_slots
+
+    def live(rid: str) -> int:
+        return sum(b != NULL_BLOCK_ID for b in kv.get_block_ids(rid))
+
+    def counted(request, *args, **kwargs):  # type: ignore[no-untyped-def]
+        got = allocate(request, *args, **kwargs)
+        peak[request.request_id] = max(peak.get(request.request_id, 0), live(request.request_id))
+        return got
+
+    kv.allocate_slots = counted  # type: ignore[method-assign]
+    rejected = []
     for rid, n in prompts.items():
-        sched.add_request(
-            make_request(
-                rid, [(7 * i + len(rid)) % 50 + 1 for i in range(n)], max_tokens=max_tokens
-            )
-        )
+        prompt = [(7 * i + len(rid)) % 40 + 1 for i in range(n)]
+        try:
+            sched.add_request(make_request(rid, prompt, max_tokens=max_tokens))
+        except ValueError as e:
+            rejected.append(str(e))
     peak_live = 0
     outputs: dict[str, list[int]] = {}
-    for _ in range(500):
+    for _ in range(3000):
         if not sched.has_unfinished_requests():
             break
         out = sched.schedule()
         kv.check_integrity()
-        for sr in out.scheduled:
-            table = kv.get_block_ids(sr.request_id)
-            peak_live = max(peak_live, sum(b != NULL_BLOCK_ID for b in table))
-        sampled = {sr.request_id: (sr.start_pos * 3) % 50 + 1 for sr in out.scheduled if sr.sample}
+        peak_live = max([peak_live, *(live(sr.request_id) for sr in out.scheduled)])
+        # NOTE: a function of the sampled position, so recompute preemptions (a tight pool)
+        # and chunk boundaries leave the token flow unchanged.
+        sampled = {
+            sr.request_id: ((sr.start_pos + len(sr.token_ids)) * 3) % 40 + 1
+            for sr in out.scheduled
+            if sr.sample
+        }
         for r in sched.update_from_output(out, runner_output(sampled)):
             if r.status != RequestStatus.RUNNING:
                 outputs[r.request_id] = list(r.output_token_ids)
         kv.check_integrity()
     assert not sched.has_unfinished_requests()
     assert kv.num_free_blocks == kv.num_blocks
-    return {"peak_live": peak_live, "outputs": outputs, "stats": sched.stats()}
+    return {
+        "peak_live": peak_live,
+        "peak": peak,
+        "outputs": outputs,
+        "rejected": rejected,
+        "stats": sched.stats(),
+    }
 
 
 def test_scheduler_frees_out_of_window_blocks_and_bounds_live_blocks() -> None:
@@ -155,61 +192,6 @@ def test_scheduler_frees_out_of_window_blocks_and_bounds_live_blocks() -> None:
     assert windowed["peak_live"] <= sinks // bs + window // bs + 2
     assert dense["peak_live"] == -(-60 // bs)
     assert windowed["stats"]["window_freed_blocks"] > 0
-
-
-def _run_long(
-    kv: KVCacheManager, prompts: dict[str, int], max_tokens: int | None, chunk: int
-) -> dict:
-    """``prompts`` through a scheduler over ``kv`` with a ``chunk``-token step budget;
-    records each request's most live blocks right after any allocation (before the step's
-    out-of-window blocks are freed), and the requests it rejected."""
-    cfg = SchedulerConfig(
-        max_num_seqs=4,
-        max_num_batched_tokens=chunk,
-        max_model_len=400,
-        admission_headroom=0.0,
-        resume_watermark=0.0,
-    )
-    sched = Scheduler(cfg, kv)
-    peak: dict[str, int] = {}
-    allocate = kv.allocate_slots
-
-    def counted(request, *args, **kwargs):  # type: ignore[no-untyped-def]
-        got = allocate(request, *args, **kwargs)
-        live = sum(b != NULL_BLOCK_ID for b in kv.get_block_ids(request.request_id))
-        peak[request.request_id] = max(peak.get(request.request_id, 0), live)
-        return got
-
-    kv.allocate_slots = counted  # type: ignore[method-assign]
-    rejected = []
-    for rid, n in prompts.items():
-        try:
-            sched.add_request(
-                make_request(
-                    rid, [(5 * i + len(rid)) % 40 + 1 for i in range(n)], max_tokens=max_tokens
-                )
-            )
-        except ValueError as e:
-            rejected.append(str(e))
-    outputs: dict[str, list[int]] = {}
-    for _ in range(3000):
-        if not sched.has_unfinished_requests():
-            break
-        out = sched.schedule()
-        # NOTE: a function of the sampled position, so recompute preemptions (the pool is
-        # tight) and chunk boundaries leave the token flow unchanged.
-        sampled = {
-            sr.request_id: ((sr.start_pos + len(sr.token_ids)) * 3) % 40 + 1
-            for sr in out.scheduled
-            if sr.sample
-        }
-        for r in sched.update_from_output(out, runner_output(sampled)):
-            if r.status != RequestStatus.RUNNING:
-                outputs[r.request_id] = list(r.output_token_ids)
-        kv.check_integrity()
-    assert not sched.has_unfinished_requests()
-    assert kv.num_free_blocks == kv.num_blocks
-    return {"peak": peak, "outputs": outputs, "rejected": rejected}
 
 
 @given(
@@ -233,9 +215,13 @@ def test_windowed_requests_longer_than_the_pool_run_within_their_live_bound(
     pool = probe.max_live_blocks(longest)
     kv = WindowedKVCacheManager(pool, bs, kv_window=win, max_chunk=chunk)
     named = {"r" * (i + 1): n for i, n in enumerate(prompts)}
-    got = _run_long(kv, named, max_tokens, chunk)
-    dense = _run_long(
-        KVCacheManager(-(-400 // bs) * 4, bs, enable_prefix_caching=False), named, max_tokens, chunk
+    got = _run(kv, named, max_tokens, chunk=chunk, max_model_len=400)
+    dense = _run(
+        KVCacheManager(-(-400 // bs) * 4, bs, enable_prefix_caching=False),
+        named,
+        max_tokens,
+        chunk=chunk,
+        max_model_len=400,
     )
     assert got["rejected"] == dense["rejected"] == []
     assert got["outputs"] == dense["outputs"]
@@ -251,14 +237,16 @@ def test_windowed_admission_and_stop_count_blocks_held_at_once() -> None:
     win = KVWindow(8, 4)
     assert WindowedKVCacheManager(8, 4, kv_window=win, max_chunk=4).max_live_blocks(200) == 6
     assert WindowedKVCacheManager(8, 4, kv_window=win).max_live_blocks(200) == 50
-    got = _run_long(WindowedKVCacheManager(8, 4, kv_window=win, max_chunk=4), {"a": 20}, 180, 4)
-    assert len(got["outputs"]["a"]) == 180
-    got = _run_long(WindowedKVCacheManager(8, 4, kv_window=win, max_chunk=12), {"a": 20}, 180, 12)
-    assert got["rejected"] == [
+
+    def one(max_tokens: int | None, chunk: int) -> dict:
+        kv = WindowedKVCacheManager(8, 4, kv_window=win, max_chunk=chunk)
+        return _run(kv, {"a": 20}, max_tokens, chunk=chunk, max_model_len=400)
+
+    assert len(one(180, 4)["outputs"]["a"]) == 180
+    assert one(180, 12)["rejected"] == [
         "request 'a' needs 10 KV blocks at once for 200 tokens, more than the whole pool "
         "(num_kv_blocks=8)"
     ]
-    got = _run_long(WindowedKVCacheManager(8, 4, kv_window=win, max_chunk=4), {"a": 20}, None, 4)
-    assert len(got["outputs"]["a"]) == 400 - 20
+    assert len(one(None, 4)["outputs"]["a"]) == 400 - 20
     with pytest.raises(ValueError, match="max_chunk"):
         WindowedKVCacheManager(8, 4, kv_window=win, max_chunk=0)

@@ -116,10 +116,13 @@ def _run(
     *,
     chunk: int = 8,
     max_model_len: int = 256,
+    arrivals: dict[int, tuple[str, int, int]] | None = None,
 ) -> dict:
     """``prompts`` through a scheduler over ``kv`` with a ``chunk``-token step budget.
 
-    Returns the outputs, the requests it rejected, the scheduler's stats, the most live
+    ``arrivals``: step -> (id, prompt length, priority) of a request added before that step
+    (the scheduler then runs the priority policy). Returns the outputs, the requests it
+    rejected, the scheduler's stats, the most live
     blocks of any scheduled request after a step's scheduling ("peak_live", its
     out-of-window blocks freed) and each request's most right after any allocation
     ("peak", before they are).
@@ -130,6 +133,7 @@ def _run(
         max_model_len=max_model_len,
         admission_headroom=0.0,
         resume_watermark=0.0,
+        scheduling_policy="priority" if arrivals else "fcfs",
     )
     sched = Scheduler(cfg, kv)
     peak: dict[str, int] = {}
@@ -145,15 +149,21 @@ def _run(
 
     kv.allocate_slots = counted  # type: ignore[method-assign]
     rejected = []
-    for rid, n in prompts.items():
+
+    def add(rid: str, n: int, priority: int = 0) -> None:
         prompt = [(7 * i + len(rid)) % 40 + 1 for i in range(n)]
         try:
-            sched.add_request(make_request(rid, prompt, max_tokens=max_tokens))
+            sched.add_request(make_request(rid, prompt, max_tokens=max_tokens, priority=priority))
         except ValueError as e:
             rejected.append(str(e))
+
+    for rid, n in prompts.items():
+        add(rid, n)
     peak_live = 0
     outputs: dict[str, list[int]] = {}
-    for _ in range(3000):
+    for step in range(3000):
+        if step in (arrivals or {}):
+            add(*arrivals[step])  # type: ignore[index]
         if not sched.has_unfinished_requests():
             break
         out = sched.schedule()
@@ -248,5 +258,18 @@ def test_windowed_admission_and_stop_count_blocks_held_at_once() -> None:
         "(num_kv_blocks=8)"
     ]
     assert len(one(None, 4)["outputs"]["a"]) == 400 - 20
+
+
+def test_a_windowed_request_past_the_pool_comes_back_after_a_recompute_preemption() -> None:
+    """Preempted by recompute once it is past the pool's size, a windowed request
+    recomputes its positions in budget-sized chunks within the same bound and finishes."""
+    win, chunk = KVWindow(8, 4), 4
+    kv = WindowedKVCacheManager(8, 4, kv_window=win, max_chunk=chunk)
+    # "a" runs alone to ~100 tokens (past the pool's 32), then "b" (more important) arrives
+    # and, lacking blocks, preempts it.
+    got = _run(kv, {"a": 20}, 120, chunk=chunk, max_model_len=400, arrivals={90: ("b", 24, -1)})
+    assert got["stats"]["preemptions_recompute"] >= 1
+    assert {rid: len(o) for rid, o in got["outputs"].items()} == {"a": 120, "b": 120}
+    assert got["peak"]["a"] <= kv.max_live_blocks(140) <= kv.num_blocks
     with pytest.raises(ValueError, match="max_chunk"):
         WindowedKVCacheManager(8, 4, kv_window=win, max_chunk=0)

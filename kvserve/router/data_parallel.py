@@ -227,7 +227,7 @@ def exit_on_sigterm() -> None:
     NOTE: uvicorn re-raises the signal that stopped it once it has shut down; with the
     default handler that kills the process before any clean-up runs. A second SIGTERM (a
     supervisor that signals the process group, or an impatient ``kill``) raised SystemExit
-    again inside the clean-up, with a traceback and the later replicas not yet terminated.
+    again inside the clean-up, cutting it short before the later replicas were terminated.
     A handler, not SIG_IGN: a replica started meanwhile would inherit SIG_IGN through exec.
     """
     if threading.current_thread() is not threading.main_thread():

@@ -1728,8 +1728,8 @@ void argmax_rows(Tensor out, Tensor logits, const std::optional<Tensor>& finite)
 using QuantLinearFn = void(Tensor, const Tensor&, const Tensor&, int64_t,
                            const std::optional<Tensor>&, int64_t, int64_t);
 using AmxBf16LinearFn = void(Tensor, const Tensor&, const Tensor&, int64_t);
-// kvserve::amx_linear and kvserve::amx_int8_linear (this library, also called through the
-// dispatcher, so that a build without AMX keeps its own checks).
+// kvserve::amx_linear and kvserve::amx_int8_linear: this library's, defined in other files
+// (kvserve_amx_linear.cpp, kvserve_amx_int8.cpp) and reached the same way.
 using PackedLinearFn = void(Tensor, const Tensor&, const Tensor&);
 
 // A projection part: which kernel, its codes, and the output columns it writes.

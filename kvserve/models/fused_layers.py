@@ -100,7 +100,7 @@ def projection_parts(
     dense method it holds."""
     if method.shape_cached and row_bucket(num_rows) != num_rows:
         return None
-    if isinstance(method, DenseCopyMethod) and not isinstance(method, QuantAmxInt8Method):
+    if isinstance(method, DenseCopyMethod):  # the copy (or the int8 one) made once
         method.prepare()
         if isinstance(method, DequantPrepackedMethod):  # oneDNN or AMX tiles
             assert method.packed is not None
@@ -121,7 +121,6 @@ def projection_parts(
         codes = [QTYPE_CODES[w.qtype], 0, LAYOUT_CODES[w.layout]]
         return [(w.data, [PART_AMX_BF16, *codes, 0, method.out_features])]
     if kind is QuantAmxInt8Method:
-        method.prepare()
         assert method.packed is not None
         return [(method.packed, [PART_AMX_INT8, 0, 0, 0, 0, method.out_features])]
     if kind is QuantSplitMethod:

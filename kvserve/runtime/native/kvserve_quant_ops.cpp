@@ -1037,13 +1037,8 @@ KVQ_AMXBF16 void run_amx_bf16(const uint16_t* xs, int64_t ldx, int64_t m, int64_
           _tile_stored(2, cbuf + 16 * 32, 128);
           _tile_stored(3, cbuf + 16 * 32 + 16, 128);
         }
-        const int64_t rows = std::min<int64_t>(32, m - r0);
-        for (int64_t r = 0; r < rows; ++r) {
-          const __m512 lo = _mm512_load_ps(cbuf + r * 32);
-          const __m512 hi = _mm512_load_ps(cbuf + r * 32 + 16);
-          _mm512_mask_storeu_epi16(o + (r0 + r) * ldo + G * 32, keep,
-                                   (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-        }
+        kvserve::store_rows_bf16(cbuf, std::min<int64_t>(32, m - r0), o + r0 * ldo + G * 32, ldo,
+                                 keep);
       }
       if (has_next && !pipe) dequant_group<QT>(wp, row_bytes, n, k, G + 1, next, row_buf);
     }

@@ -106,6 +106,7 @@ def select_shapes(
         act_dtype=dtype,
         device=config.device,
         mode=mode,
+        counts=counts,
         # NOTE: the lm_head runs on the sampled rows only: measured up to the decode sizes.
         max_rows={(arch.vocab_size, arch.hidden_size): DECODE_BOUNDS[-1]},
     )
@@ -185,6 +186,7 @@ def _with_quantized(
     head = (arch.vocab_size, arch.hidden_size)
     plan = select_quantized_formats(
         dict(quantized),
+        counts=projection_shapes(arch),
         head_shape=head if head in quantized else None,
         act_dtype=sel.dtype,
         device=device,

@@ -7,7 +7,9 @@ For the model's projection shapes (qkv, o, gate/up, down, lm_head) and each M bu
 (decode 1, 2-8, 9-16, 17-32, 33-128; prefill chunks 129-256 and above, probed at 256 and 512
 rows), each candidate runs as at start-up (``kvserve.runtime.kernel_select``, mode
 ``measure``: the cache is refreshed). One row per shape x bucket x candidate: best ms per
-call, weight GB/s, GFLOP/s and whether it was chosen. The last lines give the decode matmul
+call, weight GB/s, GFLOP/s and whether it was chosen; then each decode bucket's step check
+(``kvserve.runtime.plan_check``: the plans tried on whole steps' projections, ms a step, the
+one taken). The last lines give the decode matmul
 time per dtype (M = 1, 8 and 32 summed, chosen kernels) and what ``--dtype auto`` would pick
 (``kernel_setup.dtype_speedup``: those matmuls and decode attention, dense weights).
 """
@@ -61,6 +63,20 @@ def table(sel: Selection, names: dict[tuple[int, int], str]) -> list[str]:
     return lines
 
 
+def check_lines(sel: Selection, names: dict[tuple[int, int], str]) -> list[str]:
+    """One line per plan of each step check in ``sel`` (see the module docstring)."""
+    lines = []
+    for c in sel.checks:
+        for k, (plan, seconds) in enumerate(c["plans"]):  # type: ignore[arg-type]
+            what = ", ".join(f"{names.get((o, i), f'{o}x{i}')} {n}" for o, i, n in plan)
+            mark = "  *" if k == c["chosen"] else ""
+            lines.append(
+                f"step check M{_bucket(int(c['max_m'])):>5} ({c['rows']} rows): "  # type: ignore[call-overload]
+                f"{seconds * 1e3:7.3f} ms  {what}{mark}"
+            )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -93,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.dtype:
         sel = sels[name] = select_shapes(config, arch, DTYPES[name], "measure")
         print(f"\n== {name}: {sel.summary()}")
-        print("\n".join(table(sel, names)))
+        print("\n".join(table(sel, names) + check_lines(sel, names)))
         totals[name] = decode_matmul_seconds(sel, arch)
         record["dtypes"][name] = {  # type: ignore[index]
             "summary": sel.summary(),
@@ -102,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
                 for t in sel.timings
             ],
             "decode_matmul_seconds_m1_8_32": totals[name],
+            "step_checks": sel.checks,
         }
         if sel.skipped:
             print("skipped: " + "; ".join(f"{k}: {v}" for k, v in sel.skipped.items()))

@@ -8,10 +8,12 @@ must beat the kernel by ``margin`` to pay for its memory), timed with the same `
 and chosen with the same ``choose`` per M bucket; the timings do not depend on the weights'
 values. The choice is cached beside the dense one (``kernel_select.cache_dir()``), keyed as
 the dense one is (CPU, flags, torch, threads, dtype, shapes, buckets, candidates) plus each
-shape's block format and layout and the quantized kernels' build (source hash): about 2 s of
-measurement on the embedded model's five shapes at the first start-up, nothing after. The
-same rules as the dense cache: ``mode="measure"`` always measures and refreshes it, and a
-choice measured on a busy machine is measured again on a quieter one.
+shape's block format and layout and the quantized kernels' build (source hash): 25-26 s of
+measurement on the embedded model's five shapes at the first start-up on the AMX Xeon (many
+candidates and their copies; the step check of ``plan_check``, given the calls a step makes
+of each shape, ``quantized_counts``, took 1.5 s of it), nothing after. The same rules as the
+dense cache: ``mode="measure"`` always measures and refreshes it, and a choice measured on a
+busy machine is measured again on a quieter one.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from kvserve.runtime.kernel_select import (
     measure,
     measured_under_load,
     save_cached,
+    step_check,
 )
 from kvserve.runtime.linear import LinearPlan
 from kvserve.runtime.native import quant_ops
@@ -64,12 +67,24 @@ def quantized_formats(model: Any) -> dict[tuple[int, int], tuple[str, str]]:
     return shapes
 
 
+def quantized_counts(model: Any) -> dict[tuple[int, int], int]:
+    """How many calls a decode step makes of each single-format quantized projection shape,
+    in step order (the layers', then the lm_head's)."""
+    counts: dict[tuple[int, int], int] = {}
+    sources = [s for layer in model.layers for s in layer.quantized.values()]
+    for source in [*sources, model.quantized.get("lm_head")]:
+        if isinstance(source, QuantizedWeight):
+            counts[source.shape] = counts.get(source.shape, 0) + 1
+    return counts
+
+
 def quantized_cache_key(
     formats: dict[tuple[int, int], tuple[str, str]],
     *,
     act_dtype: torch.dtype,
     device: torch.device,
     max_rows: dict[tuple[int, int], int] | None,
+    counts: dict[tuple[int, int], int] | None = None,
 ) -> dict[str, object]:
     """The dense selection's cache key plus the formats, layouts and the kernels' build."""
     key = cache_key(
@@ -79,6 +94,7 @@ def quantized_cache_key(
         buckets=m_buckets(),
         max_rows=max_rows,
         factories=[quantized_candidates],
+        counts=counts,
     )
     key["quantized"] = sorted([o, i, q, lay] for (o, i), (q, lay) in formats.items())
     key["quant_kernels"] = quant_ops.build_name() if quant_ops.available() else None
@@ -104,6 +120,7 @@ def select_quantized_kernels(
     head = model.quantized.get("lm_head")
     return select_quantized_formats(
         quantized_formats(model),
+        counts=quantized_counts(model),
         head_shape=head.shape if head is not None else None,
         act_dtype=act_dtype,
         device=device,
@@ -124,15 +141,21 @@ def select_quantized_formats(
     margin: float = 0.05,
     budget_s: float = 0.010,
     directory: Path | None = None,
+    counts: dict[tuple[int, int], int] | None = None,
 ) -> LinearPlan:
     """``select_quantized_kernels`` for projections given by their (out, in) -> (format,
     layout) (``quantized_formats``) rather than by a model; ``head_shape`` is the lm_head's,
-    measured up to the decode sizes only."""
+    measured up to the decode sizes only. ``counts``: the calls a decode step makes of each
+    shape, in step order; given, the decode buckets' choices are checked on whole steps
+    (``kernel_select.step_check``)."""
     if mode == "off" or not formats:
         return {}
     device = torch.device(device)
     max_rows = {head_shape: DECODE_BOUNDS[-1]} if head_shape is not None else None
-    key = quantized_cache_key(formats, act_dtype=act_dtype, device=device, max_rows=max_rows)
+    step = {s: n for s, n in (counts or {}).items() if s in formats} or None
+    key = quantized_cache_key(
+        formats, act_dtype=act_dtype, device=device, max_rows=max_rows, counts=step
+    )
     path = cache_path(key, directory)
     load = machine_load()
     if mode == "auto":
@@ -158,7 +181,11 @@ def select_quantized_formats(
         budget_s=budget_s,
     )
     plan = choose(timings, m_buckets(), margin=margin)
-    sel = Selection(act_dtype, plan, timings, {}, "measured", time.perf_counter() - t0, load)
+    plan, checks = step_check(
+        weights, step, plan, timings, act_dtype, device, [quantized_candidates], max_rows, margin
+    )
+    seconds = time.perf_counter() - t0
+    sel = Selection(act_dtype, plan, timings, {}, "measured", seconds, load, checks)
     save_cached(path, key, sel)
     log.info("quantized %s", sel.summary())
     return plan

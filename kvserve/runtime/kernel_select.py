@@ -9,6 +9,9 @@ few milliseconds on weights cold in the caches (each call reads another copy, as
 of the model does), and its best time counts. The fastest per bucket is chosen; a candidate
 that holds its own copy of the weight (prepacked) must beat the one that reads the model's
 weight by ``margin`` to be taken. A candidate that raises is skipped with the reason logged.
+Given the calls a decode step makes of each shape (``counts``), the decode buckets' choices
+are then checked on whole steps' projections (``kvserve.runtime.plan_check``), whose plan
+may replace the per-shape one.
 
 The decision is cached as JSON under ``$KVSERVE_CACHE_DIR/kernel_select/`` (default
 ``~/.cache/kvserve``), keyed by the CPU model and flags, the torch version, the thread count,
@@ -50,7 +53,7 @@ log = logging.getLogger(__name__)
 
 SELECTION_MODES = ("auto", "measure", "off")
 CACHE_ENV = "KVSERVE_CACHE_DIR"
-CACHE_VERSION = 7  # bumped when the measurement changes: older choices are redone
+CACHE_VERSION = 8  # bumped when the measurement changes: older choices are redone (8: step check)
 # NOTE: 9-16 apart from 17-32: probed at 32 rows only, the 9-32 bucket took AMX bf16 for
 # every projection on the AMX Xeon, slower than the VNNI kernel at 12-16 rows on the gate/up
 # and qkv; with the bucket, bare decode at B = 12 / 16 ran 3-14 % / 3-10 % faster
@@ -134,6 +137,8 @@ class Selection:
     source: str = "measured"  # "measured", "cache" or "off"
     seconds: float = 0.0
     load: float = 0.0  # machine_load() when measured
+    # The step check's records per checked bucket (``plan_check.StepCheck.as_dict``).
+    checks: list[dict[str, object]] = field(default_factory=list)
 
     def chosen(self, shape: tuple[int, int], max_m: int) -> str | None:
         """The method name chosen for ``shape`` in the bucket ending at ``max_m``."""
@@ -414,8 +419,10 @@ def cache_key(
     buckets: Sequence[tuple[int, int]],
     max_rows: Mapping[tuple[int, int], int] | None,
     factories: Sequence[CandidateFactory],
+    counts: Mapping[tuple[int, int], int] | None = None,
 ) -> dict[str, object]:
-    """Everything a selection depends on (the cache is valid only while all of it holds)."""
+    """Everything a selection depends on (the cache is valid only while all of it holds);
+    ``counts``: the calls a step makes of each shape, when the step check runs on them."""
     model, flags = cpu_identity()
     if device.type == "cuda":
         model = torch.cuda.get_device_name(device)
@@ -436,6 +443,7 @@ def cache_key(
         # NOTE: the native kernels' build target decides which of them can run (an older
         # kind's build caps the quantized kernels' instruction set: kvserve_quant_ops.cpp).
         "native_march": _native_march(),
+        "step_counts": sorted([*s, n] for s, n in counts.items()) if counts else None,
     }
 
 
@@ -483,6 +491,7 @@ def load_cached(path: Path, key: Mapping[str, object]) -> dict | None:
         "timings": timings,
         "skipped": dict(record.get("skipped", {})),
         "load": float(record.get("load", 0.0)),
+        "checks": list(record.get("checks", [])),
     }
 
 
@@ -538,6 +547,7 @@ def save_cached(path: Path, key: Mapping[str, object], sel: Selection) -> None:
         "timings": [asdict(t) for t in sel.timings],
         "skipped": sel.skipped,
         "load": sel.load,
+        "checks": sel.checks,
     }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -563,12 +573,15 @@ def select_kernels(
     directory: Path | None = None,
     margin: float = 0.05,
     budget_s: float = 0.010,
+    counts: Mapping[tuple[int, int], int] | None = None,
 ) -> Selection:
     """Choose a method per weight shape and M bucket (see the module docstring).
 
     ``shapes``: the (out, in) of every distinct projection weight; the candidates run on
     random weights of those shapes (timings do not depend on the values), so this can run
-    before the model's weights are loaded. Raises ValueError for an unknown ``mode``.
+    before the model's weights are loaded. ``counts``: the calls a decode step makes of each
+    shape, in step order (layers; the lm_head once); given, the decode buckets' choices are
+    checked on whole steps (``plan_check``). Raises ValueError for an unknown ``mode``.
     """
     check_mode(mode)
     device = torch.device(device)
@@ -584,6 +597,7 @@ def select_kernels(
         buckets=buckets,
         max_rows=max_rows,
         factories=facs,
+        counts=counts,
     )
     path = cache_path(key, directory)
     load = machine_load()
@@ -599,7 +613,12 @@ def select_kernels(
             )
         elif cached is not None:
             return Selection(
-                act_dtype, cached["plan"], cached["timings"], cached["skipped"], "cache"
+                act_dtype,
+                cached["plan"],
+                cached["timings"],
+                cached["skipped"],
+                "cache",
+                checks=cached["checks"],
             )
     t0 = time.perf_counter()
     gen = torch.Generator(device="cpu").manual_seed(1)
@@ -620,9 +639,56 @@ def select_kernels(
         budget_s=budget_s,
     )
     plan = choose(timings, buckets, margin=margin)
-    sel = Selection(act_dtype, plan, timings, skipped, "measured", time.perf_counter() - t0, load)
+    plan, checks = step_check(
+        weights, counts, plan, timings, act_dtype, device, facs, max_rows, margin
+    )
+    sel = Selection(
+        act_dtype, plan, timings, skipped, "measured", time.perf_counter() - t0, load, checks
+    )
     save_cached(path, key, sel)
     return sel
+
+
+def step_check(
+    weights: Mapping[tuple[int, int], object],
+    counts: Mapping[tuple[int, int], int] | None,
+    plan: dict[tuple[int, int], list[tuple[int, str]]],
+    timings: Sequence[Timing],
+    act_dtype: torch.dtype,
+    device: torch.device,
+    factories: Sequence[CandidateFactory],
+    max_rows: Mapping[tuple[int, int], int] | None,
+    margin: float,
+) -> tuple[dict[tuple[int, int], list[tuple[int, str]]], list[dict[str, object]]]:
+    """``plan`` after ``plan_check.check_plan`` on ``counts`` (unchanged without counts),
+    with the checks' records; each bucket whose choice changed is logged."""
+    if not counts:
+        return plan, []
+    from kvserve.runtime.plan_check import check_plan  # NOTE: it imports this module
+
+    new, checks = check_plan(
+        weights,
+        counts,
+        plan,
+        timings,
+        act_dtype=act_dtype,
+        device=device,
+        factories=factories,
+        max_rows=max_rows,
+        margin=margin,
+    )
+    for c in checks:
+        if c.chosen:
+            plans = c.plans
+            log.info(
+                "kernel step check at %d rows: %s (%.2f ms a step) over the per-shape choice "
+                "(%.2f ms)",
+                c.rows,
+                ", ".join(f"{o}x{i} {n}" for o, i, n in plans[c.chosen][0]),
+                plans[c.chosen][1] * 1e3,
+                plans[0][1] * 1e3,
+            )
+    return new, [c.as_dict() for c in checks]
 
 
 def plan_of(selection: Selection) -> LinearPlan | None:

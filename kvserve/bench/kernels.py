@@ -9,9 +9,9 @@ rows), each candidate runs as at start-up (``kvserve.runtime.kernel_select``, mo
 ``measure``: the cache is refreshed). One row per shape x bucket x candidate: best ms per
 call, weight GB/s, GFLOP/s and whether it was chosen; then each decode bucket's step check
 (``kvserve.runtime.plan_check``: the plans tried on whole steps' projections, ms a step, the
-one taken). The last lines give the decode matmul
-time per dtype (M = 1, 8 and 32 summed, chosen kernels) and what ``--dtype auto`` would pick
-(``kernel_setup.dtype_speedup``: those matmuls and decode attention, dense weights).
+one taken). The last lines give the decode matmul time per dtype (M = 1, 8 and 32 summed,
+chosen kernels) and what ``--dtype auto`` would pick (``kernel_setup.dtype_speedup``: those
+matmuls and decode attention, dense weights).
 """
 
 from __future__ import annotations
@@ -67,12 +67,12 @@ def check_lines(sel: Selection, names: dict[tuple[int, int], str]) -> list[str]:
     """One line per plan of each step check in ``sel`` (see the module docstring)."""
     lines = []
     for c in sel.checks:
+        bucket = _bucket(int(c["max_m"]))  # type: ignore[call-overload]
         for k, (plan, seconds) in enumerate(c["plans"]):  # type: ignore[arg-type]
             what = ", ".join(f"{names.get((o, i), f'{o}x{i}')} {n}" for o, i, n in plan)
             mark = "  *" if k == c["chosen"] else ""
             lines.append(
-                f"step check M{_bucket(int(c['max_m'])):>5} ({c['rows']} rows): "  # type: ignore[call-overload]
-                f"{seconds * 1e3:7.3f} ms  {what}{mark}"
+                f"step check M{bucket:>5} ({c['rows']} rows): {seconds * 1e3:7.3f} ms  {what}{mark}"
             )
     return lines
 

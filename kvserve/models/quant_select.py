@@ -11,9 +11,9 @@ the dense one is (CPU, flags, torch, threads, dtype, shapes, buckets, candidates
 shape's block format and layout and the quantized kernels' build (source hash): 26.5-27.9 s
 of measurement on the embedded model's five shapes at the first start-up on the AMX Xeon
 (many candidates and their copies; the step check of ``plan_check``, given the calls a step
-makes of each shape, ``quantized_counts``, took 3.2 s of it), nothing after. The same rules as the
-dense cache: ``mode="measure"`` always measures and refreshes it, and a choice measured on a
-busy machine is measured again on a quieter one.
+makes of each shape, ``quantized_counts``, took 3.2 s of it), nothing after. The same rules
+as the dense cache: ``mode="measure"`` always measures and refreshes it, and a choice
+measured on a busy machine is measured again on a quieter one.
 """
 
 from __future__ import annotations

@@ -53,7 +53,9 @@ log = logging.getLogger(__name__)
 
 SELECTION_MODES = ("auto", "measure", "off")
 CACHE_ENV = "KVSERVE_CACHE_DIR"
-CACHE_VERSION = 8  # bumped when the measurement changes: older choices are redone (8: step check)
+# Bumped when the measurement changes: older choices are redone (8: the step check; 9: the
+# copies made before the timing).
+CACHE_VERSION = 9
 # NOTE: 9-16 apart from 17-32: probed at 32 rows only, the 9-32 bucket took AMX bf16 for
 # every projection on the AMX Xeon, slower than the VNNI kernel at 12-16 rows on the gate/up
 # and qkv; with the bucket, bare decode at B = 12 / 16 ran 3-14 % / 3-10 % faster
@@ -270,6 +272,16 @@ def measure(
             ):
                 if m.name in rotations:
                     rotations[m.name].append(m)
+        # NOTE: each copy's own layout is made now: ``prepare`` otherwise runs inside a
+        # method's first call, so a candidate holding copies spent its timing budget making
+        # them (fewer clean calls than one reading the source). A candidate whose copy
+        # cannot be made keeps one, and its warm-up call below reports why.
+        for ms in rotations.values():
+            try:
+                for m in ms:
+                    m.prepare()
+            except Exception:  # noqa: BLE001 - reported by the warm-up call
+                del ms[1:]
         limit = (max_rows or {}).get(shape, M_MAX)
         # (max_m, rows, x, out, candidates that ran their warm-up calls)
         cells: list[tuple[int, int, torch.Tensor, torch.Tensor, list[str]]] = []

@@ -406,3 +406,55 @@ def test_a_second_copy_must_beat_the_held_one_by_the_margin() -> None:
     assert choose(timings(0.40), buckets, margin=0.05) == {
         (4, 4): [(1, "copy_a"), (8, "copy_b"), (32, "copy_b")]
     }
+
+
+class LazyCopyMethod(FakeMethod):
+    """Holds a copy made by ``prepare`` (as the prepacked methods do); ``fail`` makes it raise."""
+
+    fail = False
+
+    def __init__(self, weight: torch.Tensor, name: str) -> None:
+        super().__init__(weight, name, shares=False)
+        self.prepared = False
+
+    def prepare(self) -> None:
+        if self.fail:
+            raise RuntimeError("no room for the copy")
+        self.prepared = True
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.prepared:  # as the real ones: made on the first call if not before
+            self.prepare()
+        return super().apply(x, out)
+
+
+def test_copies_are_made_before_any_timed_call() -> None:
+    """A candidate's copies are prepared up front, so no timed call pays for making one; one
+    whose copy cannot be made is reported failed and the others are still timed."""
+    big = torch.randn(512, 64).t()
+    timed: list[tuple[str, bool]] = []
+
+    def factory(source, *, act_dtype, device):  # type: ignore[no-untyped-def]
+        broken = LazyCopyMethod(source, "broken")
+        broken.fail = True
+        return [FakeMethod(source, "mm"), LazyCopyMethod(source, "packed"), broken]
+
+    def timer(method: LinearMethod, x: torch.Tensor, out: torch.Tensor) -> float:
+        timed.append((method.name, getattr(method, "prepared", True)))
+        return 1e-6
+
+    timings = kernel_select.measure(
+        {(64, 512): big},
+        act_dtype=torch.float32,
+        device=CPU,
+        buckets=[(1, 1)],
+        timer=timer,
+        factories=[factory],
+        cold_bytes=4 * big.nbytes,
+    )
+    assert {n for n, _ in timed} == {"mm", "packed"}
+    assert all(prepared for _, prepared in timed)
+    failed = [t for t in timings if t.seconds is None]
+    assert [(t.candidate, t.error) for t in failed] == [
+        ("broken", "RuntimeError: no room for the copy")
+    ]

@@ -239,7 +239,6 @@ def test_select_kernels_checks_steps_when_given_counts_and_caches_the_checks(
     keys = [json.loads(f.read_text())["key"]["step_counts"] for f in files]
     assert sorted(keys, key=str) == sorted([None, [[16, 40, 3], [24, 16, 3]]], key=str)
     assert M_MAX in {b for b, _ in checked.plan[QKV]}
-    assert kernel_select.CACHE_VERSION >= 8
 
 
 def test_bench_kernels_prints_each_plan_tried_and_marks_the_one_taken() -> None:

@@ -21,7 +21,8 @@ on another copy of the weight, so the bytes a pass reads are the step's (past
 ``STREAM_BYTES`` of copies the alternatives holding the most are not tried; see
 ``_layer_methods``). Plans take turns pass by pass and the best pass counts; a plan that holds
 more copy bytes than the chosen one must beat it by ``margin`` (a copy that another bucket of
-the same weight holds counts as free, as in ``kernel_select.choose``).
+the same weight holds counts as free, as in ``kernel_select.choose``: the buckets are decided
+twice over, so one a later bucket took is free for an earlier one).
 """
 
 from __future__ import annotations
@@ -155,23 +156,50 @@ def check_plan(
     except Exception as e:  # noqa: BLE001 - a check that cannot build keeps the choice
         log.warning("kernel step check skipped: %s: %s", type(e).__name__, e)
         return plan, []
-    new = {s: list(c) for s, c in plan.items()}
-    checks: list[StepCheck] = []
+    timed: dict[int, list[float]] = {}
     for bound, plans in tried.items():
-        rows = probe[bound]
-        # NOTE: a copy that another bucket of the same weight holds costs nothing more.
-        free = {s: {n for b, n in new[s] if b != bound} for s in shapes}
-        check = _time_plans(
-            plans, methods, counts, free, rows, rows_cap, act_dtype, device,
-            timer or _wall_pass, budget_s, min_rounds, max_rounds, passes, margin,
+        best = _time_plans(
+            plans, methods, counts, probe[bound], rows_cap, act_dtype, device,
+            timer or _wall_pass, budget_s, min_rounds, max_rounds, passes,
         )  # fmt: skip
-        if check is None:
-            continue
-        checks.append(StepCheck(bound, *check))
-        chosen = plans[checks[-1].chosen]
-        for s, name in chosen.items():
-            new[s] = [(b, name if b == bound else n) for b, n in new[s]]
-    del methods
+        if best is not None:
+            timed[bound] = best
+
+    def held(bound: int, k: int, chosen: Plan) -> int:
+        """Copy bytes plan ``k`` of ``bound`` holds that no other bucket of ``chosen`` does."""
+        return sum(
+            counts[s] * methods[(s, n)][0].nbytes
+            for s, n in tried[bound][k].items()
+            if not methods[(s, n)][0].shares_source
+            and all(name != n for b, name in chosen[s] if b != bound)
+        )
+
+    new = {s: list(c) for s, c in plan.items()}
+    pick: dict[int, int] = {}
+    # NOTE: twice over the buckets, as ``kernel_select.choose`` does: a copy a later bucket
+    # took is free for an earlier one on the second pass.
+    for _ in range(2):
+        for bound, best in timed.items():
+            k_best = 0
+            for k in range(1, len(best)):
+                need = 1.0 - margin if held(bound, k, new) > held(bound, k_best, new) else 1.0
+                if best[k] < best[k_best] * need:
+                    k_best = k
+            pick[bound] = k_best
+            for s, name in tried[bound][k_best].items():
+                new[s] = [(b, name if b == bound else n) for b, n in new[s]]
+    checks = [
+        StepCheck(
+            bound,
+            probe[bound],
+            tuple(
+                (tuple((o, i, n) for (o, i), n in p.items()), sec)
+                for p, sec in zip(tried[bound], best, strict=True)
+            ),
+            pick[bound],
+        )
+        for bound, best in timed.items()
+    ]
     return new, checks
 
 
@@ -259,7 +287,6 @@ def _time_plans(
     plans: Sequence[Mapping[Shape, str]],
     methods: Mapping[tuple[Shape, str], list[LinearMethod]],
     counts: Mapping[Shape, int],
-    free: Mapping[Shape, set[str]],
     rows: int,
     rows_cap: Mapping[Shape, int],
     act_dtype: torch.dtype,
@@ -269,9 +296,8 @@ def _time_plans(
     min_rounds: int,
     max_rounds: int,
     passes: int,
-    margin: float,
-) -> tuple[int, tuple[tuple[tuple[tuple[int, int, str], ...], float], ...], int] | None:
-    """(rows, each plan with its best pass, the index chosen), or None when a pass fails."""
+) -> list[float] | None:
+    """Each plan's best pass in seconds at ``rows`` rows, or None when a pass fails."""
     gen = torch.Generator(device="cpu").manual_seed(3)
     io: dict[Shape, tuple[torch.Tensor, torch.Tensor]] = {}
     for s in plans[0]:
@@ -304,21 +330,4 @@ def _time_plans(
     except Exception as e:  # noqa: BLE001 - a failing pass keeps the per-shape choice
         log.warning("kernel step check at %d rows skipped: %s: %s", rows, type(e).__name__, e)
         return None
-
-    def held(plan: Mapping[Shape, str]) -> int:  # copy bytes only this bucket would hold
-        return sum(
-            counts[s] * methods[(s, n)][0].nbytes
-            for s, n in plan.items()
-            if not methods[(s, n)][0].shares_source and n not in free[s]
-        )
-
-    chosen = 0
-    for k in range(1, len(runs)):
-        need = 1.0 - margin if held(plans[k]) > held(plans[chosen]) else 1.0
-        if best[k] < best[chosen] * need:
-            chosen = k
-    tried = tuple(
-        (tuple((o, i, n) for (o, i), n in plan.items()), s)
-        for plan, s in zip(plans, best, strict=True)
-    )
-    return rows, tried, chosen
+    return best

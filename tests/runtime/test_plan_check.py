@@ -60,6 +60,15 @@ def pass_timer(cost: dict[str, float], seen: list[list[tuple[LinearMethod, int]]
     return timer
 
 
+def run(plan, timings, cost, seen=None, **kw):  # type: ignore[no-untyped-def]
+    """``check_plan`` on the fake layers with a pass costing ``cost`` per call by name."""
+    kw.setdefault("factories", [factory])
+    timer = kw.pop("timer", None) or pass_timer(cost, seen)
+    return check_plan(
+        sources(), COUNTS, plan, timings, act_dtype=torch.float32, device=CPU, timer=timer, **kw
+    )
+
+
 def test_alternatives_are_the_base_then_one_plan_per_near_candidate() -> None:
     seconds = {QKV: {"a": 1.0, "b": 1.2, "c": 2.0}, DOWN: {"a": 1.0, "c": 1.1, "b": 1.5}}
     base = {QKV: "a", DOWN: "a"}
@@ -80,16 +89,8 @@ def test_a_plan_faster_on_whole_steps_replaces_the_per_shape_choice() -> None:
     """Per shape "a" wins at 32 rows, "b" is within the tolerance; on step passes "b" runs
     20 % faster: bucket 32 takes "b" for both shapes, every other bucket keeps "a"."""
     seen: list[list[tuple[LinearMethod, int]]] = []
-    new, checks = check_plan(
-        sources(),
-        COUNTS,
-        plan_all("a"),
-        per_shape({"a": 1.0, "b": 1.1, "c": 5.0}),
-        act_dtype=torch.float32,
-        device=CPU,
-        factories=[factory],
-        timer=pass_timer({"a": 1.0, "b": 0.8, "c": 0.1}, seen),
-    )
+    near = per_shape({"a": 1.0, "b": 1.1, "c": 5.0})
+    new, checks = run(plan_all("a"), near, {"a": 1.0, "b": 0.8, "c": 0.1}, seen)
     want = {s: [(b, "b" if b == 32 else "a") for b, _ in m_buckets()] for s in COUNTS}
     assert new == want
     assert [c.max_m for c in checks] == [32] and checks[0].rows == 32 and checks[0].chosen == 1
@@ -105,31 +106,14 @@ def test_a_plan_faster_on_whole_steps_replaces_the_per_shape_choice() -> None:
 
 
 def test_a_copying_plan_must_win_the_step_by_the_margin() -> None:
-    new, checks = check_plan(
-        sources(),
-        COUNTS,
-        plan_all("a"),
-        per_shape({"a": 1.0, "b": 1.1, "c": 5.0}),
-        act_dtype=torch.float32,
-        device=CPU,
-        factories=[factory],
-        timer=pass_timer({"a": 1.0, "b": 0.97, "c": 1.0}),
-    )
+    cost = {"a": 1.0, "b": 0.97, "c": 1.0}
+    new, checks = run(plan_all("a"), per_shape({"a": 1.0, "b": 1.1, "c": 5.0}), cost)
     assert new == plan_all("a") and checks[0].chosen == 0
     # A copy that the 9-16 bucket holds anyway costs nothing more: no margin then.
     plan = {s: [(b, "b" if b == 16 else "a") for b, _ in m_buckets()] for s in COUNTS}
     # (no timings at 16 rows: that bucket is not checked)
     timings = [t for t in per_shape({"a": 1.0, "b": 1.1, "c": 5.0}) if t.max_m != 16]
-    new, checks = check_plan(
-        sources(),
-        COUNTS,
-        plan,
-        timings,
-        act_dtype=torch.float32,
-        device=CPU,
-        factories=[factory],
-        timer=pass_timer({"a": 1.0, "b": 0.97, "c": 1.0}),
-    )
+    new, checks = run(plan, timings, cost)
     assert [c.max_m for c in checks] == [32] and checks[0].chosen == 1
     assert new == {s: [(b, "b" if b in (16, 32) else "a") for b, _ in m_buckets()] for s in COUNTS}
 
@@ -158,16 +142,10 @@ def test_past_the_stream_bytes_the_largest_alternative_is_not_tried() -> None:
     """ "b" and "c" near; the sources, "b"'s copies and "c"'s (twice as large) pass the bytes
     allowed: the plan with "c" is dropped and the rest run on every layer's own copy."""
     seen: list[list[tuple[LinearMethod, int]]] = []
-    new, checks = check_plan(
-        sources(),
-        COUNTS,
-        plan_all("a"),
-        per_shape({"a": 1.0, "b": 1.1, "c": 1.2}),
-        act_dtype=torch.float32,
-        device=CPU,
-        factories=[wide_factory],
-        timer=pass_timer({"a": 1.0, "b": 0.9, "c": 0.1}, seen),
-        stream_bytes=step_bytes(1),
+    near = per_shape({"a": 1.0, "b": 1.1, "c": 1.2})
+    cost = {"a": 1.0, "b": 0.9, "c": 0.1}
+    new, checks = run(
+        plan_all("a"), near, cost, seen, factories=[wide_factory], stream_bytes=step_bytes(1)
     )
     assert [[n for *_, n in plan] for plan, _ in checks[0].plans] == [["a", "a"], ["b", "b"]]
     assert {m.name for p in seen for m, _ in p} == {"a", "b"}
@@ -177,17 +155,9 @@ def test_past_the_stream_bytes_the_largest_alternative_is_not_tried() -> None:
 
 def test_when_the_chosen_plan_alone_passes_the_bytes_calls_rotate_through_fewer_copies() -> None:
     seen: list[list[tuple[LinearMethod, int]]] = []
-    check_plan(
-        sources(),
-        COUNTS,
-        plan_all("b"),
-        per_shape({"a": 1.1, "b": 1.0, "c": 5.0}),
-        act_dtype=torch.float32,
-        device=CPU,
-        factories=[factory],
-        timer=pass_timer({"a": 1.0, "b": 0.8, "c": 0.1}, seen),
-        stream_bytes=step_bytes(1) // 3,
-    )
+    near = per_shape({"a": 1.1, "b": 1.0, "c": 5.0})
+    cost = {"a": 1.0, "b": 0.8, "c": 0.1}
+    run(plan_all("b"), near, cost, seen, stream_bytes=step_bytes(1) // 3)
     assert {m.name for p in seen for m, _ in p} == {"a", "b"}
     assert all(len(p) == 6 for p in seen)  # the step's calls, on one copy a shape
     assert len({id(m.weight) for p in seen for m, _ in p}) == 2  # type: ignore[attr-defined]
@@ -195,22 +165,15 @@ def test_when_the_chosen_plan_alone_passes_the_bytes_calls_rotate_through_fewer_
 
 def test_nothing_near_or_a_failing_pass_keeps_the_choice(caplog) -> None:
     seen: list[list[tuple[LinearMethod, int]]] = []
-    kw = dict(act_dtype=torch.float32, device=CPU, factories=[factory])
     far = per_shape({"a": 1.0, "b": 2.0, "c": 5.0})
-    assert check_plan(sources(), COUNTS, plan_all("a"), far, timer=pass_timer({}, seen), **kw) == (
-        plan_all("a"),
-        [],
-    )
+    assert run(plan_all("a"), far, {}, seen) == (plan_all("a"), [])
     assert seen == []
 
     def broken(calls):  # type: ignore[no-untyped-def]
         raise RuntimeError("kernel fault")
 
     near = per_shape({"a": 1.0, "b": 1.1, "c": 5.0})
-    assert check_plan(sources(), COUNTS, plan_all("a"), near, timer=broken, **kw) == (
-        plan_all("a"),
-        [],
-    )
+    assert run(plan_all("a"), near, {}, timer=broken) == (plan_all("a"), [])
     assert "step check at 32 rows skipped: RuntimeError: kernel fault" in caplog.text
 
 
@@ -253,3 +216,24 @@ def test_bench_kernels_prints_each_plan_tried_and_marks_the_one_taken() -> None:
     assert len(lines) == 2
     assert "(32 rows)" in lines[0] and "2.000 ms  qkv a" in lines[0] and "*" not in lines[0]
     assert lines[1].endswith("1.000 ms  qkv b  *")
+
+
+def test_a_copy_a_later_bucket_takes_is_free_for_an_earlier_one() -> None:
+    """At 16 rows "b" (a copy) runs 3 % faster, under the margin; at 32 rows 20 % faster,
+    so 32 takes it, and on the second pass over the buckets 16 takes it too (free now)."""
+    timings = []
+    for s in COUNTS:
+        for max_m, probe in m_buckets():
+            near = max_m in (16, 32)
+            times = {"a": 1.0, "b": 1.1 if near else 9.0, "c": 9.0}
+            for n, t in times.items():
+                timings.append(Timing(*s, max_m, probe, n, t, 64, shares_source=n == "a"))
+
+    def timer(calls: Sequence[tuple[LinearMethod, torch.Tensor, torch.Tensor]]) -> float:
+        rows = calls[0][1].shape[0]
+        b = 0.97 if rows == 16 else 0.8
+        return sum(b if m.name == "b" else 1.0 for m, _, _ in calls)
+
+    new, checks = run(plan_all("a"), timings, {}, timer=timer)
+    assert [(c.max_m, c.chosen) for c in checks] == [(16, 1), (32, 1)]
+    assert new == {s: [(b, "b" if b in (16, 32) else "a") for b, _ in m_buckets()] for s in COUNTS}

@@ -54,8 +54,8 @@ log = logging.getLogger(__name__)
 SELECTION_MODES = ("auto", "measure", "off")
 CACHE_ENV = "KVSERVE_CACHE_DIR"
 # Bumped when the measurement changes: older choices are redone (8: the step check; 9: the
-# copies made before the timing).
-CACHE_VERSION = 9
+# copies made before the timing; 10: slow candidates sit out).
+CACHE_VERSION = 10
 # NOTE: 9-16 apart from 17-32: probed at 32 rows only, the 9-32 bucket took AMX bf16 for
 # every projection on the AMX Xeon, slower than the VNNI kernel at 12-16 rows on the gate/up
 # and qkv; with the bucket, bare decode at B = 12 / 16 ran 3-14 % / 3-10 % faster
@@ -73,6 +73,10 @@ MAX_COPIES = 256
 # dense candidates 3-6x their size, and 256 copies of each made a 3.9 GB start-up peak.
 HELD_BYTES = 256 << 20
 _HOT_BYTES = 64 << 10  # below this, a call's fixed cost outweighs its read: one copy
+# A candidate slower than this many times a cell's fastest stops being timed there (its
+# first calls counted): neither ``choose`` nor the step check (``plan_check.TOLERANCE``)
+# would take it.
+SITS_OUT = 2.0
 
 # A function that returns the seconds of one call of ``method`` on ``x`` into ``out``.
 Timer = Callable[[LinearMethod, torch.Tensor, torch.Tensor], float]
@@ -314,15 +318,25 @@ def measure(
         turn = 0
         for _ in range(passes):
             for max_m, _rows, x, out, alive in cells:
+                running = list(alive)
                 spent = dict.fromkeys(alive, 0.0)
                 for round_ in range(max_rounds):
-                    for name in alive:  # NOTE: interleaved: load bursts hit every candidate
+                    for name in running:  # NOTE: interleaved: load bursts hit every candidate
                         ms = rotations[name]
                         dt = timer(ms[turn % len(ms)], x, out)
                         best[(max_m, name)] = min(best.get((max_m, name), float("inf")), dt)
                         spent[name] += dt
                     turn += 1
-                    if round_ + 1 >= min_calls and all(v >= budget_s for v in spent.values()):
+                    if round_ + 1 < min_calls:
+                        continue
+                    # NOTE: after its first calls, a candidate more than ``SITS_OUT`` times
+                    # the fastest one's best sits out the cell's other rounds: the rounds go
+                    # on until the fastest has spent its budget, and a slow candidate ran
+                    # every one (the tiled dequantization, on the embedded GGUF: 13 of the
+                    # 22.5 s the quantized selection took on the AMX Xeon).
+                    fastest = min(best[(max_m, n)] for n in running)
+                    running = [n for n in running if best[(max_m, n)] <= SITS_OUT * fastest]
+                    if all(spent[n] >= budget_s for n in running):
                         break
         for max_m, rows, _x, _out, alive in cells:
             for name in alive:

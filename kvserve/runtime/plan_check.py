@@ -20,9 +20,9 @@ runs as many times as the step runs it (``counts``: the layers; the lm_head once
 on another copy of the weight, so the bytes a pass reads are the step's (past
 ``STREAM_BYTES`` of copies the alternatives holding the most are not tried; see
 ``_layer_methods``). Plans take turns pass by pass and the best pass counts; a plan that holds
-more copy bytes than the chosen one must beat it by ``margin`` (a copy that another bucket of
-the same weight holds counts as free, as in ``kernel_select.choose``: the buckets are decided
-twice over, so one a later bucket took is free for an earlier one).
+more copy bytes than another must beat it by ``margin``, the per-shape plan too (a copy that
+another bucket of the same weight holds counts as free, as in ``kernel_select.choose``: the
+buckets are decided twice over, so one a later bucket took is free for an earlier one).
 """
 
 from __future__ import annotations
@@ -180,8 +180,11 @@ def check_plan(
     # took is free for an earlier one on the second pass.
     for _ in range(2):
         for bound, best in timed.items():
-            k_best = 0
-            for k in range(1, len(best)):
+            # NOTE: from the plan holding the fewest copy bytes up: each must beat the one
+            # taken so far by ``margin`` to hold more (the per-shape plan included).
+            by_bytes = sorted(range(len(best)), key=lambda k: held(bound, k, new))
+            k_best = by_bytes[0]
+            for k in by_bytes[1:]:
                 need = 1.0 - margin if held(bound, k, new) > held(bound, k_best, new) else 1.0
                 if best[k] < best[k_best] * need:
                     k_best = k

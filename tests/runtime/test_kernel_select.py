@@ -458,3 +458,33 @@ def test_copies_are_made_before_any_timed_call() -> None:
     assert [(t.candidate, t.error) for t in failed] == [
         ("broken", "RuntimeError: no room for the copy")
     ]
+
+
+def test_a_candidate_far_behind_sits_out_the_rest_of_a_cell() -> None:
+    """After its first ``min_calls`` calls in a pass, a candidate more than ``SITS_OUT`` times
+    the fastest stops being timed there; the fastest goes on to its budget; one within the
+    bound keeps running beside it."""
+    calls: dict[str, int] = {}
+
+    def factory(source, *, act_dtype, device):  # type: ignore[no-untyped-def]
+        return [FakeMethod(source, n) for n in ("fast", "near", "slow")]
+
+    cost = {"fast": 1e-4, "near": 1.5e-4, "slow": 1e-3}
+
+    def timer(method: LinearMethod, x: torch.Tensor, out: torch.Tensor) -> float:
+        calls[method.name] = calls.get(method.name, 0) + 1
+        return cost[method.name]
+
+    timings = kernel_select.measure(
+        {(8, 8): torch.randn(8, 8)},
+        act_dtype=torch.float32,
+        device=CPU,
+        buckets=[(1, 1)],
+        timer=timer,
+        factories=[factory],
+        budget_s=0.00955,
+        min_calls=5,
+        passes=2,
+    )
+    assert calls == {"fast": 192, "near": 192, "slow": 10}  # 96 rounds a pass for 9.55 ms
+    assert {t.candidate: t.seconds for t in timings} == cost

@@ -109,6 +109,11 @@ def test_a_copying_plan_must_win_the_step_by_the_margin() -> None:
     cost = {"a": 1.0, "b": 0.97, "c": 1.0}
     new, checks = run(plan_all("a"), per_shape({"a": 1.0, "b": 1.1, "c": 5.0}), cost)
     assert new == plan_all("a") and checks[0].chosen == 0
+    # The per-shape plan too: holding copies ("b" at 32 rows), 3 % is not enough.
+    plan_b = {s: [(b, "b" if b == 32 else "a") for b, _ in m_buckets()] for s in COUNTS}
+    new, checks = run(plan_b, per_shape({"a": 1.1, "b": 1.0, "c": 5.0}), cost)
+    assert new == plan_all("a")
+    assert checks[0].chosen == 1 and [n for *_, n in checks[0].plans[1][0]] == ["a", "a"]
     # A copy that the 9-16 bucket holds anyway costs nothing more: no margin then.
     plan = {s: [(b, "b" if b == 16 else "a") for b, _ in m_buckets()] for s in COUNTS}
     # (no timings at 16 rows: that bucket is not checked)

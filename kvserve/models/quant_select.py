@@ -8,12 +8,12 @@ must beat the kernel by ``margin`` to pay for its memory), timed with the same `
 and chosen with the same ``choose`` per M bucket; the timings do not depend on the weights'
 values. The choice is cached beside the dense one (``kernel_select.cache_dir()``), keyed as
 the dense one is (CPU, flags, torch, threads, dtype, shapes, buckets, candidates) plus each
-shape's block format and layout and the quantized kernels' build (source hash): 26.5-27.9 s
+shape's block format and layout and the quantized kernels' build (source hash): 10.8-11.3 s
 of measurement on the embedded model's five shapes at the first start-up on the AMX Xeon
-(many candidates and their copies; the step check of ``plan_check``, given the calls a step
-makes of each shape, ``quantized_counts``, took 3.2 s of it), nothing after. The same rules
-as the dense cache: ``mode="measure"`` always measures and refreshes it, and a choice
-measured on a busy machine is measured again on a quieter one.
+(``bench/results/session30/step_check_runs_final.txt``; the step check of ``plan_check``,
+given the calls a step makes of each shape, ``quantized_counts``, included), nothing after.
+The same rules as the dense cache: ``mode="measure"`` always measures and refreshes it, and
+a choice measured on a busy machine is measured again on a quieter one.
 """
 
 from __future__ import annotations

@@ -174,6 +174,15 @@ def check_plan(
             and all(name != n for b, name in chosen[s] if b != bound)
         )
 
+    def read(bound: int, k: int) -> int:
+        """Weight bytes a step of plan ``k`` of ``bound`` reads (copies, or the source)."""
+        total = 0
+        for s, n in tried[bound][k].items():
+            m = methods[(s, n)][0]
+            per_call = int(getattr(sources[s], "nbytes", 0)) if m.shares_source else m.nbytes
+            total += counts[s] * per_call
+        return total
+
     new = {s: list(c) for s, c in plan.items()}
     pick: dict[int, int] = {}
     # NOTE: twice over the buckets, as ``kernel_select.choose`` does: a copy a later bucket
@@ -181,12 +190,17 @@ def check_plan(
     for _ in range(2):
         for bound, best in timed.items():
             # NOTE: from the plan holding the fewest copy bytes up: each must beat the one
-            # taken so far by ``margin`` to hold more (the per-shape plan included).
-            by_bytes = sorted(range(len(best)), key=lambda k: held(bound, k, new))
+            # taken so far by ``margin`` to hold more (the per-shape plan included), or to
+            # read more: a pass has no K/V traffic beside its weights, and a plan reading
+            # more bytes ran ahead on passes while behind on whole steps (the dense copies
+            # in tiles for three shapes against the int8 copies, 2-12 % ahead on passes,
+            # 3-7 % behind on B=32 steps: bench/results/session30/plan_ab_final.txt).
+            cost = [(held(bound, k, new), read(bound, k)) for k in range(len(best))]
+            by_bytes = sorted(range(len(best)), key=cost.__getitem__)
             k_best = by_bytes[0]
             for k in by_bytes[1:]:
-                need = 1.0 - margin if held(bound, k, new) > held(bound, k_best, new) else 1.0
-                if best[k] < best[k_best] * need:
+                more = any(a > b for a, b in zip(cost[k], cost[k_best], strict=True))
+                if best[k] < best[k_best] * (1.0 - margin if more else 1.0):
                     k_best = k
             pick[bound] = k_best
             for s, name in tried[bound][k_best].items():

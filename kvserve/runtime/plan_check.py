@@ -20,9 +20,10 @@ runs as many times as the step runs it (``counts``: the layers; the lm_head once
 on another copy of the weight, so the bytes a pass reads are the step's (past
 ``STREAM_BYTES`` of copies the alternatives holding the most are not tried; see
 ``_layer_methods``). Plans take turns pass by pass and the best pass counts; a plan that holds
-more copy bytes than another must beat it by ``margin``, the per-shape plan too (a copy that
-another bucket of the same weight holds counts as free, as in ``kernel_select.choose``: the
-buckets are decided twice over, so one a later bucket took is free for an earlier one).
+more copy bytes than another, or reads more weight bytes a step, must beat it by ``margin``,
+the per-shape plan too (a copy that another bucket of the same weight holds counts as free to
+hold, as in ``kernel_select.choose``: the buckets are decided twice over, so one a later
+bucket took is free for an earlier one).
 """
 
 from __future__ import annotations

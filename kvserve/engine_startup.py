@@ -3,10 +3,12 @@
 Order (``LLMEngine.__init__`` runs them in this order; the order matters):
 
 0. ``choose_kernels``: the dtype (for "auto") and each projection's kernel per M bucket,
-   measured on the model's shapes (or read from the cache) before any weight is read.
+   measured on the model's shapes (or read from the cache) before any weight is read; left
+   to phase 1 when the weights load quantized (which shapes are is known once read).
 1. ``load_engine_model``: weights -> model on its device and dtype with the chosen kernels,
-   tokenizer, weight bytes (prepacked copies included). A model with quantized projections
-   has an ``auto`` dtype weighed again on them (``EngineModel.kernels``: the final choice).
+   tokenizer, weight bytes (prepacked copies included); for a model loaded quantized, the
+   dtype and kernels chosen on its quantized projections (``EngineModel.kernels``: the
+   final choice).
 2. ``resolve_max_model_len``: the context length served (config vs the model's).
 3. ``plan_step_activations`` (``memory_budget``): the largest step's activation arena.
 4. ``measure_gemm_scratch``: the GEMM library's own buffers for the planned steps' shapes.
@@ -34,7 +36,7 @@ from kvserve.core.managers import create_kv_cache_manager
 from kvserve.core.scheduler import Scheduler
 from kvserve.core.step_budget import StepTimeBudget
 from kvserve.engine_config import EngineConfig
-from kvserve.kernel_setup import KernelChoice, choose_dtype_and_kernels
+from kvserve.kernel_setup import KernelChoice, choose_dtype_and_kernels, pending_choice
 from kvserve.memory_budget import MemoryReport, measure_kernel_scratch, plan_kv_blocks
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_arch, load_model
@@ -68,50 +70,57 @@ class EngineModel:
     # This process's shapes: the model's, or rank 0's heads under tensor parallelism.
     runner_arch: ModelArchConfig
     tp: TensorParallelExecutor | None  # the tensor-parallel executor when size > 1
-    kernels: KernelChoice  # the dtype and kernels in force (phase 0's, or weighed again)
+    kernels: KernelChoice  # the dtype and kernels in force (phase 0's, or phase 1's)
+
+
+def loads_quantized(config: EngineConfig) -> str:
+    """The ``quantization`` the weights load with: the config's on a CPU in one process,
+    else "none" (dense weights).
+
+    NOTE: "auto" keeps a GGUF's quantized tensors quantized on the CPU (the int8-dot
+    kernels); elsewhere it means dense weights (config rejects explicit formats there).
+    Tensor parallelism shards dense weights (quantized ones would need block-aligned
+    column slices), so it loads them dense.
+    """
+    on_cpu = torch.device(config.device).type == "cpu"
+    return config.quantization if on_cpu and config.tensor_parallel_size == 1 else "none"
 
 
 def choose_kernels(config: EngineConfig) -> KernelChoice:
-    """Phase 0: apply the torch settings; choose the dtype and the projection kernels."""
+    """Phase 0: apply the torch settings; choose the dtype and the projection kernels, or
+    leave them to phase 1 (``pending_choice``) when the model may hold quantized projections:
+    which shapes it does is known once its weights are read."""
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     torch.manual_seed(config.seed)
+    if loads_quantized(config) != "none":
+        return pending_choice(config)
     return choose_dtype_and_kernels(config, load_arch(config.model))
 
 
 def load_engine_model(config: EngineConfig, kernels: KernelChoice) -> EngineModel:
     """Phase 1: load the weights and tokenizer, build the model with ``kernels``' plan."""
-    dtype = kernels.dtype
-    # NOTE: "auto" keeps a GGUF's quantized tensors quantized on the CPU (the int8-dot
-    # kernels); elsewhere it means dense weights (config rejects explicit formats there).
-    # Tensor parallelism shards dense weights (quantized ones would need block-aligned
-    # column slices), so it loads them dense.
-    on_cpu = torch.device(config.device).type == "cpu"
-    tp_size = config.tensor_parallel_size
-    quantization = config.quantization if on_cpu and tp_size == 1 else "none"
-    # NOTE: an "auto" dtype weighed on dense shapes is weighed again once the model's
-    # quantized projections are known (they run their own kernels, which may favour the
-    # other dtype): such a model loads in float32 and is cast after the decision.
-    redecide = kernels.weighed and quantization != "none"
-    loaded = load_model(
-        config.model, dtype=torch.float32 if redecide else dtype, quantization=quantization
-    )
+    quantization = loads_quantized(config)
+    loaded = load_model(config.model, dtype=kernels.dtype, quantization=quantization)
     tokenizer = Tokenizer.from_loaded(loaded.tokenizer_dir, loaded.gguf_file)
     tp = None
     runner_arch = loaded.arch
-    if tp_size > 1:
+    if config.tensor_parallel_size > 1:
         from kvserve.distributed.executor import TensorParallelExecutor
 
         tp = TensorParallelExecutor.start(config, loaded.arch)
         model = tp.build_model(loaded.state_dict)
         runner_arch = tp.runner_arch()
+        dtype = kernels.dtype
     else:
         model = LlamaForCausalLM(loaded.arch)
         model.load_weights(loaded.state_dict)
-        formats = quantized_formats(model) if redecide else {}
-        if formats:
-            kernels = choose_dtype_and_kernels(config.replace(dtype="auto"), loaded.arch, formats)
-            dtype = kernels.dtype
+        if kernels.pending is not None:
+            # NOTE: the quantized projections run their own kernels, which may favour the
+            # other dtype under ``auto``: such a model loads in float32, cast once decided.
+            asked = config.replace(dtype=kernels.pending)
+            kernels = choose_dtype_and_kernels(asked, loaded.arch, quantized_formats(model))
+        dtype = kernels.dtype
         model = model.to(device=config.device, dtype=dtype).eval()
     # NOTE: quantized projections choose between the int8-dot kernel and a dense copy.
     plan = with_quantized_plan(

@@ -1,14 +1,17 @@
 """Start-up choice of the model dtype (``--dtype auto``) and of the projection kernels.
 
-``resolve_dtype(config, arch)`` turns ``config.dtype`` into a torch dtype: on CUDA ``auto`` is
-bfloat16 (float16 without bf16 support); on CPU it is bfloat16 only where the CPU has native
-bf16 arithmetic (AMX or AVX512_BF16) *and* a decode step's matmuls (each dtype with its
-chosen kernels, timed in alternation: ``dtype_speedup``) run faster in bf16; else float32.
-An explicit ``bfloat16`` on a CPU without native bf16 runs, with a warning giving the
-measured slowdown.
+``choose_dtype_and_kernels(config, arch, quantized)`` turns ``config.dtype`` into a torch
+dtype: on CUDA ``auto`` is bfloat16 (float16 without bf16 support); on CPU it is bfloat16 only
+where the CPU has native bf16 arithmetic (AMX or AVX512_BF16) *and* a decode step's matmuls
+and attention (each dtype with its chosen kernels, timed in alternation: ``dtype_speedup``)
+run faster in bf16; else float32. An explicit ``bfloat16`` on a CPU without native bf16 runs,
+with a warning giving the measured slowdown.
 
-``select_model_kernels(config, arch, dtype)`` measures (or reads from the cache) the fastest
-``LinearMethod`` per projection shape and M bucket (``kvserve.runtime.kernel_select``).
+With the dtype it measures (or reads from the cache) the fastest ``LinearMethod`` per
+projection shape and M bucket: ``select_shapes`` for the dense shapes
+(``kvserve.runtime.kernel_select``), ``quant_select.quantized_selection`` for the quantized
+ones. A model whose weights load quantized is chosen for after the load
+(``pending_choice``), when its quantized shapes are known.
 """
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -79,9 +82,9 @@ class KernelChoice:
     dtype: torch.dtype
     selection: Selection
     reason: str
-    # True when ``auto`` weighed float32 against bfloat16 on this CPU: the decision that
-    # ``choose_dtype_and_kernels`` makes again once the model's quantized projections are known.
-    weighed: bool = False
+    # The dtype asked for ("auto" or a name) while the choice waits for the model's quantized
+    # projections (``pending_choice``); ``dtype`` is then the one to load the weights in.
+    pending: str | None = None
 
     @property
     def dtype_name(self) -> str:
@@ -97,10 +100,33 @@ class KernelChoice:
         return f"dtype {self.dtype_name} ({self.reason}); {self.selection.summary()}"
 
 
+def pending_choice(config: EngineConfig) -> KernelChoice:
+    """The choice for a model whose quantized projections are not read yet: nothing measured,
+    the weights to load in the requested dtype (float32 for ``auto``, cast once decided); the
+    loader then calls ``choose_dtype_and_kernels`` with the projections it holds quantized.
+
+    NOTE: the dense selection times only the shapes that stay dense. Measured before the
+    load, it timed every projection shape densely in both dtypes (and checked each plan on
+    passes holding up to 768 MB of copies), for a model whose projections all run quantized:
+    9-10 s of a 40 s first start-up of the embedded model on the AMX Xeon.
+    """
+    dtype = torch.float32 if config.dtype == "auto" else DTYPES[config.dtype]
+    selection = Selection(dtype, {}, source="off" if config.kernel_selection == "off" else "cache")
+    return KernelChoice(dtype, selection, "pending", pending=config.dtype)
+
+
 def select_shapes(
-    config: EngineConfig, arch: ModelArchConfig, dtype: torch.dtype, mode: str
+    config: EngineConfig,
+    arch: ModelArchConfig,
+    dtype: torch.dtype,
+    mode: str,
+    quantized: Collection[tuple[int, int]] = (),
 ) -> Selection:
-    counts = projection_shapes(arch)
+    """The dense selection for the projection shapes outside ``quantized`` (those run their
+    own kernels, ``_with_quantized``): an empty plan when every shape is quantized."""
+    counts = {s: n for s, n in projection_shapes(arch).items() if s not in quantized}
+    if not counts:
+        return Selection(dtype, {}, source="off" if mode == "off" else "cache")
     return select_kernels(
         counts,
         act_dtype=dtype,
@@ -125,66 +151,66 @@ def choose_dtype_and_kernels(
     """Resolve ``config.dtype`` (see the module docstring) and select the kernels for it.
 
     ``quantized``: the projections the model holds quantized, (out, in) -> (format, layout)
-    (``quant_select.quantized_formats``). ``auto`` then times them as they run (their own
-    kernel selection per dtype) instead of dense weights of their shapes.
+    (``quant_select.quantized_formats``). They run their own kernel selection per dtype, which
+    ``auto`` times as they run, and the dense selection covers only the other shapes; the
+    choice's selection holds both.
     """
     device = torch.device(config.device)
     mode = config.kernel_selection
+    formats = dict(quantized or {})
+
+    def select(dtype: torch.dtype, how: str) -> Selection:
+        dense = select_shapes(config, arch, dtype, how, formats.keys())
+        return _with_quantized(dense, formats, arch, device, how)
+
     if config.dtype != "auto":
         dtype = DTYPES[config.dtype]
         if device.type == "cpu" and dtype == torch.bfloat16 and not native_bf16():
-            fp32 = select_shapes(config, arch, torch.float32, "auto" if mode == "off" else mode)
-            bf16 = select_shapes(config, arch, dtype, "auto" if mode == "off" else mode)
-            slow = 1.0 / dtype_speedup(arch, fp32, bf16, device=device, mode=mode)
+            probe = "auto" if mode == "off" else mode
+            fp32, bf16 = select(torch.float32, probe), select(dtype, probe)
+            speedup = dtype_speedup(
+                arch, fp32, bf16, device=device, mode=mode, quantized=formats or None
+            )
             log.warning(
                 "dtype bfloat16 on a CPU without native bf16 (no AMX / AVX512_BF16): decode "
                 "matmuls and attention measured %.2fx the time of float32",
-                slow,
+                1.0 / speedup,
             )
-        return KernelChoice(dtype, select_shapes(config, arch, dtype, mode), "requested")
+        return KernelChoice(dtype, select(dtype, mode), "requested")
     if device.type == "cuda":
         dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return KernelChoice(dtype, select_shapes(config, arch, dtype, mode), "auto: CUDA")
+        return KernelChoice(dtype, select(dtype, mode), "auto: CUDA")
     if not native_bf16():
-        return KernelChoice(
-            torch.float32, select_shapes(config, arch, torch.float32, mode), "auto: no native bf16"
-        )
+        return KernelChoice(torch.float32, select(torch.float32, mode), "auto: no native bf16")
     # NOTE: the decision needs timings even with selection off: measure (or read the cache)
     # for the decision, then use the requested mode's selection for the chosen dtype.
     probe = "auto" if mode == "off" else mode
-    fp32 = select_shapes(config, arch, torch.float32, probe)
-    bf16 = select_shapes(config, arch, torch.bfloat16, probe)
-    ratio = dtype_speedup(
-        arch,
-        _with_quantized(fp32, quantized, arch, device, probe),
-        _with_quantized(bf16, quantized, arch, device, probe),
-        device=device,
-        mode=probe,
-        quantized=quantized,
-    )
+    fp32, bf16 = select(torch.float32, probe), select(torch.bfloat16, probe)
+    ratio = dtype_speedup(arch, fp32, bf16, device=device, mode=probe, quantized=formats or None)
     dtype, sel = (torch.bfloat16, bf16) if ratio > 1.0 else (torch.float32, fp32)
     if mode == "off":
-        sel = select_shapes(config, arch, dtype, "off")
-    what = "quantized matmuls" if quantized else "matmuls"
+        sel = select(dtype, "off")
+    what = "quantized matmuls" if formats else "matmuls"
     reason = f"auto: native bf16, decode {what} + attention bf16 {ratio:.2f}x fp32 speed"
-    return KernelChoice(dtype, sel, reason, weighed=True)
+    return KernelChoice(dtype, sel, reason)
 
 
 def _with_quantized(
     sel: Selection,
-    quantized: Mapping[tuple[int, int], tuple[str, str]] | None,
+    quantized: Mapping[tuple[int, int], tuple[str, str]],
     arch: ModelArchConfig,
     device: torch.device,
     mode: str,
 ) -> Selection:
-    """``sel`` with the quantized projections' own choices (their selection at ``sel``'s
-    dtype) in place of the dense ones; ``sel`` itself when nothing is quantized."""
-    if not quantized:
+    """``sel`` (the dense shapes' selection) joined with the quantized projections' own
+    (``quant_select.quantized_selection`` at ``sel``'s dtype); ``sel`` itself when nothing is
+    quantized or the selection is off."""
+    if not quantized or sel.source == "off":
         return sel
-    from kvserve.models.quant_select import select_quantized_formats
+    from kvserve.models.quant_select import quantized_selection
 
     head = (arch.vocab_size, arch.hidden_size)
-    plan = select_quantized_formats(
+    quant = quantized_selection(
         dict(quantized),
         counts=projection_shapes(arch),
         head_shape=head if head in quantized else None,
@@ -192,7 +218,17 @@ def _with_quantized(
         device=device,
         mode=mode,
     )
-    return replace(sel, plan={**sel.plan, **plan})
+    measured = "measured" in (sel.source, quant.source)
+    return Selection(
+        sel.dtype,
+        {**sel.plan, **quant.plan},
+        [*sel.timings, *quant.timings],
+        {**sel.skipped, **quant.skipped},
+        "measured" if measured else "cache",
+        sel.seconds + quant.seconds,
+        max(sel.load, quant.load),
+        [*sel.checks, *quant.checks],
+    )
 
 
 def dtype_speedup(

@@ -137,8 +137,8 @@ def main(argv: list[str] | None = None) -> None:
         pick = "bfloat16" if native_bf16() and ratio > 1.0 else "float32"
         print(
             f"--dtype auto would choose {pick} (decode matmuls + attention: bf16 {ratio:.2f}x "
-            "fp32 speed; dense weights: a model with quantized projections is weighed again on "
-            "them at load)"
+            "fp32 speed; dense weights: a model whose weights load quantized is weighed on its "
+            "quantized projections at load)"
         )
     if args.json:
         with open(args.json, "w") as f:

@@ -144,12 +144,40 @@ def select_quantized_formats(
     counts: dict[tuple[int, int], int] | None = None,
 ) -> LinearPlan:
     """``select_quantized_kernels`` for projections given by their (out, in) -> (format,
-    layout) (``quantized_formats``) rather than by a model; ``head_shape`` is the lm_head's,
-    measured up to the decode sizes only. ``counts``: the calls a decode step makes of each
-    shape, in step order; given, the decode buckets' choices are checked on whole steps
-    (``kernel_select.step_check``)."""
+    layout) (``quantized_formats``) rather than by a model: ``quantized_selection``'s plan."""
+    return quantized_selection(
+        formats,
+        head_shape=head_shape,
+        act_dtype=act_dtype,
+        device=device,
+        mode=mode,
+        margin=margin,
+        budget_s=budget_s,
+        directory=directory,
+        counts=counts,
+    ).plan
+
+
+def quantized_selection(
+    formats: dict[tuple[int, int], tuple[str, str]],
+    *,
+    head_shape: tuple[int, int] | None,
+    act_dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    mode: str = "auto",
+    margin: float = 0.05,
+    budget_s: float = 0.010,
+    directory: Path | None = None,
+    counts: dict[tuple[int, int], int] | None = None,
+) -> Selection:
+    """The quantized projections' selection (see the module docstring): (out, in) -> (format,
+    layout) as ``quantized_formats`` gives them; ``head_shape`` is the lm_head's, measured up
+    to the decode sizes only. ``counts``: the calls a decode step makes of each shape, in step
+    order; given, the decode buckets' choices are checked on whole steps
+    (``kernel_select.step_check``). An empty plan (source "off") when ``mode`` is "off" or
+    nothing is quantized."""
     if mode == "off" or not formats:
-        return {}
+        return Selection(act_dtype, {}, source="off")
     device = torch.device(device)
     max_rows = {head_shape: DECODE_BOUNDS[-1]} if head_shape is not None else None
     step = {s: n for s, n in (counts or {}).items() if s in formats} or None
@@ -162,7 +190,15 @@ def select_quantized_formats(
         cached = load_cached(path, key)
         if cached is not None and not measured_under_load(cached["load"], load):
             log.info("quantized kernels from cache %s", path)
-            return cached["plan"]
+            return Selection(
+                act_dtype,
+                cached["plan"],
+                cached["timings"],
+                cached["skipped"],
+                "cache",
+                load=cached["load"],
+                checks=cached["checks"],
+            )
     t0 = time.perf_counter()
     gen = torch.Generator().manual_seed(2)
     weights = {
@@ -188,7 +224,7 @@ def select_quantized_formats(
     sel = Selection(act_dtype, plan, timings, {}, "measured", seconds, load, checks)
     save_cached(path, key, sel)
     log.info("quantized %s", sel.summary())
-    return plan
+    return sel
 
 
 def with_quantized_plan(

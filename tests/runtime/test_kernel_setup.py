@@ -48,7 +48,7 @@ def fake_select(monkeypatch):  # type: ignore[no-untyped-def]
     costs = {torch.float32: 2.0, torch.bfloat16: 1.0}
     calls: list[tuple[torch.dtype, str]] = []
 
-    def select(config, arch, dtype, mode):  # type: ignore[no-untyped-def]
+    def select(config, arch, dtype, mode, quantized=()):  # type: ignore[no-untyped-def]
         calls.append((dtype, mode))
         return _selection(dtype, costs[dtype], mode)
 
@@ -214,9 +214,11 @@ def test_quantized_shapes_are_timed_as_they_run(tmp_path, monkeypatch) -> None:
     assert len(list(tmp_path.rglob("dtype_*.json"))) == 2
 
 
-def test_auto_weighs_quantized_projections_again_at_load(monkeypatch, fake_select) -> None:
-    """The embedded GGUF holds quantized projections: phase 0 weighs dense shapes, loading
-    weighs the model's quantized ones, and the engine runs the second decision."""
+def test_a_model_loaded_quantized_is_weighed_once_on_its_quantized_projections(
+    monkeypatch, fake_select
+) -> None:
+    """The embedded GGUF holds quantized projections: phase 0 measures nothing, loading weighs
+    the model's quantized ones (in float32, cast after), and the engine runs that decision."""
     from kvserve.engine import LLMEngine
 
     monkeypatch.setattr(kernel_setup, "native_bf16", lambda: True)
@@ -228,8 +230,51 @@ def test_auto_weighs_quantized_projections_again_at_load(monkeypatch, fake_selec
 
     monkeypatch.setattr(kernel_setup, "dtype_speedup", speedup)
     engine = LLMEngine(dtype="auto", kernel_selection="off", num_kv_blocks=16)
-    assert seen[0] == {} and seen[1], seen  # phase 0 dense, then the model's formats
-    assert {q for q, _ in seen[1].values()} >= {"q4_1", "q8_0"}  # type: ignore[union-attr]
+    assert len(seen) == 1, seen  # the model's formats, nothing dense before the load
+    assert {q for q, _ in seen[0].values()} >= {"q4_1", "q8_0"}  # type: ignore[union-attr]
     assert engine.kernels.dtype == torch.bfloat16 and engine.config.dtype == "bfloat16"
-    assert "quantized" in engine.kernels.reason
+    assert "quantized" in engine.kernels.reason and engine.kernels.pending is None
     assert engine.runner.model.norm.dtype == torch.bfloat16
+
+
+def test_phase_zero_waits_for_the_weights_only_when_they_load_quantized() -> None:
+    from kvserve.engine_startup import choose_kernels
+
+    auto = choose_kernels(EngineConfig(dtype="auto", kernel_selection="off"))
+    assert auto.pending == "auto" and auto.dtype == torch.float32  # cast once decided
+    bf16 = choose_kernels(EngineConfig(dtype="bfloat16", kernel_selection="off"))
+    assert bf16.pending == "bfloat16" and bf16.dtype == torch.bfloat16
+    dense = choose_kernels(
+        EngineConfig(dtype="float32", kernel_selection="off", quantization="none")
+    )
+    assert dense.pending is None and dense.selection.source == "off"
+
+
+def test_the_dense_selection_skips_quantized_shapes(monkeypatch) -> None:
+    """Only the shapes that stay dense are measured; the choice holds the quantized
+    projections' own selection beside them."""
+    from kvserve.models import quant_select
+
+    measured: list[list[tuple[int, int]]] = []
+
+    def select_kernels(shapes, **kw):  # type: ignore[no-untyped-def]
+        measured.append(sorted(shapes))
+        assert sorted(kw["counts"]) == sorted(shapes)
+        return _selection(kw["act_dtype"], 1.0, "auto")
+
+    quant_plan = {(48, 16): [(M_MAX, "q8_0_kernel")]}
+    monkeypatch.setattr(kernel_setup, "select_kernels", select_kernels)
+    monkeypatch.setattr(
+        quant_select,
+        "quantized_selection",
+        lambda formats, **kw: Selection(kw["act_dtype"], quant_plan, source="cache"),
+    )
+    config = EngineConfig(dtype="float32")
+    choice = choose_dtype_and_kernels(config, ARCH, {(48, 16): ("q8_0", "x16")})
+    assert measured == [sorted(s for s in projection_shapes(ARCH) if s != (48, 16))]
+    assert choice.selection.plan[(48, 16)] == [(M_MAX, "q8_0_kernel")]
+    assert choice.selection.plan[(16, 16)] == [(b, "k") for b in (1, 8, 32, 128, M_MAX)]
+    every = {s: ("q8_0", "x16") for s in projection_shapes(ARCH)}
+    measured.clear()
+    choice = choose_dtype_and_kernels(config, ARCH, every)
+    assert measured == [] and choice.selection.plan == quant_plan

@@ -40,10 +40,10 @@ from kvserve.runtime.kernel_select import (
     measure,
     measured_under_load,
     save_cached,
-    step_check,
 )
 from kvserve.runtime.linear import LinearPlan
 from kvserve.runtime.native import quant_ops
+from kvserve.runtime.plan_check import step_check
 
 log = logging.getLogger(__name__)
 # Bumped when the quantized candidates change (the cache then measures again).
@@ -174,7 +174,7 @@ def quantized_selection(
     layout) as ``quantized_formats`` gives them; ``head_shape`` is the lm_head's, measured up
     to the decode sizes only. ``counts``: the calls a decode step makes of each shape, in step
     order; given, the decode buckets' choices are checked on whole steps
-    (``kernel_select.step_check``). An empty plan (source "off") when ``mode`` is "off" or
+    (``plan_check.step_check``). An empty plan (source "off") when ``mode`` is "off" or
     nothing is quantized."""
     if mode == "off" or not formats:
         return Selection(act_dtype, {}, source="off")

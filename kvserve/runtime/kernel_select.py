@@ -665,6 +665,8 @@ def select_kernels(
         budget_s=budget_s,
     )
     plan = choose(timings, buckets, margin=margin)
+    from kvserve.runtime.plan_check import step_check  # NOTE: it imports this module
+
     plan, checks = step_check(
         weights, counts, plan, timings, act_dtype, device, facs, max_rows, margin
     )
@@ -673,48 +675,6 @@ def select_kernels(
     )
     save_cached(path, key, sel)
     return sel
-
-
-def step_check(
-    weights: Mapping[tuple[int, int], object],
-    counts: Mapping[tuple[int, int], int] | None,
-    plan: dict[tuple[int, int], list[tuple[int, str]]],
-    timings: Sequence[Timing],
-    act_dtype: torch.dtype,
-    device: torch.device,
-    factories: Sequence[CandidateFactory],
-    max_rows: Mapping[tuple[int, int], int] | None,
-    margin: float,
-) -> tuple[dict[tuple[int, int], list[tuple[int, str]]], list[dict[str, object]]]:
-    """``plan`` after ``plan_check.check_plan`` on ``counts`` (unchanged without counts),
-    with the checks' records; each bucket whose choice changed is logged."""
-    if not counts:
-        return plan, []
-    from kvserve.runtime.plan_check import check_plan  # NOTE: it imports this module
-
-    new, checks = check_plan(
-        weights,
-        counts,
-        plan,
-        timings,
-        act_dtype=act_dtype,
-        device=device,
-        factories=factories,
-        max_rows=max_rows,
-        margin=margin,
-    )
-    for c in checks:
-        if c.chosen:
-            plans = c.plans
-            log.info(
-                "kernel step check at %d rows: %s (%.2f ms a step) over the per-shape choice "
-                "(%.2f ms)",
-                c.rows,
-                ", ".join(f"{o}x{i} {n}" for o, i, n in plans[c.chosen][0]),
-                plans[c.chosen][1] * 1e3,
-                plans[0][1] * 1e3,
-            )
-    return new, [c.as_dict() for c in checks]
 
 
 def plan_of(selection: Selection) -> LinearPlan | None:

@@ -349,3 +349,43 @@ def _time_plans(
         log.warning("kernel step check at %d rows skipped: %s: %s", rows, type(e).__name__, e)
         return None
     return best
+
+
+def step_check(
+    weights: Mapping[Shape, object],
+    counts: Mapping[Shape, int] | None,
+    plan: Plan,
+    timings: Sequence[Timing],
+    act_dtype: torch.dtype,
+    device: torch.device,
+    factories: Sequence[CandidateFactory],
+    max_rows: Mapping[Shape, int] | None,
+    margin: float,
+) -> tuple[Plan, list[dict[str, object]]]:
+    """What the selections call: ``plan`` after ``check_plan`` on ``counts`` (unchanged
+    without counts), with the checks' records; each bucket whose choice changed is logged."""
+    if not counts:
+        return plan, []
+    new, checks = check_plan(
+        weights,
+        counts,
+        plan,
+        timings,
+        act_dtype=act_dtype,
+        device=device,
+        factories=factories,
+        max_rows=max_rows,
+        margin=margin,
+    )
+    for c in checks:
+        if c.chosen:
+            plans = c.plans
+            log.info(
+                "kernel step check at %d rows: %s (%.2f ms a step) over the per-shape choice "
+                "(%.2f ms)",
+                c.rows,
+                ", ".join(f"{o}x{i} {n}" for o, i, n in plans[c.chosen][0]),
+                plans[c.chosen][1] * 1e3,
+                plans[0][1] * 1e3,
+            )
+    return new, [c.as_dict() for c in checks]

@@ -27,17 +27,15 @@ import torch
 
 from kvserve.config import ModelArchConfig
 from kvserve.engine_config import EngineConfig
-from kvserve.runtime.kernel_select import (
-    DECODE_BOUNDS,
-    Selection,
+from kvserve.runtime.kernel_cache import (
     cache_path,
     cpu_flags,
     cpu_identity,
     machine_load,
     read_cached_value,
-    select_kernels,
     write_cached_value,
 )
+from kvserve.runtime.kernel_select import DECODE_BOUNDS, Selection, select_kernels
 from kvserve.runtime.linear import Linear, build_linear
 
 log = logging.getLogger("kvserve")

@@ -25,7 +25,8 @@ from kvserve.models.quant_select import (
     quantized_formats,
     select_quantized_kernels,
 )
-from kvserve.runtime.kernel_select import DECODE_BOUNDS, cache_path, load_cached
+from kvserve.runtime.kernel_cache import cache_path
+from kvserve.runtime.kernel_select import DECODE_BOUNDS, load_cached
 
 
 def main() -> None:

@@ -31,7 +31,8 @@ from kvserve.kernel_setup import (
     select_shapes,
 )
 from kvserve.models.loader import load_arch
-from kvserve.runtime.kernel_select import M_MAX, Selection, cpu_identity, m_buckets
+from kvserve.runtime.kernel_cache import cpu_identity
+from kvserve.runtime.kernel_select import M_MAX, Selection, m_buckets
 
 
 def _bucket(max_m: int) -> str:

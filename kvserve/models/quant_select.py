@@ -6,7 +6,7 @@ gets this one: per projection shape, random weights in the model's own block for
 through ``quantized_candidates`` (the kernel, and ``dequant_{dtype}``: a dense copy, which
 must beat the kernel by ``margin`` to pay for its memory), timed with the same ``measure``
 and chosen with the same ``choose`` per M bucket; the timings do not depend on the weights'
-values. The choice is cached beside the dense one (``kernel_select.cache_dir()``), keyed as
+values. The choice is cached beside the dense one (``kernel_cache.cache_dir()``), keyed as
 the dense one is (CPU, flags, torch, threads, dtype, shapes, buckets, candidates) plus each
 shape's block format and layout and the quantized kernels' build (source hash): 10.8-11.3 s
 of measurement on the embedded model's five shapes at the first start-up on the AMX Xeon
@@ -28,17 +28,14 @@ import torch
 from kvserve.models.quant import QuantizedWeight, quantize_dense
 from kvserve.models.quant_linear import kernel_layout, quantized_candidates
 from kvserve.runtime import native
+from kvserve.runtime.kernel_cache import cache_key, cache_path, machine_load, measured_under_load
 from kvserve.runtime.kernel_select import (
     DECODE_BOUNDS,
     Selection,
-    cache_key,
-    cache_path,
     choose,
     load_cached,
     m_buckets,
-    machine_load,
     measure,
-    measured_under_load,
     save_cached,
 )
 from kvserve.runtime.linear import LinearPlan

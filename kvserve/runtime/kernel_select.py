@@ -13,12 +13,8 @@ Given the calls a decode step makes of each shape (``counts``), the decode bucke
 are then checked on whole steps' projections (``kvserve.runtime.plan_check``), whose plan
 may replace the per-shape one.
 
-The decision is cached as JSON under ``$KVSERVE_CACHE_DIR/kernel_select/`` (default
-``~/.cache/kvserve``), keyed by the CPU model and flags, the torch version, the thread count,
-the dtype, the shapes, the buckets and the candidate factories, so a second start-up costs
-nothing. A cache file that cannot be read is ignored with a warning and measured again; one
-measured on a busy machine (1-minute load above 1 per CPU) is measured again by a later
-start-up that finds the machine at least twice as quiet.
+The decision is cached (``kernel_cache``: keyed by the CPU, torch, threads, dtype, shapes,
+buckets and candidate factories), so a second start-up costs nothing.
 
 Modes: ``off`` (no measurement: ``torch.mm`` everywhere, the original path), ``auto`` (the
 cache, else measure) and ``measure`` (always measure, then refresh the cache).
@@ -27,18 +23,22 @@ cache, else measure) and ``measure`` (always measure, then refresh the cache).
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 import logging
-import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from kvserve.runtime.kernel_cache import (
+    cache_key,
+    cache_path,
+    machine_load,
+    measured_under_load,
+    read_record,
+    write_record,
+)
 from kvserve.runtime.linear import (
     M_MAX,
     CandidateFactory,
@@ -52,10 +52,6 @@ from kvserve.runtime.linear import (
 log = logging.getLogger(__name__)
 
 SELECTION_MODES = ("auto", "measure", "off")
-CACHE_ENV = "KVSERVE_CACHE_DIR"
-# Bumped when the measurement changes: older choices are redone (8: the step check; 9: the
-# copies made before the timing; 10: slow candidates sit out).
-CACHE_VERSION = 10
 # NOTE: 9-16 apart from 17-32: probed at 32 rows only, the 9-32 bucket took AMX bf16 for
 # every projection on the AMX Xeon, slower than the VNNI kernel at 12-16 rows on the gate/up
 # and qkv; with the bucket, bare decode at B = 12 / 16 ran 3-14 % / 3-10 % faster
@@ -410,106 +406,21 @@ def choose(
     return plan
 
 
-# ---- cache -------------------------------------------------------------------------------
-
-
-def _cpuinfo_field(name: str) -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith(name):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
-def cpu_flags() -> str:
-    """The CPU's feature flags, space-separated (from /proc/cpuinfo; "" where unknown)."""
-    return _cpuinfo_field("flags")
-
-
-def cpu_identity() -> tuple[str, str]:
-    """The CPU's model name and a hash of its feature flags (from /proc/cpuinfo)."""
-    import platform
-
-    model = _cpuinfo_field("model name") or platform.processor() or platform.machine()
-    return model, hashlib.sha256(cpu_flags().encode()).hexdigest()[:16]
-
-
-def cache_key(
-    *,
-    act_dtype: torch.dtype,
-    device: torch.device,
-    shapes: Iterable[tuple[int, int]],
-    buckets: Sequence[tuple[int, int]],
-    max_rows: Mapping[tuple[int, int], int] | None,
-    factories: Sequence[CandidateFactory],
-    counts: Mapping[tuple[int, int], int] | None = None,
-) -> dict[str, object]:
-    """Everything a selection depends on (the cache is valid only while all of it holds);
-    ``counts``: the calls a step makes of each shape, when the step check runs on them."""
-    model, flags = cpu_identity()
-    if device.type == "cuda":
-        model = torch.cuda.get_device_name(device)
-    rows = max_rows or {}
-    return {
-        "version": CACHE_VERSION,
-        "cpu": model,
-        "cpu_flags": flags,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "device": device.type,
-        "dtype": dtype_tag(act_dtype),
-        "shapes": sorted([list(s) + [rows.get(s, M_MAX)] for s in shapes]),
-        "buckets": [list(b) for b in buckets],
-        # NOTE: sorted: the registration order follows the import order, not the selection.
-        "candidates": sorted(f"{f.__module__}.{f.__qualname__}" for f in factories),
-        "onednn": bool(torch.backends.mkldnn.is_available()),
-        # NOTE: the native kernels' build target decides which of them can run (an older
-        # kind's build caps the quantized kernels' instruction set: kvserve_quant_ops.cpp).
-        "native_march": _native_march(),
-        "step_counts": sorted([*s, n] for s, n in counts.items()) if counts else None,
-    }
-
-
-def _native_march() -> str:
-    """The native kernels' -march target ("invalid" for a bad $KVSERVE_NATIVE_MARCH, which
-    the kernels' loader reports on its own)."""
-    from kvserve.runtime import native
-
-    try:
-        return native.march()
-    except ValueError:
-        return "invalid"
-
-
-def cache_dir() -> Path:
-    """Where selections are cached (``$KVSERVE_CACHE_DIR/kernel_select``)."""
-    base = os.environ.get(CACHE_ENV) or os.path.join(Path.home(), ".cache", "kvserve")
-    return Path(base) / "kernel_select"
-
-
-def cache_path(key: Mapping[str, object], directory: Path | None = None) -> Path:
-    """The cache file of ``key``."""
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    return (directory or cache_dir()) / f"{digest}.json"
+# ---- cache (records in ``kernel_cache``) ----------------------------------------------------
 
 
 def load_cached(path: Path, key: Mapping[str, object]) -> dict | None:
-    """The cached record for ``key`` at ``path``, or None (absent; unreadable: warned)."""
-    if not path.exists():
+    """The cached selection for ``key`` at ``path``, or None (absent; unreadable: warned)."""
+    record = read_record(path, key, "kernel selection")
+    if record is None:
         return None
     try:
-        record = json.loads(path.read_text())
-        if record["key"] != json.loads(json.dumps(key)):
-            raise ValueError("key mismatch")
         plan = {
             (int(o), int(i)): [(int(b), str(n)) for b, n in choice]
             for o, i, choice in record["plan"]
         }
         timings = [Timing(**t) for t in record["timings"]]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError) as e:
         log.warning("kernel selection cache %s is corrupt (%s): ignored, measuring again", path, e)
         return None
     return {
@@ -519,50 +430,6 @@ def load_cached(path: Path, key: Mapping[str, object]) -> dict | None:
         "load": float(record.get("load", 0.0)),
         "checks": list(record.get("checks", [])),
     }
-
-
-def read_cached_value(path: Path, key: Mapping[str, object], field: str, what: str) -> Any:
-    """``record[field]`` of the JSON record for ``key`` at ``path``; None when absent, written
-    for another key, corrupt (warned, naming ``what``) or measured under load on a machine
-    that is quieter now (measured again, like the selections)."""
-    if not path.exists():
-        return None
-    try:
-        record = json.loads(path.read_text())
-        if record["key"] != json.loads(json.dumps(key)):
-            return None
-        if measured_under_load(record["load"], machine_load()):
-            return None
-        return record[field]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        log.warning("%s cache %s is corrupt (%s): measuring again", what, path, e)
-        return None
-
-
-def write_cached_value(
-    path: Path, key: Mapping[str, object], field: str, value: object, load: float, what: str
-) -> None:
-    """Write ``{key, field: value, load}`` to ``path`` (a failure is warned, not raised)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"key": key, field: value, "load": load}))
-    except OSError as e:
-        log.warning("%s cache %s not written: %s", what, path, e)
-
-
-def measured_under_load(cached_load: float, load: float) -> bool:
-    """Whether a cached measurement taken at ``cached_load`` (per CPU) is to be taken again
-    now, at ``load``: it was taken on a busy machine (above 1 per CPU) and this one is at
-    least twice as quiet, so a noisy choice does not stick."""
-    return cached_load > 1.0 and load < cached_load / 2
-
-
-def machine_load() -> float:
-    """1-minute load average per CPU (0.0 where unknown): above 1, timings are disturbed."""
-    try:
-        return os.getloadavg()[0] / (os.cpu_count() or 1)
-    except (OSError, AttributeError):
-        return 0.0
 
 
 def save_cached(path: Path, key: Mapping[str, object], sel: Selection) -> None:
@@ -575,13 +442,7 @@ def save_cached(path: Path, key: Mapping[str, object], sel: Selection) -> None:
         "load": sel.load,
         "checks": sel.checks,
     }
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(record, indent=1))
-        os.replace(tmp, path)
-    except OSError as e:
-        log.warning("kernel selection cache %s not written: %s", path, e)
+    write_record(path, record, "kernel selection")
 
 
 # ---- entry point ---------------------------------------------------------------------------

@@ -15,11 +15,10 @@ from hypothesis import strategies as st
 
 from kvserve.engine_config import DTYPE_CHOICES, KERNEL_SELECTION_MODES, EngineConfig
 from kvserve.kernel_setup import DTYPES
-from kvserve.runtime import kernel_select, linear
+from kvserve.runtime import kernel_cache, kernel_select, linear
+from kvserve.runtime.kernel_cache import cache_key, cache_path
 from kvserve.runtime.kernel_select import (
     SELECTION_MODES,
-    cache_key,
-    cache_path,
     choose,
     m_buckets,
     plan_of,
@@ -209,9 +208,9 @@ def test_cache_is_invalidated_when_any_key_part_changes(tmp_path, monkeypatch, c
     elif change == "torch":
         monkeypatch.setattr(torch, "__version__", "0.0.1-other")
     elif change == "cpu_model":
-        monkeypatch.setattr(kernel_select, "_cpuinfo_field", lambda name: f"Other CPU {name}")
+        monkeypatch.setattr(kernel_cache, "_cpuinfo_field", lambda name: f"Other CPU {name}")
     elif change == "cpu_flags":
-        monkeypatch.setattr(kernel_select, "cpu_flags", lambda: "sse2 other_flag")
+        monkeypatch.setattr(kernel_cache, "cpu_flags", lambda: "sse2 other_flag")
     elif change == "max_rows":
         kw["max_rows"] = {SHAPES[0]: 8}
     elif change == "native_march":  # another build target than this run's

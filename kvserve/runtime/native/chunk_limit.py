@@ -29,7 +29,7 @@ import torch
 
 from kvserve.config import ModelArchConfig
 from kvserve.runtime.attention import AttentionMetadata, SeqSpec, build_attention_metadata
-from kvserve.runtime.kernel_select import (
+from kvserve.runtime.kernel_cache import (
     cache_path,
     cpu_identity,
     machine_load,

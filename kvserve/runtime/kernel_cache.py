@@ -1,0 +1,188 @@
+"""The cache of start-up measurements: what a decision depends on, where it is kept, and when
+a kept one is measured again.
+
+The kernel selections (``kernel_select``, ``models.quant_select``), the dtype decision
+(``kernel_setup.dtype_speedup``) and the chunk-attention limit (``native.chunk_limit``) each
+keep a JSON record under ``$KVSERVE_CACHE_DIR/kernel_select/`` (default ``~/.cache/kvserve``),
+at a path hashed from its key: everything the measurement depends on (``cache_key``: CPU
+model and flags, torch version, threads, device, dtype, shapes, buckets, candidates, the
+native kernels' build target). A record that cannot be read is ignored with a warning and
+measured again; one measured on a busy machine (1-minute load above 1 per CPU) is measured
+again by a later start-up that finds the machine at least twice as quiet
+(``measured_under_load``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvserve.runtime.linear import M_MAX, CandidateFactory, dtype_tag
+
+log = logging.getLogger("kvserve.runtime.kernel_select")
+
+CACHE_ENV = "KVSERVE_CACHE_DIR"
+# Bumped when the measurement changes: older choices are redone (8: the step check; 9: the
+# copies made before the timing; 10: slow candidates sit out).
+CACHE_VERSION = 10
+
+
+def _cpuinfo_field(name: str) -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith(name):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def cpu_flags() -> str:
+    """The CPU's feature flags, space-separated (from /proc/cpuinfo; "" where unknown)."""
+    return _cpuinfo_field("flags")
+
+
+def cpu_identity() -> tuple[str, str]:
+    """The CPU's model name and a hash of its feature flags (from /proc/cpuinfo)."""
+    import platform
+
+    model = _cpuinfo_field("model name") or platform.processor() or platform.machine()
+    return model, hashlib.sha256(cpu_flags().encode()).hexdigest()[:16]
+
+
+def cache_key(
+    *,
+    act_dtype: torch.dtype,
+    device: torch.device,
+    shapes: Iterable[tuple[int, int]],
+    buckets: Sequence[tuple[int, int]],
+    max_rows: Mapping[tuple[int, int], int] | None,
+    factories: Sequence[CandidateFactory],
+    counts: Mapping[tuple[int, int], int] | None = None,
+) -> dict[str, object]:
+    """Everything a selection depends on (the cache is valid only while all of it holds);
+    ``counts``: the calls a step makes of each shape, when the step check runs on them."""
+    model, flags = cpu_identity()
+    if device.type == "cuda":
+        model = torch.cuda.get_device_name(device)
+    rows = max_rows or {}
+    return {
+        "version": CACHE_VERSION,
+        "cpu": model,
+        "cpu_flags": flags,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "device": device.type,
+        "dtype": dtype_tag(act_dtype),
+        "shapes": sorted([list(s) + [rows.get(s, M_MAX)] for s in shapes]),
+        "buckets": [list(b) for b in buckets],
+        # NOTE: sorted: the registration order follows the import order, not the selection.
+        "candidates": sorted(f"{f.__module__}.{f.__qualname__}" for f in factories),
+        "onednn": bool(torch.backends.mkldnn.is_available()),
+        # NOTE: the native kernels' build target decides which of them can run (an older
+        # kind's build caps the quantized kernels' instruction set: kvserve_quant_ops.cpp).
+        "native_march": _native_march(),
+        "step_counts": sorted([*s, n] for s, n in counts.items()) if counts else None,
+    }
+
+
+def _native_march() -> str:
+    """The native kernels' -march target ("invalid" for a bad $KVSERVE_NATIVE_MARCH, which
+    the kernels' loader reports on its own)."""
+    from kvserve.runtime import native
+
+    try:
+        return native.march()
+    except ValueError:
+        return "invalid"
+
+
+def cache_dir() -> Path:
+    """Where selections are cached (``$KVSERVE_CACHE_DIR/kernel_select``)."""
+    base = os.environ.get(CACHE_ENV) or os.path.join(Path.home(), ".cache", "kvserve")
+    return Path(base) / "kernel_select"
+
+
+def cache_path(key: Mapping[str, object], directory: Path | None = None) -> Path:
+    """The cache file of ``key``."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return (directory or cache_dir()) / f"{digest}.json"
+
+
+def read_cached_value(path: Path, key: Mapping[str, object], field: str, what: str) -> Any:
+    """``record[field]`` of the JSON record for ``key`` at ``path``; None when absent, written
+    for another key, corrupt (warned, naming ``what``) or measured under load on a machine
+    that is quieter now (measured again, like the selections)."""
+    if not path.exists():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        if record["key"] != json.loads(json.dumps(key)):
+            return None
+        if measured_under_load(record["load"], machine_load()):
+            return None
+        return record[field]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("%s cache %s is corrupt (%s): measuring again", what, path, e)
+        return None
+
+
+def write_cached_value(
+    path: Path, key: Mapping[str, object], field: str, value: object, load: float, what: str
+) -> None:
+    """Write ``{key, field: value, load}`` to ``path`` (a failure is warned, not raised)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"key": key, field: value, "load": load}))
+    except OSError as e:
+        log.warning("%s cache %s not written: %s", what, path, e)
+
+
+def measured_under_load(cached_load: float, load: float) -> bool:
+    """Whether a cached measurement taken at ``cached_load`` (per CPU) is to be taken again
+    now, at ``load``: it was taken on a busy machine (above 1 per CPU) and this one is at
+    least twice as quiet, so a noisy choice does not stick."""
+    return cached_load > 1.0 and load < cached_load / 2
+
+
+def machine_load() -> float:
+    """1-minute load average per CPU (0.0 where unknown): above 1, timings are disturbed."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except (OSError, AttributeError):
+        return 0.0
+
+
+def read_record(path: Path, key: Mapping[str, object], what: str) -> dict | None:
+    """The JSON record for ``key`` at ``path``; None when absent, or unreadable or written for
+    another key (warned as corrupt, naming ``what``)."""
+    if not path.exists():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        if record["key"] != json.loads(json.dumps(key)):
+            raise ValueError("key mismatch")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("%s cache %s is corrupt (%s): ignored, measuring again", what, path, e)
+        return None
+    return record
+
+
+def write_record(path: Path, record: Mapping[str, object], what: str) -> None:
+    """Write ``record`` to ``path`` atomically (a torn write never leaves a half file); a
+    failure is warned, not raised."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(record, indent=1))
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("%s cache %s not written: %s", what, path, e)

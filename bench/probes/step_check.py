@@ -52,10 +52,10 @@ def main() -> None:
     for run in range(args.runs):
         t0 = time.perf_counter()
         select_quantized_kernels(model, act_dtype=dtype, mode="measure")
-        record = load_cached(cache_path(key), key)
+        record = load_cached(cache_path(key), key, dtype)
         assert record is not None, "the selection was not cached"
         print(f"run {run + 1}: measured in {time.perf_counter() - t0:.1f} s")
-        for c in record["checks"]:
+        for c in record.checks:
             print(f"  step check, {c['rows']} rows:")
             for k, (plan, seconds) in enumerate(c["plans"]):
                 mark = " *" if k == c["chosen"] else ""

@@ -115,7 +115,7 @@ def select_quantized_kernels(
     the model holds no quantized projection); from the cache under ``mode="auto"`` (see the
     module docstring; ``directory`` overrides the cache directory)."""
     head = model.quantized.get("lm_head")
-    return select_quantized_formats(
+    return quantized_selection(
         quantized_formats(model),
         counts=quantized_counts(model),
         head_shape=head.shape if head is not None else None,
@@ -125,33 +125,6 @@ def select_quantized_kernels(
         margin=margin,
         budget_s=budget_s,
         directory=directory,
-    )
-
-
-def select_quantized_formats(
-    formats: dict[tuple[int, int], tuple[str, str]],
-    *,
-    head_shape: tuple[int, int] | None,
-    act_dtype: torch.dtype,
-    device: torch.device | str = "cpu",
-    mode: str = "auto",
-    margin: float = 0.05,
-    budget_s: float = 0.010,
-    directory: Path | None = None,
-    counts: dict[tuple[int, int], int] | None = None,
-) -> LinearPlan:
-    """``select_quantized_kernels`` for projections given by their (out, in) -> (format,
-    layout) (``quantized_formats``) rather than by a model: ``quantized_selection``'s plan."""
-    return quantized_selection(
-        formats,
-        head_shape=head_shape,
-        act_dtype=act_dtype,
-        device=device,
-        mode=mode,
-        margin=margin,
-        budget_s=budget_s,
-        directory=directory,
-        counts=counts,
     ).plan
 
 
@@ -167,12 +140,12 @@ def quantized_selection(
     directory: Path | None = None,
     counts: dict[tuple[int, int], int] | None = None,
 ) -> Selection:
-    """The quantized projections' selection (see the module docstring): (out, in) -> (format,
-    layout) as ``quantized_formats`` gives them; ``head_shape`` is the lm_head's, measured up
-    to the decode sizes only. ``counts``: the calls a decode step makes of each shape, in step
-    order; given, the decode buckets' choices are checked on whole steps
-    (``plan_check.step_check``). An empty plan (source "off") when ``mode`` is "off" or
-    nothing is quantized."""
+    """The quantized projections' selection (see the module docstring), given by their (out,
+    in) -> (format, layout) (``quantized_formats``) rather than by a model. ``head_shape``:
+    the lm_head's, measured up to the decode sizes only. ``counts``: the calls a decode step
+    makes of each shape, in step order; given, the decode buckets' choices are checked on
+    whole steps (``plan_check.step_check``). An empty plan (source "off") when ``mode`` is
+    "off" or nothing is quantized."""
     if mode == "off" or not formats:
         return Selection(act_dtype, {}, source="off")
     device = torch.device(device)
@@ -184,18 +157,10 @@ def quantized_selection(
     path = cache_path(key, directory)
     load = machine_load()
     if mode == "auto":
-        cached = load_cached(path, key)
-        if cached is not None and not measured_under_load(cached["load"], load):
+        cached = load_cached(path, key, act_dtype)
+        if cached is not None and not measured_under_load(cached.load, load):
             log.info("quantized kernels from cache %s", path)
-            return Selection(
-                act_dtype,
-                cached["plan"],
-                cached["timings"],
-                cached["skipped"],
-                "cache",
-                load=cached["load"],
-                checks=cached["checks"],
-            )
+            return cached
     t0 = time.perf_counter()
     gen = torch.Generator().manual_seed(2)
     weights = {

@@ -409,8 +409,9 @@ def choose(
 # ---- cache (records in ``kernel_cache``) ----------------------------------------------------
 
 
-def load_cached(path: Path, key: Mapping[str, object]) -> dict | None:
-    """The cached selection for ``key`` at ``path``, or None (absent; unreadable: warned)."""
+def load_cached(path: Path, key: Mapping[str, object], act_dtype: torch.dtype) -> Selection | None:
+    """The selection cached for ``key`` at ``path`` (source "cache", ``load`` as measured),
+    or None (absent; unreadable: warned)."""
     record = read_record(path, key, "kernel selection")
     if record is None:
         return None
@@ -423,13 +424,15 @@ def load_cached(path: Path, key: Mapping[str, object]) -> dict | None:
     except (ValueError, KeyError, TypeError) as e:
         log.warning("kernel selection cache %s is corrupt (%s): ignored, measuring again", path, e)
         return None
-    return {
-        "plan": plan,
-        "timings": timings,
-        "skipped": dict(record.get("skipped", {})),
-        "load": float(record.get("load", 0.0)),
-        "checks": list(record.get("checks", [])),
-    }
+    return Selection(
+        act_dtype,
+        plan,
+        timings,
+        dict(record.get("skipped", {})),
+        "cache",
+        load=float(record.get("load", 0.0)),
+        checks=list(record.get("checks", [])),
+    )
 
 
 def save_cached(path: Path, key: Mapping[str, object], sel: Selection) -> None:
@@ -489,24 +492,17 @@ def select_kernels(
     path = cache_path(key, directory)
     load = machine_load()
     if mode == "auto":
-        cached = load_cached(path, key)
-        if cached is not None and measured_under_load(cached["load"], load):
+        cached = load_cached(path, key, act_dtype)
+        if cached is not None and measured_under_load(cached.load, load):
             log.info(
                 "kernel selection cache %s was measured at load %.1f per CPU (now %.1f): "
                 "measuring again",
                 path,
-                cached["load"],
+                cached.load,
                 load,
             )
         elif cached is not None:
-            return Selection(
-                act_dtype,
-                cached["plan"],
-                cached["timings"],
-                cached["skipped"],
-                "cache",
-                checks=cached["checks"],
-            )
+            return cached
     t0 = time.perf_counter()
     gen = torch.Generator(device="cpu").manual_seed(1)
     weights = {

@@ -106,7 +106,8 @@ def pending_choice(config: EngineConfig) -> KernelChoice:
     NOTE: the dense selection times only the shapes that stay dense. Measured before the
     load, it timed every projection shape densely in both dtypes (and checked each plan on
     passes holding up to 768 MB of copies), for a model whose projections all run quantized:
-    9-10 s of a 40 s first start-up of the embedded model on the AMX Xeon.
+    12 s of a 41 s first start-up of the embedded model on the AMX Xeon
+    (``bench/results/session31/cold_start.txt``).
     """
     dtype = torch.float32 if config.dtype == "auto" else DTYPES[config.dtype]
     selection = Selection(dtype, {}, source="off" if config.kernel_selection == "off" else "cache")

@@ -138,12 +138,8 @@ def read_cached_value(path: Path, key: Mapping[str, object], field: str, what: s
 def write_cached_value(
     path: Path, key: Mapping[str, object], field: str, value: object, load: float, what: str
 ) -> None:
-    """Write ``{key, field: value, load}`` to ``path`` (a failure is warned, not raised)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"key": key, field: value, "load": load}))
-    except OSError as e:
-        log.warning("%s cache %s not written: %s", what, path, e)
+    """Write ``{key, field: value, load}`` to ``path`` (``write_record``)."""
+    write_record(path, {"key": key, field: value, "load": load}, what)
 
 
 def measured_under_load(cached_load: float, load: float) -> bool:

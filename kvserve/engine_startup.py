@@ -41,7 +41,7 @@ from kvserve.memory_budget import MemoryReport, measure_kernel_scratch, plan_kv_
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_arch, load_model
 from kvserve.models.quant_model import quantization_summary, quantized_nbytes, summary_line
-from kvserve.models.quant_select import quantized_formats, with_quantized_plan
+from kvserve.models.quant_select import quantized_counts, quantized_formats
 from kvserve.runtime.kernel_select import plan_of
 from kvserve.runtime.linear import gather_into_huge_pages, warm_row_buckets
 from kvserve.runtime.memory_plan import ActivationPlan
@@ -119,18 +119,13 @@ def load_engine_model(config: EngineConfig, kernels: KernelChoice) -> EngineMode
             # NOTE: the quantized projections run their own kernels, which may favour the
             # other dtype under ``auto``: such a model loads in float32, cast once decided.
             asked = config.replace(dtype=kernels.pending)
-            kernels = choose_dtype_and_kernels(asked, loaded.arch, quantized_formats(model))
+            formats, counts = quantized_formats(model), quantized_counts(model)
+            kernels = choose_dtype_and_kernels(asked, loaded.arch, formats, counts)
         dtype = kernels.dtype
         model = model.to(device=config.device, dtype=dtype).eval()
-    # NOTE: quantized projections choose between the int8-dot kernel and a dense copy.
-    plan = with_quantized_plan(
-        model,
-        plan_of(kernels.selection),
-        act_dtype=dtype,
-        device=config.device,
-        mode=config.kernel_selection,
-    )
-    model.set_linear_plan(plan)
+    # NOTE: the selection holds the quantized projections' choices too (the int8-dot kernel
+    # or a dense copy, per M), so its plan is the whole model's.
+    model.set_linear_plan(plan_of(kernels.selection))
     if tp is None:
         configure_backend(
             model.attn_backend,

@@ -1,6 +1,6 @@
 """Start-up choice of the model dtype (``--dtype auto``) and of the projection kernels.
 
-``choose_dtype_and_kernels(config, arch, quantized)`` turns ``config.dtype`` into a torch
+``choose_dtype_and_kernels(config, arch, quantized, counts)`` turns ``config.dtype`` into a torch
 dtype: on CUDA ``auto`` is bfloat16 (float16 without bf16 support); on CPU it is bfloat16 only
 where the CPU has native bf16 arithmetic (AMX or AVX512_BF16) *and* a decode step's matmuls
 and attention (each dtype with its chosen kernels, timed in alternation: ``dtype_speedup``)
@@ -146,21 +146,25 @@ def choose_dtype_and_kernels(
     config: EngineConfig,
     arch: ModelArchConfig,
     quantized: Mapping[tuple[int, int], tuple[str, str]] | None = None,
+    counts: Mapping[tuple[int, int], int] | None = None,
 ) -> KernelChoice:
     """Resolve ``config.dtype`` (see the module docstring) and select the kernels for it.
 
     ``quantized``: the projections the model holds quantized, (out, in) -> (format, layout)
     (``quant_select.quantized_formats``). They run their own kernel selection per dtype, which
     ``auto`` times as they run, and the dense selection covers only the other shapes; the
-    choice's selection holds both.
+    choice's selection holds both, so it is the model's whole plan. ``counts``: the calls a
+    decode step makes of each quantized shape (``quant_select.quantized_counts``; default
+    every layer's, ``projection_shapes``).
     """
     device = torch.device(config.device)
     mode = config.kernel_selection
     formats = dict(quantized or {})
+    steps = dict(counts) if counts is not None else projection_shapes(arch)
 
     def select(dtype: torch.dtype, how: str) -> Selection:
         dense = select_shapes(config, arch, dtype, how, formats.keys())
-        return _with_quantized(dense, formats, arch, device, how)
+        return _with_quantized(dense, formats, steps, arch, device, how)
 
     if config.dtype != "auto":
         dtype = DTYPES[config.dtype]
@@ -197,13 +201,14 @@ def choose_dtype_and_kernels(
 def _with_quantized(
     sel: Selection,
     quantized: Mapping[tuple[int, int], tuple[str, str]],
+    counts: Mapping[tuple[int, int], int],
     arch: ModelArchConfig,
     device: torch.device,
     mode: str,
 ) -> Selection:
     """``sel`` (the dense shapes' selection) joined with the quantized projections' own
-    (``quant_select.quantized_selection`` at ``sel``'s dtype); ``sel`` itself when nothing is
-    quantized or the selection is off."""
+    (``quant_select.quantized_selection`` at ``sel``'s dtype, its step check on ``counts``);
+    ``sel`` itself when nothing is quantized or the selection is off."""
     if not quantized or sel.source == "off":
         return sel
     from kvserve.models.quant_select import quantized_selection
@@ -211,7 +216,7 @@ def _with_quantized(
     head = (arch.vocab_size, arch.hidden_size)
     quant = quantized_selection(
         dict(quantized),
-        counts=projection_shapes(arch),
+        counts=dict(counts),
         head_shape=head if head in quantized else None,
         act_dtype=sel.dtype,
         device=device,

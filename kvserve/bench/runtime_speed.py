@@ -40,7 +40,7 @@ from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_model
 from kvserve.models.quant import QUANTIZATION_CHOICES
 from kvserve.models.quant_model import quantized_decode_bytes
-from kvserve.models.quant_select import quantized_formats, with_quantized_plan
+from kvserve.models.quant_select import quantized_counts, quantized_formats
 from kvserve.runtime.kernel_select import plan_of
 from kvserve.runtime.linear import gather_into_huge_pages
 from kvserve.runtime.model_runner import ModelRunner
@@ -281,6 +281,7 @@ def main(argv: list[str] | None = None) -> None:
         ),
         model.arch,
         quantized_formats(model),
+        quantized_counts(model),
     )
     print(kernels.summary())
     blocks_per_seq = -(-(args.prompt_len + args.steps) // args.block_size)
@@ -292,15 +293,7 @@ def main(argv: list[str] | None = None) -> None:
         device=args.device,
         dtype=kernels.dtype,
     )
-    model.set_linear_plan(
-        with_quantized_plan(
-            model,
-            plan_of(kernels.selection),
-            act_dtype=kernels.dtype,
-            device=args.device,
-            mode=args.kernel_selection,
-        )
-    )
+    model.set_linear_plan(plan_of(kernels.selection))  # the quantized projections' included
     model.ensure_linears()
     configure_backend(
         model.attn_backend,

@@ -187,20 +187,3 @@ def quantized_selection(
     save_cached(path, key, sel)
     log.info("quantized %s", sel.summary())
     return sel
-
-
-def with_quantized_plan(
-    model: Any,
-    plan: LinearPlan | None,
-    *,
-    act_dtype: torch.dtype,
-    device: torch.device | str = "cpu",
-    mode: str = "auto",
-) -> LinearPlan | None:
-    """``plan`` (the dense selection; None = the default methods) plus the quantized
-    projections' choices (``select_quantized_kernels``); None stays None when there are
-    none (every quantized projection then runs its first candidate, the kernel)."""
-    quant = select_quantized_kernels(model, act_dtype=act_dtype, device=device, mode=mode)
-    if not quant:
-        return plan
-    return {**(plan or {}), **quant}

@@ -278,3 +278,26 @@ def test_the_dense_selection_skips_quantized_shapes(monkeypatch) -> None:
     measured.clear()
     choice = choose_dtype_and_kernels(config, ARCH, every)
     assert measured == [] and choice.selection.plan == quant_plan
+
+
+def test_the_engine_runs_the_quantized_selection_it_chose_with_once(monkeypatch) -> None:
+    """The choice made at load holds the quantized projections' plan: the engine runs it,
+    with the model's own step counts, and does not select them a second time."""
+    from kvserve.engine import LLMEngine
+    from kvserve.models import quant_select
+
+    calls: list[dict[tuple[int, int], int] | None] = []
+
+    def quantized_selection(formats, **kw):  # type: ignore[no-untyped-def]
+        calls.append(kw["counts"])
+        plan = {s: [(M_MAX, f"{q}_kernel")] for s, (q, _) in formats.items()}
+        return Selection(kw["act_dtype"], plan, source="cache")
+
+    monkeypatch.setattr(quant_select, "quantized_selection", quantized_selection)
+    engine = LLMEngine(dtype="float32", num_kv_blocks=16)
+    model = engine.runner.model
+    assert calls == [quant_select.quantized_counts(model)]
+    formats = quant_select.quantized_formats(model)
+    assert formats and all(
+        model.linear_plan[s] == [(M_MAX, f"{q}_kernel")] for s, (q, _) in formats.items()
+    )

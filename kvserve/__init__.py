@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Any
 # constants in the code"). An explicit setting, or a torch imported before kvserve, wins.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
-from kvserve.engine_config import EngineConfig
+from kvserve.engine.config import EngineConfig
 from kvserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from kvserve.engine import LLMEngine
-    from kvserve.llm import LLM
+    from kvserve.engine.llm import LLM
+    from kvserve.engine.llm_engine import LLMEngine
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams"]
 __version__ = "0.1.0"
@@ -29,11 +29,11 @@ def __getattr__(name: str) -> Any:
     # NOTE: LLM and LLMEngine import torch; load them lazily so `import kvserve` (and core/)
     # stays torch-free and fast.
     if name == "LLM":
-        from kvserve.llm import LLM
+        from kvserve.engine.llm import LLM
 
         return LLM
     if name == "LLMEngine":
-        from kvserve.engine import LLMEngine
+        from kvserve.engine.llm_engine import LLMEngine
 
         return LLMEngine
     raise AttributeError(name)

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 
 import kvserve
-from kvserve.engine_config import EngineConfig
+from kvserve.engine.config import EngineConfig
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
@@ -70,7 +70,7 @@ def _sampling_params(args: argparse.Namespace, **overrides: object):  # noqa: AN
 
 
 def _build_llm(args: argparse.Namespace):  # noqa: ANN202 - LLM
-    from kvserve.llm import LLM
+    from kvserve.engine.llm import LLM
     from kvserve.models.quant_model import summary_line
 
     config = EngineConfig.from_cli_args(args)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.config import ModelArchConfig
-from kvserve.engine_config import EngineConfig
+from kvserve.engine.config import EngineConfig
 from kvserve.runtime.kernel_cache import (
     cache_path,
     cpu_flags,

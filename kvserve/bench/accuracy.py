@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
-from kvserve.llm import LLM
+from kvserve.engine.llm import LLM
 from kvserve.runtime.model_runner import ModelRunner
 from kvserve.sampling_params import SamplingParams
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from kvserve.core.block_pool import BlockPool
-from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.kv.block_pool import BlockPool
+from kvserve.core.kv.kv_cache_manager import KVCacheManager
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
 

@@ -40,7 +40,7 @@ from kvserve.bench.workload_args import (
 from kvserve.sim.workloads import WorkloadRequest
 
 if TYPE_CHECKING:
-    from kvserve.engine import LLMEngine
+    from kvserve.engine.llm_engine import LLMEngine
 
 ALLOCATORS = ("paged", "contiguous")
 

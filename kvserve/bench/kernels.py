@@ -21,7 +21,7 @@ import json
 
 import torch
 
-from kvserve.engine_config import EngineConfig
+from kvserve.engine.config import EngineConfig
 from kvserve.kernel_setup import (
     DTYPES,
     decode_matmul_seconds,

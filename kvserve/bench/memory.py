@@ -25,8 +25,8 @@ import time
 import torch
 
 from kvserve.config import ModelArchConfig
-from kvserve.engine_config import EngineConfig, parse_bytes
-from kvserve.memory_budget import (
+from kvserve.engine.config import EngineConfig, parse_bytes
+from kvserve.engine.memory_budget import (
     HEADROOM_BYTES,
     LOAD_HEADROOM_BYTES,
     load_peak_bytes,
@@ -148,7 +148,7 @@ def measure_step_rss(
 _FOOTPRINT_SCRIPT = """
 import json, sys
 from kvserve import LLM, SamplingParams
-from kvserve.memory_budget import plan_step_activations
+from kvserve.engine.memory_budget import plan_step_activations
 from kvserve.runtime.kernel_scratch import measure_gemm_scratch
 def status(key):
     for line in open("/proc/self/status"):

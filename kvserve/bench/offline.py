@@ -22,7 +22,7 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.sim.workloads import WorkloadRequest
 
 if TYPE_CHECKING:
-    from kvserve.engine import LLMEngine
+    from kvserve.engine.llm_engine import LLMEngine
 
 T = TypeVar("T")
 

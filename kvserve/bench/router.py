@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from kvserve.bench.serve_client import ClientConfig, run_client
-from kvserve.engine_config import EngineConfig
+from kvserve.engine.config import EngineConfig
 from kvserve.router.policy import ROUTING_POLICIES
 from kvserve.sim.metrics import percentile
 from kvserve.sim.workloads import FIRST_TOKEN_ID, WorkloadRequest

@@ -34,7 +34,7 @@ import time
 import torch
 
 from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
-from kvserve.engine_config import DTYPE_CHOICES, KERNEL_SELECTION_MODES, EngineConfig
+from kvserve.engine.config import DTYPE_CHOICES, KERNEL_SELECTION_MODES, EngineConfig
 from kvserve.kernel_setup import choose_dtype_and_kernels
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_model

@@ -29,7 +29,7 @@ from kvserve.bench.structured_schemas import PROMPTS, SCHEMAS, TEN_FIELDS
 
 
 def _engine(args: argparse.Namespace, **kwargs: Any) -> Any:
-    from kvserve.engine import LLMEngine  # NOTE: lazy: torch is slow to import
+    from kvserve.engine.llm_engine import LLMEngine  # NOTE: lazy: torch is slow to import
 
     return LLMEngine(model=args.model, num_threads=args.num_threads, **kwargs)
 

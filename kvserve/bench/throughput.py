@@ -21,10 +21,10 @@ from kvserve.bench.workload_args import (
     check_vocab,
     workload_meta,
 )
-from kvserve.engine_config import EngineConfig
+from kvserve.engine.config import EngineConfig
 
 if TYPE_CHECKING:
-    from kvserve.engine import LLMEngine
+    from kvserve.engine.llm_engine import LLMEngine
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
@@ -72,7 +72,9 @@ def build_engine(args: argparse.Namespace, **changes: Any) -> LLMEngine:
     With ``--step-thread`` it is built on a worker thread too, as the server builds its
     engine on its engine thread (``async_engine.build_on_engine_thread`` says why).
     """
-    from kvserve.engine import LLMEngine  # NOTE: lazy: torch import would slow `kvserve --help`
+    from kvserve.engine.llm_engine import (
+        LLMEngine,  # NOTE: lazy: torch import would slow `kvserve --help`
+    )
 
     config = EngineConfig.from_cli_args(args).replace(**changes)
     if getattr(args, "step_thread", False):

@@ -72,7 +72,7 @@ def run_engine(
     model: str | None, tp: int, prompts: list[list[int]], max_tokens: int, **engine_kw: Any
 ) -> RunResult:
     """Greedy generation on a fresh engine; the TP group is shut down before returning."""
-    from kvserve.llm import LLM
+    from kvserve.engine.llm import LLM
     from kvserve.sampling_params import SamplingParams
 
     engine_kw.setdefault("num_threads", 1)

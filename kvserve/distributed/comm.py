@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kvserve.step_guard import StepFault
+from kvserve.engine.step_guard import StepFault
 
 TIMEOUT_ENV = "KVSERVE_TP_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 60.0

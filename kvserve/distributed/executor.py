@@ -35,8 +35,8 @@ from kvserve.distributed.worker import (
     mp_worker_main,
     runner_arch,
 )
-from kvserve.engine_config import EngineConfig
-from kvserve.memory_budget import MemoryReport
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.memory_budget import MemoryReport
 
 logger = logging.getLogger("kvserve.distributed")
 

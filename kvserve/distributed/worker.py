@@ -19,7 +19,7 @@ import torch
 from kvserve.core.outputs import LogprobsEntry, ScheduledRequest
 from kvserve.distributed.comm import TPCollectiveError, TPGroup
 from kvserve.distributed.sharding import ShardSpec
-from kvserve.engine_config import EngineConfig
+from kvserve.engine.config import EngineConfig
 
 logger = logging.getLogger("kvserve.distributed")
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from kvserve.engine_config import EngineConfig
+from kvserve.engine.config import EngineConfig
 from kvserve.router.replicas import api_headers
 
 logger = logging.getLogger("kvserve.router")
@@ -249,8 +249,8 @@ class ReplicaServer:
     def __init__(self, config: EngineConfig, server_kwargs: dict[str, Any]) -> None:
         import uvicorn
 
-        from kvserve.async_engine import build_on_engine_thread
-        from kvserve.engine import LLMEngine
+        from kvserve.engine.async_engine import build_on_engine_thread
+        from kvserve.engine.llm_engine import LLMEngine
         from kvserve.server.app import build_app
 
         engine, executor = build_on_engine_thread(lambda: LLMEngine(config))

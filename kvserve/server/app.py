@@ -14,8 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvserve.async_engine import AsyncLLMEngine, EngineLike
 from kvserve.cors import allow_cross_origin
+from kvserve.engine.async_engine import AsyncLLMEngine, EngineLike
 from kvserve.server.context import ServingContext
 from kvserve.server.errors import (
     ENGINE_ERRORS,

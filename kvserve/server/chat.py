@@ -9,7 +9,7 @@ from collections.abc import AsyncGenerator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from kvserve.async_engine import RequestStream
+from kvserve.engine.async_engine import RequestStream
 from kvserve.server import protocol as p
 from kvserve.server.chat_tools import ChatPlan, ToolStream, drop_none, plan_chat, response_message
 from kvserve.server.context import (

@@ -61,7 +61,7 @@ def register(
         "--debug-inject-faults",
         action="store_true",
         help="testing only: a prompt containing KVSERVE_INJECT_FAULT fails its steps, one "
-        "containing KVSERVE_INJECT_FATAL stops the engine (see kvserve/fault_injection.py)",
+        "containing KVSERVE_INJECT_FATAL stops the engine (see kvserve/engine/fault_injection.py)",
     )
     g.add_argument(
         "--chat-template",
@@ -114,9 +114,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Build the engine, then run uvicorn until interrupted."""
     import uvicorn
 
-    from kvserve.async_engine import build_on_engine_thread
-    from kvserve.engine import LLMEngine
-    from kvserve.engine_config import EngineConfig
+    from kvserve.engine.async_engine import build_on_engine_thread
+    from kvserve.engine.config import EngineConfig
+    from kvserve.engine.llm_engine import LLMEngine
     from kvserve.server.app import build_app
 
     if args.data_parallel_size > 1:
@@ -128,7 +128,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine, executor = build_on_engine_thread(lambda: LLMEngine(config))
     print(f"[kvserve] {engine.kernels.summary()}", file=sys.stderr)
     if args.debug_inject_faults:
-        from kvserve.fault_injection import install
+        from kvserve.engine.fault_injection import install
 
         install(engine)
         print("[kvserve] fault injection is ON (--debug-inject-faults)", file=sys.stderr)

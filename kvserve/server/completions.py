@@ -10,7 +10,7 @@ from typing import cast
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from kvserve.async_engine import RequestStream
+from kvserve.engine.async_engine import RequestStream
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.server import protocol as p
 from kvserve.server.chat_tools import response_format_params, structured_params

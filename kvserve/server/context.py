@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends, Request
 
-from kvserve.async_engine import AsyncLLMEngine, EngineDeadError, EngineLike, TokenizerLike
+from kvserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineLike, TokenizerLike
 from kvserve.outputs import RequestOutput
 from kvserve.server import protocol as p
 from kvserve.server.chat_tools import ChatPlan, prompt_messages
@@ -22,7 +22,7 @@ from kvserve.structured.spec import StructuredOutputsParams
 from kvserve.tokenizer import ChatOptionError, generation_flags
 
 if TYPE_CHECKING:
-    from kvserve.core.kv_cache_manager import KVCacheManager
+    from kvserve.core.kv.kv_cache_manager import KVCacheManager
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from kvserve.async_engine import EngineDeadError, QueueFullError, RequestFailedError
+from kvserve.engine.async_engine import EngineDeadError, QueueFullError, RequestFailedError
 
 _PARAM_IN_MESSAGE = re.compile(r"SamplingParams\.(\w+)")
 

@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any
 
-from kvserve.async_engine import AsyncLLMEngine, EngineDeadError
+from kvserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from kvserve.server.limits import DEFAULT_SHUTDOWN_TIMEOUT_S
 
 __all__ = ["DEFAULT_SHUTDOWN_TIMEOUT_S", "STOP_RESERVE_S", "Lifecycle", "stop_reserve"]

@@ -19,7 +19,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from kvserve.async_engine import RequestStream
+from kvserve.engine.async_engine import RequestStream
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.server import protocol as p
 from kvserve.server.context import usage

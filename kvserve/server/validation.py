@@ -4,7 +4,7 @@ protocol.py and SamplingParams."""
 
 from __future__ import annotations
 
-from kvserve.async_engine import RequestStream
+from kvserve.engine.async_engine import RequestStream
 from kvserve.sampling_params import SamplingParams
 from kvserve.server import protocol as p
 from kvserve.server.context import ServingContext, off_engine

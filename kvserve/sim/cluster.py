@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from kvserve.config import SchedulerConfig
 from kvserve.core.outputs import ModelRunnerOutput
-from kvserve.core.scheduler import Scheduler
+from kvserve.core.sched.scheduler import Scheduler
 from kvserve.router.policy import RoutingPolicy
 from kvserve.sampling_params import SamplingParams
 from kvserve.sim.metrics import LatencyRecorder, latency_summary, percentile

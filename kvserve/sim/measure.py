@@ -42,7 +42,7 @@ def measure_engine_steps(
 
     ``engine_kwargs`` go to ``LLMEngine`` (e.g. ``model=``, ``num_threads=``).
     """
-    from kvserve.engine import LLMEngine  # NOTE: lazy: torch is only needed here
+    from kvserve.engine.llm_engine import LLMEngine  # NOTE: lazy: torch is only needed here
 
     wl = list(workload) if workload is not None else calibration_workload()
     engine = LLMEngine(

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvserve.config import SchedulerConfig
-from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.kv.kv_cache_manager import KVCacheManager
 from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput
-from kvserve.core.scheduler import Scheduler
+from kvserve.core.sched.scheduler import Scheduler
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
 from kvserve.sim.metrics import LatencyRecorder, latency_summary

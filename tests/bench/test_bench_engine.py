@@ -11,7 +11,7 @@ from kvserve.bench.cli import register
 from kvserve.bench.offline import run_offline
 from kvserve.bench.workload_args import finalize
 from kvserve.cli import _engine_parser
-from kvserve.engine import LLMEngine
+from kvserve.engine.llm_engine import LLMEngine
 from kvserve.sim.workloads import generate_workload
 
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
-from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.kv.kv_cache_manager import KVCacheManager
 from kvserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from kvserve.core.scheduler import Scheduler
+from kvserve.core.sched.scheduler import Scheduler
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
 

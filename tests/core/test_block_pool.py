@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.core.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from kvserve.core.kv.block_pool import BlockPool, FreeBlockQueue, KVBlock
 
 
 def ids(blocks: list[KVBlock]) -> list[int]:

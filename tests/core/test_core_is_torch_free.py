@@ -9,8 +9,8 @@ import sys
 
 def test_importing_core_and_scheduler_loads_no_torch() -> None:
     code = (
-        "import sys, kvserve.core, kvserve.core.scheduler, kvserve.core.window, "
-        "kvserve.core.host_tier, kvserve.request, kvserve.sampling_params, kvserve.config\n"
+        "import sys, kvserve.core, kvserve.core.sched.scheduler, kvserve.core.kv.window, "
+        "kvserve.core.kv.host_tier, kvserve.request, kvserve.sampling_params, kvserve.config\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
         "print('ok')"
     )

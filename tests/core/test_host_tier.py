@@ -8,9 +8,9 @@ import random
 import pytest
 
 from kvserve.config import SchedulerConfig
-from kvserve.core.host_tier import HostTier
-from kvserve.core.kv_cache_manager import KVCacheManager, host_block_ref
-from kvserve.core.scheduler import Scheduler
+from kvserve.core.kv.host_tier import HostTier
+from kvserve.core.kv.kv_cache_manager import KVCacheManager, host_block_ref
+from kvserve.core.sched.scheduler import Scheduler
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 from tests.core.fake_runner import (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.core.metrics import HostTransferStats, KVCacheCounters
+from kvserve.core.kv.metrics import HostTransferStats, KVCacheCounters
 from kvserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from kvserve.sampling_params import SamplingParams
 

@@ -6,8 +6,8 @@ import pytest
 
 from kvserve.bench.alloc import main as bench_main
 from kvserve.bench.alloc import run_alloc_bench
-from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.core.metrics import kv_utilization
+from kvserve.core.kv.kv_cache_manager import KVCacheManager
+from kvserve.core.kv.metrics import kv_utilization
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
 

@@ -22,7 +22,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.kv.kv_cache_manager import KVCacheManager
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
 

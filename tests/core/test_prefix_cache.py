@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.core.block_pool import KVBlock
-from kvserve.core.prefix_cache import PrefixCache, RadixPrefixCache
+from kvserve.core.kv.block_pool import KVBlock
+from kvserve.core.kv.prefix_cache import PrefixCache, RadixPrefixCache
 
 BS = 2
 

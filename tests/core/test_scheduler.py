@@ -7,9 +7,9 @@ from collections.abc import Sequence
 import pytest
 
 from kvserve.config import SchedulerConfig
-from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.core.policy import PreemptionPolicy, SortKey
-from kvserve.core.scheduler import Scheduler
+from kvserve.core.kv.kv_cache_manager import KVCacheManager
+from kvserve.core.sched.policy import PreemptionPolicy, SortKey
+from kvserve.core.sched.scheduler import Scheduler
 from kvserve.request import Request, RequestStatus
 from tests.core.fake_runner import (
     Driver,

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import pytest
 
 from kvserve.config import SchedulerConfig
-from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.core.scheduler import Scheduler
+from kvserve.core.kv.kv_cache_manager import KVCacheManager
+from kvserve.core.sched.scheduler import Scheduler
 from kvserve.request import Request, RequestStatus
 from tests.core.fake_runner import (
     Driver,

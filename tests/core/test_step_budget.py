@@ -7,12 +7,12 @@ import logging
 import pytest
 
 from kvserve.config import SchedulerConfig
-from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.kv.kv_cache_manager import KVCacheManager
 from kvserve.core.outputs import SchedulerOutput
-from kvserve.core.scheduler import Scheduler
-from kvserve.core.step_budget import PrefillCandidate, StepBudgetConfig, StepTimeBudget
-from kvserve.core.step_cost import StepLoad
-from kvserve.engine_config import EngineConfig
+from kvserve.core.sched.scheduler import Scheduler
+from kvserve.core.sched.step_budget import PrefillCandidate, StepBudgetConfig, StepTimeBudget
+from kvserve.core.sched.step_cost import StepLoad
+from kvserve.engine.config import EngineConfig
 from tests.core.fake_runner import Driver, FakeClock, FakeRunner, expected_output, make_request
 
 VOCAB = 50

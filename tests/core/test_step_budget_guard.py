@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from kvserve.config import SchedulerConfig
-from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.core.scheduler import Scheduler
-from kvserve.core.step_budget import PrefillCandidate, StepBudgetConfig, StepTimeBudget
-from kvserve.engine_config import EngineConfig
+from kvserve.core.kv.kv_cache_manager import KVCacheManager
+from kvserve.core.sched.scheduler import Scheduler
+from kvserve.core.sched.step_budget import PrefillCandidate, StepBudgetConfig, StepTimeBudget
+from kvserve.engine.config import EngineConfig
 from tests.core.fake_runner import FakeClock, FakeRunner, expected_output, make_request
 from tests.core.test_step_budget import VOCAB, FakeCost, layout, prompt, step_seconds
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.core.step_budget import PrefillCandidate, StepBudgetConfig, StepTimeBudget
-from kvserve.engine_config import EngineConfig
+from kvserve.core.sched.step_budget import PrefillCandidate, StepBudgetConfig, StepTimeBudget
+from kvserve.engine.config import EngineConfig
 from tests.core.fake_runner import make_request
 from tests.core.test_step_budget import FakeCost, layout, make, prompt
 

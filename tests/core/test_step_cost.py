@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvserve.core.step_cost import OnlineStepCostModel, StepLoad, chunk_pairs
+from kvserve.core.sched.step_cost import OnlineStepCostModel, StepLoad, chunk_pairs
 
 # A CPU-like truth: 20 ms a step, 4 ms a decode row, 1.1 ms a prefill token, 2 us a context
 # token, 5 ns a prefill attention pair (the decode pairs equal their context tokens).

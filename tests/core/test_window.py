@@ -7,15 +7,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.config import SchedulerConfig
-from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.core.scheduler import Scheduler
-from kvserve.core.window import (
+from kvserve.core.kv.kv_cache_manager import KVCacheManager
+from kvserve.core.kv.window import (
     NULL_BLOCK_ID,
     KVWindow,
     WindowedKVCacheManager,
     kv_utilization_windowed,
     out_of_window_blocks,
 )
+from kvserve.core.sched.scheduler import Scheduler
 from kvserve.request import RequestStatus
 from tests.core.fake_runner import make_request, runner_output
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.llm import LLM
+from kvserve.engine.llm import LLM
 from kvserve.sampling_params import SamplingParams
 from tests.tiny_models import make_tiny_model
 

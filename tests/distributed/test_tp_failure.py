@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from kvserve.distributed.comm import TIMEOUT_ENV, TPCollectiveError
 from kvserve.distributed.sharding import OVERSUBSCRIBE_ENV
-from kvserve.llm import LLM
+from kvserve.engine.llm import LLM
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.app import build_app
 from tests.tiny_models import make_tiny_model

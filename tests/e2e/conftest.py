@@ -19,7 +19,7 @@ def model_path() -> str:
 @pytest.fixture(scope="session")
 def make_llm() -> Iterator[Callable[..., object]]:
     """Factory for LLM instances (each loads the model; a few seconds)."""
-    from kvserve.llm import LLM
+    from kvserve.engine.llm import LLM
 
     torch.set_num_threads(int(os.environ.get("KVSERVE_TEST_THREADS", min(2, os.cpu_count() or 1))))
 

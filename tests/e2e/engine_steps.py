@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvserve.engine import LLMEngine
+from kvserve.engine.llm_engine import LLMEngine
 from kvserve.outputs import RequestOutput
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvserve.cli import stream_chat_reply
-from kvserve.llm import LLM
+from kvserve.engine.llm import LLM
 from kvserve.sampling_params import SamplingParams
 from tests.tiny_models import make_tiny_model
 

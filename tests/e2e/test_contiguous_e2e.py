@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.core.contiguous import ContiguousKVCacheManager
-from kvserve.engine import LLMEngine
-from kvserve.engine_config import EngineConfig
+from kvserve.core.kv.contiguous import ContiguousKVCacheManager
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.llm_engine import LLMEngine
 from kvserve.sampling_params import SamplingParams
 from tests.tiny_models import make_tiny_model
 

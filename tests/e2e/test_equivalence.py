@@ -186,7 +186,7 @@ def _staggered_tokens(llm, prompts, every: int = 2) -> list[Sample]:
 
 @pytest.mark.parametrize("policy", ["shortest", "round-robin", "fcfs"])
 def test_step_time_budget_is_identical(make_llm, reference, dtype, policy: str) -> None:
-    from kvserve.core.step_budget import StepBudgetConfig, StepTimeBudget
+    from kvserve.core.sched.step_budget import StepBudgetConfig, StepTimeBudget
 
     prompts, expected = reference
     llm = make_llm(num_kv_blocks=512, enable_prefix_caching=False, max_num_batched_tokens=64)

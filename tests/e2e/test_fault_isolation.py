@@ -17,10 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput
-from kvserve.engine import LLMEngine
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.step_guard import StepFault
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.step_guard import StepFault
 from tests.e2e.engine_steps import drain
 from tests.tiny_models import make_tiny_model
 

@@ -8,8 +8,8 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from kvserve.engine_config import EngineConfig
-from kvserve.llm import LLM
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.llm import LLM
 from kvserve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)

@@ -14,8 +14,8 @@ import textwrap
 import pytest
 
 from kvserve.config import ModelArchConfig
-from kvserve.engine_config import EngineConfig, GiB
-from kvserve.memory_budget import (
+from kvserve.engine.config import EngineConfig, GiB
+from kvserve.engine.memory_budget import (
     HEADROOM_BYTES,
     MemoryBudgetError,
     load_peak_bytes,

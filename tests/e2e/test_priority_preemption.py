@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.engine import LLMEngine
+from kvserve.engine.llm_engine import LLMEngine
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from tests.tiny_models import make_tiny_model

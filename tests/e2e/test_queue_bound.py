@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvserve.async_engine import AsyncLLMEngine, QueueFullError, build_on_engine_thread
-from kvserve.engine import LLMEngine
+from kvserve.engine.async_engine import AsyncLLMEngine, QueueFullError, build_on_engine_thread
+from kvserve.engine.llm_engine import LLMEngine
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.app import build_app
 from tests.tiny_models import make_tiny_model

@@ -10,8 +10,8 @@ import dataclasses
 
 import pytest
 
-from kvserve.async_engine import AsyncLLMEngine, RequestStream
-from kvserve.engine import LLMEngine
+from kvserve.engine.async_engine import AsyncLLMEngine, RequestStream
+from kvserve.engine.llm_engine import LLMEngine
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from tests.tiny_models import make_tiny_model

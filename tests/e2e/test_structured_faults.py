@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvserve.engine import LLMEngine
+from kvserve.engine.llm_engine import LLMEngine
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured import StructuredOutputsParams as S

@@ -129,7 +129,7 @@ def test_replica_killed_mid_run(replicas: list[tuple[str, subprocess.Popen]]) ->
 
 def test_ray_cluster_runs_two_replicas_and_the_router(monkeypatch: pytest.MonkeyPatch) -> None:
     ray = pytest.importorskip("ray")
-    from kvserve.engine_config import EngineConfig
+    from kvserve.engine.config import EngineConfig
     from kvserve.router.data_parallel import ray_replicas
 
     monkeypatch.setenv("PYTHONPATH", checkout_env()["PYTHONPATH"])  # actors import this checkout
@@ -170,7 +170,7 @@ def test_ray_cluster_runs_two_replicas_and_the_router(monkeypatch: pytest.Monkey
 def test_a_data_parallel_replica_that_dies_is_started_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvserve.engine_config import EngineConfig
+    from kvserve.engine.config import EngineConfig
     from kvserve.router.data_parallel import local_replicas
     from tests.tiny_models import make_tiny_model
 

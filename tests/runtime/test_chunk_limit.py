@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvserve.config import ModelArchConfig
-from kvserve.engine import LLMEngine
+from kvserve.engine.llm_engine import LLMEngine
 from kvserve.models.loader import default_model_path
 from kvserve.runtime import native
 from kvserve.runtime.attention import SeqSpec, TorchSDPABackend, build_attention_metadata

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from kvserve.engine_config import EngineConfig
-from kvserve.memory_budget import max_sequence_tokens, plan_step_activations
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.memory_budget import max_sequence_tokens, plan_step_activations
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.runtime import native
 from kvserve.runtime.kernel_scratch import (

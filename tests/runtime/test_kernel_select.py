@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.engine_config import DTYPE_CHOICES, KERNEL_SELECTION_MODES, EngineConfig
+from kvserve.engine.config import DTYPE_CHOICES, KERNEL_SELECTION_MODES, EngineConfig
 from kvserve.kernel_setup import DTYPES
 from kvserve.runtime import kernel_cache, kernel_select, linear
 from kvserve.runtime.kernel_cache import cache_key, cache_path

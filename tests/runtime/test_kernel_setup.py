@@ -11,7 +11,7 @@ import torch
 
 from kvserve import kernel_setup
 from kvserve.config import ModelArchConfig
-from kvserve.engine_config import EngineConfig
+from kvserve.engine.config import EngineConfig
 from kvserve.kernel_setup import choose_dtype_and_kernels, projection_shapes
 from kvserve.runtime import layer_ops as layer_ops_mod
 from kvserve.runtime.kernel_select import M_MAX, Selection, Timing
@@ -219,7 +219,7 @@ def test_a_model_loaded_quantized_is_weighed_once_on_its_quantized_projections(
 ) -> None:
     """The embedded GGUF holds quantized projections: phase 0 measures nothing, loading weighs
     the model's quantized ones (in float32, cast after), and the engine runs that decision."""
-    from kvserve.engine import LLMEngine
+    from kvserve.engine.llm_engine import LLMEngine
 
     monkeypatch.setattr(kernel_setup, "native_bf16", lambda: True)
     seen: list[object] = []
@@ -238,7 +238,7 @@ def test_a_model_loaded_quantized_is_weighed_once_on_its_quantized_projections(
 
 
 def test_phase_zero_waits_for_the_weights_only_when_they_load_quantized() -> None:
-    from kvserve.engine_startup import choose_kernels
+    from kvserve.engine.startup import choose_kernels
 
     auto = choose_kernels(EngineConfig(dtype="auto", kernel_selection="off"))
     assert auto.pending == "auto" and auto.dtype == torch.float32  # cast once decided
@@ -283,7 +283,7 @@ def test_the_dense_selection_skips_quantized_shapes(monkeypatch) -> None:
 def test_the_engine_runs_the_quantized_selection_it_chose_with_once(monkeypatch) -> None:
     """The choice made at load holds the quantized projections' plan: the engine runs it,
     with the model's own step counts, and does not select them a second time."""
-    from kvserve.engine import LLMEngine
+    from kvserve.engine.llm_engine import LLMEngine
     from kvserve.models import quant_select
 
     calls: list[dict[tuple[int, int], int] | None] = []

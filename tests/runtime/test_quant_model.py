@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvserve.engine_config import EngineConfig
+from kvserve.engine.config import EngineConfig
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_model
 from kvserve.models.quant import QuantizedWeight

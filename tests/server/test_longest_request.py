@@ -4,8 +4,8 @@ enough blocks at once."""
 
 from __future__ import annotations
 
-from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.core.window import KVWindow, WindowedKVCacheManager
+from kvserve.core.kv.kv_cache_manager import KVCacheManager
+from kvserve.core.kv.window import KVWindow, WindowedKVCacheManager
 from kvserve.server.context import longest_request
 
 

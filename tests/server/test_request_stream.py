@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvserve.async_engine import (
+from kvserve.engine.async_engine import (
     AsyncLLMEngine,
     EngineDeadError,
     RequestFailedError,

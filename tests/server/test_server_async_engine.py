@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from kvserve.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
+from kvserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
 from kvserve.sampling_params import SamplingParams
 from tests.server.fake_engine import FakeEngine
 
@@ -160,7 +160,7 @@ def test_engine_built_and_stepped_on_one_thread() -> None:
     """build_on_engine_thread: the engine is made on the thread that later steps it."""
     import threading
 
-    from kvserve.async_engine import build_on_engine_thread
+    from kvserve.engine.async_engine import build_on_engine_thread
 
     seen: dict[str, set[int]] = {"build": set(), "step": set()}
 
@@ -186,7 +186,7 @@ def test_engine_built_and_stepped_on_one_thread() -> None:
 
 
 def test_a_failing_build_raises_to_the_caller() -> None:
-    from kvserve.async_engine import build_on_engine_thread
+    from kvserve.engine.async_engine import build_on_engine_thread
 
     def broken() -> FakeEngine:
         raise ValueError("no such model")

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvserve.async_engine import EngineDeadError, QueueFullError, RequestFailedError
+from kvserve.engine.async_engine import EngineDeadError, QueueFullError, RequestFailedError
 from kvserve.server.app import build_app
 from kvserve.server.errors import ENGINE_ERRORS, ErrorStatus
 from tests.server.fake_engine import FakeEngine

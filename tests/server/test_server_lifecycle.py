@@ -11,7 +11,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvserve.fault_injection import FATAL_FAULT_MARKER, REQUEST_FAULT_MARKER, SLOW_STEP_MARKER
+from kvserve.engine.fault_injection import (
+    FATAL_FAULT_MARKER,
+    REQUEST_FAULT_MARKER,
+    SLOW_STEP_MARKER,
+)
 from tests.server.server_proc import server_process
 from tests.tiny_models import make_tiny_model
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from kvserve.config import SchedulerConfig
-from kvserve.core.contiguous import ContiguousKVCacheManager
-from kvserve.core.kv_cache_config import KVWindow
-from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.core.metrics import HostTransferStats
-from kvserve.core.scheduler import Scheduler
-from kvserve.core.window import WindowedKVCacheManager
+from kvserve.core.kv.contiguous import ContiguousKVCacheManager
+from kvserve.core.kv.kv_cache_config import KVWindow
+from kvserve.core.kv.kv_cache_manager import KVCacheManager
+from kvserve.core.kv.metrics import HostTransferStats
+from kvserve.core.kv.window import WindowedKVCacheManager
+from kvserve.core.sched.scheduler import Scheduler
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.server.metrics import ServerMetrics
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvserve.core.block_pool import KVBlock
-from kvserve.core.host_tier import HostBlock
+from kvserve.core.kv.block_pool import KVBlock
+from kvserve.core.kv.host_tier import HostBlock
 from kvserve.request import Request
 
 

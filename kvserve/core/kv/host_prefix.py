@@ -24,11 +24,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvserve.core.block_pool import KVBlock
 from kvserve.core.errors import IntegrityError
-from kvserve.core.host_tier import HostBlock, HostTier
-from kvserve.core.metrics import KVCacheCounters
-from kvserve.core.prefix_cache import PrefixCache, describe
+from kvserve.core.kv.block_pool import KVBlock
+from kvserve.core.kv.host_tier import HostBlock, HostTier
+from kvserve.core.kv.metrics import KVCacheCounters
+from kvserve.core.kv.prefix_cache import PrefixCache, describe
 
 
 class HostPrefixTier:

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Container, Iterable
 
-from kvserve.core.block_pool import BlockPool, KVBlock
-from kvserve.core.host_tier import HostBlock, HostTier
-from kvserve.core.prefix_cache import CacheEntry, PrefixCache, describe
-from kvserve.core.tables import BlockTable, request_token_ids
+from kvserve.core.kv.block_pool import BlockPool, KVBlock
+from kvserve.core.kv.host_tier import HostBlock, HostTier
+from kvserve.core.kv.prefix_cache import CacheEntry, PrefixCache, describe
+from kvserve.core.kv.tables import BlockTable, request_token_ids
 from kvserve.request import Request
 
 

@@ -25,10 +25,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
-from kvserve.core.block_pool import BlockPool, KVBlock
 from kvserve.core.errors import IntegrityError
-from kvserve.core.prefix_cache import PrefixCache, describe
-from kvserve.core.tables import BlockTable
+from kvserve.core.kv.block_pool import BlockPool, KVBlock
+from kvserve.core.kv.prefix_cache import PrefixCache, describe
+from kvserve.core.kv.tables import BlockTable
 
 
 def check_ref_counts(

@@ -29,7 +29,7 @@ from kvserve.config import SchedulerConfig
 from kvserve.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from kvserve.core.kv_cache_manager import KVCacheManager
+    from kvserve.core.kv.kv_cache_manager import KVCacheManager
 
 
 def fraction_to_blocks(fraction: float, num_blocks: int) -> int:

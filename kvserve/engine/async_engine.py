@@ -22,7 +22,7 @@ from kvserve.outputs import RequestOutput, merge_outputs
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured.spec import StructuredOutputsParams
 
-logger = logging.getLogger("kvserve.async_engine")
+logger = logging.getLogger("kvserve.engine.async_engine")
 
 T = TypeVar("T")
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from kvserve.core.block_pool import KVBlock
-from kvserve.core.host_tier import HostBlock, HostTier
-from kvserve.core.metrics import KVCacheCounters
-from kvserve.core.tables import HostTable
+from kvserve.core.kv.block_pool import KVBlock
+from kvserve.core.kv.host_tier import HostBlock, HostTier
+from kvserve.core.kv.metrics import KVCacheCounters
+from kvserve.core.kv.tables import HostTable
 from kvserve.request import Request
 
 

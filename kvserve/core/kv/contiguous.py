@@ -32,12 +32,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from kvserve.core.block_pool import BlockPool, KVBlock
 from kvserve.core.errors import IntegrityError
-from kvserve.core.kv_cache_config import KVCacheConfig
-from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.core.metrics import ratio
-from kvserve.core.tables import BlockTable
+from kvserve.core.kv.block_pool import BlockPool, KVBlock
+from kvserve.core.kv.kv_cache_config import KVCacheConfig
+from kvserve.core.kv.kv_cache_manager import KVCacheManager
+from kvserve.core.kv.metrics import ratio
+from kvserve.core.kv.tables import BlockTable
 from kvserve.request import Request
 
 _FREE = 1

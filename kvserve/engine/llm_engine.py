@@ -1,7 +1,7 @@
 """LLMEngine: ties the scheduler (core/) to the model runner (runtime/) and the tokenizer.
 
 One ``step()`` = schedule -> execute -> update -> detokenize; see docs/DESIGN.md.
-Start-up is a sequence of named phases: ``engine_startup.py``.
+Start-up is a sequence of named phases: ``engine/startup.py``.
 """
 
 from __future__ import annotations
@@ -14,13 +14,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.core.metrics import HostTransferStats
+from kvserve.core.kv.metrics import HostTransferStats
 from kvserve.core.outputs import LogprobsEntry, SchedulerOutput
-from kvserve.core.step_cost import chunk_pairs
-from kvserve.core.stop_checks import is_stop_token
-from kvserve.engine_config import EngineConfig
-from kvserve.engine_metrics import LatencyStats
-from kvserve.engine_startup import (
+from kvserve.core.sched.step_cost import chunk_pairs
+from kvserve.core.sched.stop_checks import is_stop_token
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.memory_budget import MemoryReport, plan_step_activations
+from kvserve.engine.metrics import LatencyStats
+from kvserve.engine.startup import (
     build_kv_cache_manager,
     build_runner,
     build_scheduler,
@@ -30,13 +31,12 @@ from kvserve.engine_startup import (
     resolve_max_model_len,
     size_kv_pool,
 )
-from kvserve.memory_budget import MemoryReport, plan_step_activations
+from kvserve.engine.step_guard import StepFault, execute_isolated
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.runtime.kv_cache import kv_bytes_per_token
 from kvserve.runtime.native.chunk_limit import ChunkAttention
 from kvserve.sampling_params import SamplingParams
-from kvserve.step_guard import StepFault, execute_isolated
 from kvserve.structured.manager import StructuredOutputManager
 from kvserve.tokenizer import IncrementalDetokenizer
 
@@ -82,7 +82,7 @@ class LLMEngine:
         config = config.replace(**kwargs) if config else EngineConfig(**kwargs)
         self.config = config
         t0 = time.perf_counter()
-        # Start-up phases (kvserve/engine_startup.py), in order; each takes what the earlier
+        # Start-up phases (kvserve/engine/startup.py), in order; each takes what the earlier
         # ones produced.
         self.kernels = choose_kernels(config)
         self.config = config = config.replace(dtype=self.kernels.dtype_name)

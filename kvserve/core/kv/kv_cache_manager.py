@@ -42,19 +42,24 @@ from __future__ import annotations
 import time
 from typing import ClassVar
 
-from kvserve.core import integrity
-from kvserve.core.block_pool import KVBlock
-from kvserve.core.block_tables import BlockTableManager, check_count
 from kvserve.core.errors import IntegrityError
-from kvserve.core.host_prefix import HostPrefixTier
-from kvserve.core.host_tier import HostBlock, HostTier
-from kvserve.core.kv_cache_config import KVCacheConfig, check_cache_options
-from kvserve.core.metrics import capacity_figures
-from kvserve.core.prefix_cache import PrefixCache, RadixPrefixCache
-from kvserve.core.prefix_hits import cache_full_blocks, forget_blocks, host_block_ref, match_prefix
-from kvserve.core.slot_plan import plan_slots, swap_in_blocks
-from kvserve.core.swap_space import SwapSpace
-from kvserve.core.tables import BlockTable
+from kvserve.core.kv import integrity
+from kvserve.core.kv.block_pool import KVBlock
+from kvserve.core.kv.block_tables import BlockTableManager, check_count
+from kvserve.core.kv.host_prefix import HostPrefixTier
+from kvserve.core.kv.host_tier import HostBlock, HostTier
+from kvserve.core.kv.kv_cache_config import KVCacheConfig, check_cache_options
+from kvserve.core.kv.metrics import capacity_figures
+from kvserve.core.kv.prefix_cache import PrefixCache, RadixPrefixCache
+from kvserve.core.kv.prefix_hits import (
+    cache_full_blocks,
+    forget_blocks,
+    host_block_ref,
+    match_prefix,
+)
+from kvserve.core.kv.slot_plan import plan_slots, swap_in_blocks
+from kvserve.core.kv.swap_space import SwapSpace
+from kvserve.core.kv.tables import BlockTable
 from kvserve.request import Request
 
 __all__ = ["KVCacheManager", "host_block_ref"]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any, get_args
 
 from kvserve.config import QUANTIZATION_CHOICES, CacheConfig, SchedulerConfig
-from kvserve.core.step_budget import PREFILL_POLICIES, StepBudgetConfig
+from kvserve.core.sched.step_budget import PREFILL_POLICIES, StepBudgetConfig
 
 GiB = 1 << 30
 # NOTE: kept here (torch-free) and checked against kernel_setup / kernel_select by a test.

@@ -8,8 +8,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from kvserve.engine import LLMEngine, is_token_id
-from kvserve.engine_config import EngineConfig
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.llm_engine import LLMEngine, is_token_id
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer import Tokenizer, generation_flags
@@ -21,7 +21,7 @@ Message = dict[str, str]
 class LLM:
     """Generate text for a batch of prompts with continuous batching on a paged KV cache.
 
-    Keyword arguments are the fields of :class:`~kvserve.engine_config.EngineConfig`
+    Keyword arguments are the fields of :class:`~kvserve.engine.config.EngineConfig`
     (``model``, ``dtype``, ``device``, ``block_size``, ``num_kv_blocks``, ``kv_cache_memory``,
     ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``, ``enable_prefix_caching``,
     ``preemption_mode``, ``swap_space``, ``kv_cache_dtype``, ``seed``, ...).

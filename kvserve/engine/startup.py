@@ -30,14 +30,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvserve.config import ModelArchConfig
-from kvserve.core.kv_cache_config import KVCacheConfig, KVWindow
-from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.core.managers import create_kv_cache_manager
-from kvserve.core.scheduler import Scheduler
-from kvserve.core.step_budget import StepTimeBudget
-from kvserve.engine_config import EngineConfig
+from kvserve.core.kv.kv_cache_config import KVCacheConfig, KVWindow
+from kvserve.core.kv.kv_cache_manager import KVCacheManager
+from kvserve.core.kv.managers import create_kv_cache_manager
+from kvserve.core.sched.scheduler import Scheduler
+from kvserve.core.sched.step_budget import StepTimeBudget
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.memory_budget import MemoryReport, measure_kernel_scratch, plan_kv_blocks
 from kvserve.kernel_setup import KernelChoice, choose_dtype_and_kernels, pending_choice
-from kvserve.memory_budget import MemoryReport, measure_kernel_scratch, plan_kv_blocks
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_arch, load_model
 from kvserve.models.quant_model import quantization_summary, quantized_nbytes, summary_line

@@ -31,10 +31,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from kvserve.core.block_pool import NULL_BLOCK_ID
-from kvserve.core.kv_cache_config import KVCacheConfig, KVWindow
-from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.core.metrics import kv_utilization
+from kvserve.core.kv.block_pool import NULL_BLOCK_ID
+from kvserve.core.kv.kv_cache_config import KVCacheConfig, KVWindow
+from kvserve.core.kv.kv_cache_manager import KVCacheManager
+from kvserve.core.kv.metrics import kv_utilization
 from kvserve.request import Request
 
 __all__ = [

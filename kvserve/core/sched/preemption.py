@@ -20,13 +20,13 @@ from __future__ import annotations
 from collections.abc import Container, Sequence
 from typing import TYPE_CHECKING
 
-from kvserve.core.policy import PreemptionPolicy
-from kvserve.core.sched_stats import SchedulerStats
-from kvserve.core.step_plan import StepPlan
+from kvserve.core.sched.policy import PreemptionPolicy
+from kvserve.core.sched.sched_stats import SchedulerStats
+from kvserve.core.sched.step_plan import StepPlan
 from kvserve.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from kvserve.core.kv_cache_manager import KVCacheManager
+    from kvserve.core.kv.kv_cache_manager import KVCacheManager
 
 
 def choose_victim(

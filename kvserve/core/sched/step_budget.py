@@ -9,7 +9,7 @@ such that the step's predicted time stays within the target:
 - target: ``max_step_ms``; else ``target_itl_ms`` minus the measured time between steps
   (what a stream's gap holds besides the step itself); else ``decode_multiple`` x the
   predicted pure-decode step at the current batch (decodes and context of this step).
-- predictions come from an :class:`~kvserve.core.step_cost.OnlineStepCostModel` fitted on the
+- predictions come from an :class:`~kvserve.core.sched.step_cost.OnlineStepCostModel` fitted on the
   engine's step records (``observe``); until it has a fit, nothing is capped.
 - the token budget stays an upper bound (the scheduler applies both).
 - decodes are never capped (they are scheduled before the plan); a step without decodes is
@@ -70,7 +70,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvserve.core.step_cost import OnlineStepCostModel, StepLoad
+from kvserve.core.sched.step_cost import OnlineStepCostModel, StepLoad
 
 logger = logging.getLogger("kvserve")
 

@@ -36,9 +36,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from kvserve.core.block_pool import KVBlock
 from kvserve.core.errors import IntegrityError
-from kvserve.core.host_tier import HostBlock
+from kvserve.core.kv.block_pool import KVBlock
+from kvserve.core.kv.host_tier import HostBlock
 
 BlockKey = tuple[int, ...]  # the block_size token ids of one full block
 CacheEntry = KVBlock | HostBlock  # where a cached block's K/V lives: device pool or host tier

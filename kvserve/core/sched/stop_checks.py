@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from kvserve.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from kvserve.core.kv_cache_manager import KVCacheManager
+    from kvserve.core.kv.kv_cache_manager import KVCacheManager
 
 
 def append_token(request: Request, token_id: int, now: float) -> None:

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvserve.core.block_pool import BlockPool, KVBlock
-from kvserve.core.host_tier import HostBlock, HostTier
-from kvserve.core.prefix_cache import PrefixCache
-from kvserve.core.prefix_hits import device_prefix, match_prefix, resolve_prefix_hits
-from kvserve.core.tables import BlockTable
+from kvserve.core.kv.block_pool import BlockPool, KVBlock
+from kvserve.core.kv.host_tier import HostBlock, HostTier
+from kvserve.core.kv.prefix_cache import PrefixCache
+from kvserve.core.kv.prefix_hits import device_prefix, match_prefix, resolve_prefix_hits
+from kvserve.core.kv.tables import BlockTable
 from kvserve.request import Request
 
 

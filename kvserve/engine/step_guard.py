@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 
-logger = logging.getLogger("kvserve.step_guard")
+logger = logging.getLogger("kvserve.engine.step_guard")
 
 Execute = Callable[[SchedulerOutput], ModelRunnerOutput]
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from kvserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from kvserve.step_guard import StepFault
+from kvserve.engine.step_guard import StepFault
 
 REQUEST_FAULT_MARKER = "KVSERVE_INJECT_FAULT"
 FATAL_FAULT_MARKER = "KVSERVE_INJECT_FATAL"

@@ -42,18 +42,18 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from kvserve.config import SchedulerConfig
-from kvserve.core.admission import AdmissionControl, validate_request, waiting_key
 from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput
-from kvserve.core.policy import PreemptionPolicy, PriorityPolicy
-from kvserve.core.preemption import choose_victim, release_victim
-from kvserve.core.sched_stats import SchedulerStats, StepStats
-from kvserve.core.step_budget import PrefillCandidate, StepTimeBudget
-from kvserve.core.step_plan import StepPlan
-from kvserve.core.stop_checks import append_token, check_stop
+from kvserve.core.sched.admission import AdmissionControl, validate_request, waiting_key
+from kvserve.core.sched.policy import PreemptionPolicy, PriorityPolicy
+from kvserve.core.sched.preemption import choose_victim, release_victim
+from kvserve.core.sched.sched_stats import SchedulerStats, StepStats
+from kvserve.core.sched.step_budget import PrefillCandidate, StepTimeBudget
+from kvserve.core.sched.step_plan import StepPlan
+from kvserve.core.sched.stop_checks import append_token, check_stop
 from kvserve.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from kvserve.core.kv_cache_manager import KVCacheManager
+    from kvserve.core.kv.kv_cache_manager import KVCacheManager
 
 
 class Scheduler:

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, ValuesView
 
-from kvserve.core import integrity
-from kvserve.core.block_pool import BlockPool, KVBlock
-from kvserve.core.metrics import KVCacheCounters, kv_utilization, ratio
-from kvserve.core.prefix_cache import PrefixCache
-from kvserve.core.tables import BlockTable
+from kvserve.core.kv import integrity
+from kvserve.core.kv.block_pool import BlockPool, KVBlock
+from kvserve.core.kv.metrics import KVCacheCounters, kv_utilization, ratio
+from kvserve.core.kv.prefix_cache import PrefixCache
+from kvserve.core.kv.tables import BlockTable
 from kvserve.request import Request
 
 

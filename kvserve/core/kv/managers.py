@@ -14,10 +14,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from kvserve.core.contiguous import ContiguousKVCacheManager
-from kvserve.core.kv_cache_config import KVCacheConfig
-from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.core.window import WindowedKVCacheManager
+from kvserve.core.kv.contiguous import ContiguousKVCacheManager
+from kvserve.core.kv.kv_cache_config import KVCacheConfig
+from kvserve.core.kv.kv_cache_manager import KVCacheManager
+from kvserve.core.kv.window import WindowedKVCacheManager
 
 logger = logging.getLogger("kvserve")
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
-    from kvserve.core.kv_cache_manager import KVCacheManager
+    from kvserve.core.kv.kv_cache_manager import KVCacheManager
 
 
 @dataclass(slots=True)

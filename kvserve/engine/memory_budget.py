@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.config import ModelArchConfig
-from kvserve.engine_config import EngineConfig, GiB, available_memory_bytes
+from kvserve.engine.config import EngineConfig, GiB, available_memory_bytes
 from kvserve.runtime.kernel_scratch import GemmShape, measure_gemm_scratch
 from kvserve.runtime.kv_cache import kv_bytes_per_token
 from kvserve.runtime.memory_plan import ActivationPlan, plan_activations

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
-from kvserve.core.sched_stats import StepStats
+from kvserve.core.sched.sched_stats import StepStats
 from kvserve.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from kvserve.core.kv_cache_manager import KVCacheManager
+    from kvserve.core.kv.kv_cache_manager import KVCacheManager
 
 
 @dataclass(slots=True)

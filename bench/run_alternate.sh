@@ -10,7 +10,7 @@
 # bench/make_record.py SITTING_DIR then keeps these runs as the record's figures.alternate.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-S="${1:?usage: bench/run_alternate.sh SITTING_DIR OUT_DIR [ROUNDS]}"
+S="${1:?usage: bench/run_alternate.sh SITTING_DIR [OUT_DIR] [ROUNDS]}"
 OUT="${2:-$S/alternate}"
 ROUNDS="${3:-3}"
 cd "$ROOT"

@@ -27,7 +27,7 @@ PHASES = {  # folder -> (trace, what it measures)
     "sharegpt": "ShareGPT-like trace, 64 requests, 32 in flight, offline",
     "served": "the ShareGPT-like trace through each server, 32 in flight",
     "llama": "llama.cpp's batched-bench on the uniform trace; kvserve's bare decode",
-}  # the folders run_sitting.sh writes (session-12-era sittings: OUT_uniform, ... beside OUT)
+}  # the folders run_sitting.sh writes (sittings before 2026-12-02 15:00 UTC: OUT_uniform, ...)
 SITTING_COMMANDS = [
     "kvserve bench workload --input-len 128 --output-len 128 --num-prompts 32 "
     "--vocab-size 49152 --save-workload OUT/uniform/workload_128x128.jsonl",

@@ -5,11 +5,13 @@
 # default 3), so that each vLLM run has a kvserve run on each side and the host's drift shows
 # in both. One line per run: the time, the system and round, output tok/s.
 #
-#   bench/run_alternate.sh SITTING_DIR OUT_DIR [ROUNDS] > OUT_DIR.txt
+#   bench/run_alternate.sh SITTING_DIR [OUT_DIR] [ROUNDS]   (OUT_DIR default SITTING_DIR/alternate)
+#
+# bench/make_record.py SITTING_DIR then keeps these runs as the record's figures.alternate.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-S="${1:?usage: bench/run_alternate.sh SITTING_DIR OUT_DIR [ROUNDS]}"
-OUT="${2:?usage: bench/run_alternate.sh SITTING_DIR OUT_DIR [ROUNDS]}"
+S="${1:?usage: bench/run_alternate.sh SITTING_DIR [OUT_DIR] [ROUNDS]}"
+OUT="${2:-$S/alternate}"
 ROUNDS="${3:-3}"
 cd "$ROOT"
 mkdir -p "$OUT"

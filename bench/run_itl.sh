@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 21: inter-token latency under arrivals, per prefill policy, on the real engine.
 #
-#   bench/run_itl.sh [OUT_DIR]          (default bench/results/itl)
+#   bench/run_itl.sh [OUT_DIR]          (default bench/out/itl, ignored)
 #
 # One server per policy (`kvserve serve`, 2 threads), the ShareGPT-like trace of the issue
 # (40 requests, outputs clipped to 128, seed 11) sent by `kvserve bench serve` at each rate:
@@ -34,7 +34,7 @@
 set -euo pipefail
 REPO_ROOT="${REPO_ROOT:-$(cd "$(dirname "$0")/.." && pwd)}"
 cd "$REPO_ROOT"
-OUT="${1:-bench/results/itl}"
+OUT="${1:-bench/out/itl}"
 PY="${PY:-$REPO_ROOT/.venv/bin/python}"
 RATES="${RATES:-1.5 2 3 4}"
 POLICIES="${POLICIES:-baseline off fixed128 budget}"
@@ -66,7 +66,7 @@ flags_of() {
     *) echo "unknown policy $1" >&2; exit 2 ;;
   esac
 }
-# `bench/run_itl.sh --flags POLICY` prints the server flags of POLICY (bench/run_itl_ab.sh).
+# `bench/run_itl.sh --flags POLICY` prints the server flags of POLICY.
 if [ "${1:-}" = "--flags" ]; then flags_of "$2"; exit 0; fi
 mkdir -p "$OUT"
 

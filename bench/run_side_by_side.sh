@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # kvserve vs HF transformers vs vLLM (CPU) vs llama.cpp on one trace, in one run.
 #
-#   bench/run_side_by_side.sh [OUT_DIR]          (default bench/results/side_by_side)
+#   bench/run_side_by_side.sh [OUT_DIR]          (default bench/out/side_by_side, ignored)
 #
 # Env: BATCH_SIZES ("1 8 32"), INPUT_LEN (128), OUTPUT_LEN (128), THREADS (2),
 #      SYSTEMS ("kvserve transformers vllm llama.cpp"), MODES ("offline server"),
@@ -19,7 +19,7 @@
 # A peer that is not installed is installed first (outside the repo); if that fails the
 # harness says so and goes on. Every run writes a JSON record; the plots come last.
 source "$(dirname "$0")/peers/common.sh"
-OUT="${1:-$REPO_ROOT/bench/results/side_by_side}"
+OUT="${1:-$REPO_ROOT/bench/out/side_by_side}"
 BATCH_SIZES="${BATCH_SIZES:-1 8 32}"
 INPUT_LEN="${INPUT_LEN:-128}"
 OUTPUT_LEN="${OUTPUT_LEN:-128}"

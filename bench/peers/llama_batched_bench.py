@@ -1,7 +1,7 @@
 """llama.cpp offline peer: run ``llama-batched-bench`` and turn its table into records.
 
     python bench/peers/llama_batched_bench.py --bin BUILD/bin/llama-batched-bench \
-        --model M.gguf --npp 128 --ntg 128 --batch-sizes 1 8 32 --out-dir bench/results/run
+        --model M.gguf --npp 128 --ntg 128 --batch-sizes 1 8 32 --out-dir bench/out/run
 
 NOTE: batched-bench makes its own prompts (not the trace's ids); lengths match the trace.
 Generated tokens/s e2e = B x ntg / T (prefill + decode wall), as in PEERS.md.

@@ -4,7 +4,7 @@ Run with the vLLM venv's python (see install_vllm.sh / run_side_by_side.sh):
 
     OMP_NUM_THREADS=2 VLLM_ENABLE_V1_MULTIPROCESSING=0 $VLLM_VENV/bin/python \
         bench/peers/vllm_offline.py --model HF_DIR --workload W.jsonl --batch-sizes 1 8 32 \
-        --dtype bfloat16 --out-dir bench/results/run
+        --dtype bfloat16 --out-dir bench/out/run
 
 ``--dtype`` (float32, bfloat16, float16; default float32) is vLLM's model dtype; the records
 name the system ``vllm-fp32`` / ``vllm-bf16`` / ``vllm-fp16``, so both dtypes plot side by side.

@@ -3,7 +3,7 @@
     PYTHONPATH=. .venv/bin/python bench/probes/past_l3_model.py OUT.gguf
 
 The embedded SmolLM2-135M reads 96 MB of weights a decode step, which the AMX Xeon's 300 MB
-L3 holds, so its B=1 decode runs above the bandwidth bound there (135 % in session 30) and
+L3 holds, so its B=1 decode runs above the bandwidth bound there (135 % on 2026-12-06 at 784f843) and
 says nothing about a CPU with a 32 MB L3 (the EPYCs). This model (hidden 2048, 24 layers,
 intermediate 8192, 32 heads, vocabulary 49152, tied embeddings: 1.7B weights, ~1 GB in Q4_1)
 streams from DRAM on any of them; ``kvserve.bench.runtime_speed --model OUT.gguf`` then

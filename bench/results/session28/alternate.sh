@@ -1,7 +1,0 @@
-#!/usr/bin/env bash
-# Session 28's alternated runs (kvserve, vLLM bf16, ... on uniform B=32 and ShareGPT 64 @ 32)
-# on the sitting's workload files; the body is bench/run_alternate.sh.
-#   bench/results/session28/alternate.sh > bench/results/session28/alternate.txt
-set -euo pipefail
-cd "$(dirname "$0")/../../.."
-exec bench/run_alternate.sh bench/results/session28/sitting bench/results/session28/alternate 3

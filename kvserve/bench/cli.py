@@ -25,6 +25,7 @@ _EXTERNAL = (
     ("soak", "kvserve.bench.soak", "mixed requests with injected faults against one server"),
     ("structured", "kvserve.bench.structured", "structured output overhead and validity"),
     ("tp", "kvserve.bench.tp", "tensor parallel vs one process: logits, agreement, step time"),
+    ("first-token", "kvserve.bench.first_token", "greedy answer and top log-probs per setting"),
 )
 
 
@@ -43,7 +44,7 @@ def register(sub: argparse._SubParsersAction, engine_parser: EngineParser) -> No
 
     pl = bench_sub.add_parser("plot", help="plot result JSON files side by side (PNG)")
     pl.add_argument("results", nargs="+", help="result JSON files or folders of them")
-    pl.add_argument("--out-dir", default="bench/results", help="where the PNGs go")
+    pl.add_argument("--out-dir", default="bench/out", help="where the PNGs go")
     pl.set_defaults(func=cmd_plot)
 
     for name, module, help_ in _EXTERNAL:

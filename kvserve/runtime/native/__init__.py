@@ -1,19 +1,18 @@
 """Native CPU kernels: fused per-layer ops and paged decode attention, in C++.
 
-``kvserve_cpu_ops.cpp`` registers torch custom ops in the ``kvserve`` namespace
-(``torch.ops.kvserve.*``): ``add_rms_norm``, ``rope_``, ``write_kv``,
-``paged_decode_attention``, ``silu_mul``, ``argmax_rows`` and ``decode_layers`` (every
-decoder layer of a step in one call, ``kvserve/models/fused_layers.py``);
-``kvserve_amx_linear.cpp`` adds ``amx_supported`` and ``amx_linear`` (the bf16 AMX projection
-kernel, ``kvserve/runtime/amx_linear.py``) and ``kvserve_amx_attention.cpp``
-``amx_prefill_supported`` and ``amx_prefill_attention`` (prefill chunks' attention on AMX,
-``kvserve/runtime/native/backend.py``) and ``kvserve_amx_int8.cpp`` ``amx_int8_supported`` and
-``amx_int8_linear`` (int8 weights on AMX int8 tiles, ``kvserve/runtime/amx_int8.py``) to the
-same library. They are built on first use with ``torch.utils.cpp_extension`` (g++ and ninja,
-~15 s on this 2-core box) into ``$KVSERVE_CACHE_DIR/native/`` (default
-``~/.cache/kvserve/native/``), keyed by the sources, the torch version and the CPU's feature
-flags (the build uses ``-march=native``, or the target in ``$KVSERVE_NATIVE_MARCH``), so a
-later process only loads the built library.
+The sources are under ``csrc/``, one op to a file, with a vector header per instruction set
+(``csrc/arch/``); README.md beside this file has the map, the numerics and how the build is
+cached. They make one op library, ``torch.ops.kvserve``: ``add_rms_norm``, ``rope_``,
+``write_kv``, ``paged_decode_attention``, ``silu_mul``, ``argmax_rows``, ``decode_layers`` (every
+decoder layer of a step in one call, ``kvserve/models/fused_layers.py``), ``amx_linear``,
+``amx_prefill_attention`` and ``amx_int8_linear`` (AMX kernels, with their ``*_supported``
+checks); ``quant_ops.py`` builds ``csrc/quant/`` into a second one, ``torch.ops.kvserve_quant``.
+
+They are built on first use with ``torch.utils.cpp_extension`` (g++ and ninja, ~30 s on a
+2-core box) into ``$KVSERVE_CACHE_DIR/native/`` (default ``~/.cache/kvserve/native/``), keyed
+by the sources, the torch version and the CPU's feature flags (the build uses
+``-march=native``, or the target in ``$KVSERVE_NATIVE_MARCH``), so a later process only loads
+the built library.
 
 ``load()`` never raises: without a compiler, or with ``KVSERVE_NATIVE=0`` in the
 environment, it returns False once, logs why, and the model runs its torch ops instead
@@ -35,16 +34,26 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("kvserve_cpu_ops.cpp")
-# NOTE: one op library from these files (the AMX ones are TORCH_LIBRARY_FRAGMENTs of it).
-SOURCES = (
-    SOURCE,
-    Path(__file__).with_name("kvserve_amx_linear.cpp"),
-    Path(__file__).with_name("kvserve_amx_attention.cpp"),
-    Path(__file__).with_name("kvserve_amx_int8.cpp"),
+CSRC = Path(__file__).with_name("csrc")
+# NOTE: one op library from these files; bindings.cpp registers every op of them.
+SOURCES = tuple(
+    CSRC / name
+    for name in (
+        "bindings.cpp",
+        "rms_norm.cpp",
+        "rope.cpp",
+        "write_kv.cpp",
+        "silu_mul.cpp",
+        "argmax.cpp",
+        "decode_attention.cpp",
+        "decode_layers.cpp",
+        "amx_linear.cpp",
+        "amx_attention.cpp",
+        "amx_int8.cpp",
+    )
 )
 # Headers the sources include: hashed into the build name with them.
-HEADERS = (Path(__file__).with_name("kvserve_amx_tiles.h"),)
+HEADERS = tuple(sorted(h for h in CSRC.rglob("*.h") if h.parent.name != "quant"))
 DISABLE_ENV = "KVSERVE_NATIVE"  # "0" turns the native kernels off
 CACHE_ENV = "KVSERVE_CACHE_DIR"
 # NOTE: "native" unless KVSERVE_NATIVE_MARCH names a gcc -march target (x86-64-v3, cooperlake, ...):
@@ -72,7 +81,8 @@ def cflags() -> tuple[str, ...]:
     """The compiler flags: ``-march`` from ``$KVSERVE_NATIVE_MARCH`` (default ``native``).
 
     A build for a named target also defines ``KVSERVE_EMULATED_TARGET``: the quantized kernels
-    then take only the instruction sets that target has (kvserve_quant_ops.cpp, ``target_has``),
+    then take only the instruction sets that target has (csrc/quant/quant_common.h,
+    ``target_has``),
     so an older kind's build runs that kind's kernels on a newer CPU. A native build picks them
     by the CPU's flags alone.
     """
@@ -191,7 +201,7 @@ def build_lock(directory: Path) -> Iterator[None]:
 
 
 def _build(verbose: bool) -> None:
-    build_extension(build_name(), SOURCES, build_dir(), "the native CPU kernels (~15 s)", verbose)
+    build_extension(build_name(), SOURCES, build_dir(), "the native CPU kernels (~30 s)", verbose)
     _register_fakes()
 
 

@@ -27,7 +27,7 @@ from kvserve.runtime.native import quant_ops
 # x86-64-v3: AVX2 + FMA + F16C (the AVX2-only EPYC); icelake-server: AVX-512 without BF16
 # (the kernels' non-BF16 AVX-512 branches); sapphirerapids: AVX-512 VNNI/BF16 + AMX.
 MARCHES = ("x86-64-v3", "icelake-server", "sapphirerapids")
-SOURCES = (*native.SOURCES, quant_ops.SOURCE)
+SOURCES = (*native.SOURCES, *quant_ops.SOURCES)
 
 pytestmark = pytest.mark.skipif(
     platform.machine() not in ("x86_64", "AMD64") or shutil.which("c++") is None,

@@ -1,19 +1,21 @@
 """Native CPU kernels: fused per-layer ops and paged decode attention, in C++.
 
-``kvserve_cpu_ops.cpp`` registers torch custom ops in the ``kvserve`` namespace
-(``torch.ops.kvserve.*``): ``add_rms_norm``, ``rope_``, ``write_kv``,
-``paged_decode_attention``, ``silu_mul``, ``argmax_rows`` and ``decode_layers`` (every
-decoder layer of a step in one call, ``kvserve/models/fused_layers.py``);
-``kvserve_amx_linear.cpp`` adds ``amx_supported`` and ``amx_linear`` (the bf16 AMX projection
-kernel, ``kvserve/runtime/amx_linear.py``) and ``kvserve_amx_attention.cpp``
-``amx_prefill_supported`` and ``amx_prefill_attention`` (prefill chunks' attention on AMX,
-``kvserve/runtime/native/backend.py``) and ``kvserve_amx_int8.cpp`` ``amx_int8_supported`` and
-``amx_int8_linear`` (int8 weights on AMX int8 tiles, ``kvserve/runtime/amx_int8.py``) to the
-same library. They are built on first use with ``torch.utils.cpp_extension`` (g++ and ninja,
-~15 s on this 2-core box) into ``$KVSERVE_CACHE_DIR/native/`` (default
-``~/.cache/kvserve/native/``), keyed by the sources, the torch version and the CPU's feature
-flags (the build uses ``-march=native``, or the target in ``$KVSERVE_NATIVE_MARCH``), so a
-later process only loads the built library.
+The sources are under ``csrc/``, one op to a file, with a vector header per instruction set
+(``csrc/arch/``); README.md beside this file has the map, the numerics and how the build is
+cached. They make one op library, ``torch.ops.kvserve``: ``add_rms_norm``, ``rope_``,
+``write_kv``, ``paged_decode_attention``, ``silu_mul``, ``argmax_rows``, ``decode_layers`` (every
+decoder layer of a step in one call, ``kvserve/models/fused_layers.py``), ``amx_linear``,
+``amx_prefill_attention`` and ``amx_int8_linear`` (AMX kernels, with their ``*_supported``
+checks); ``quant_ops.py`` builds ``csrc/quant/`` into a second one, ``torch.ops.kvserve_quant``.
+
+They are built on first use with ``torch.utils.cpp_extension`` (g++ and ninja, ~30 s on a
+2-core box; each file compiles on its own, so a build killed midway resumes where it stopped)
+into ``$KVSERVE_CACHE_DIR/native/<checkout>/<name>`` (default ``~/.cache/kvserve/native/``):
+``<checkout>`` keys the checkout and the torch installation (two checkouts never rebuild each
+other's build), ``<name>`` the sources, the compiler flags, the torch version and the CPU's
+feature flags (the build uses ``-march=native``, or the target in ``$KVSERVE_NATIVE_MARCH``).
+A build says so on stderr and reports each file as it compiles; a later process only loads the
+built library, silently.
 
 ``load()`` never raises: without a compiler, or with ``KVSERVE_NATIVE=0`` in the
 environment, it returns False once, logs why, and the model runs its torch ops instead
@@ -27,24 +29,37 @@ import hashlib
 import logging
 import os
 import shutil
+import subprocess
 import sys
+import sysconfig
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("kvserve_cpu_ops.cpp")
-# NOTE: one op library from these files (the AMX ones are TORCH_LIBRARY_FRAGMENTs of it).
-SOURCES = (
-    SOURCE,
-    Path(__file__).with_name("kvserve_amx_linear.cpp"),
-    Path(__file__).with_name("kvserve_amx_attention.cpp"),
-    Path(__file__).with_name("kvserve_amx_int8.cpp"),
+CSRC = Path(__file__).with_name("csrc")
+# NOTE: one op library from these files; bindings.cpp registers every op of them.
+SOURCES = tuple(
+    CSRC / name
+    for name in (
+        "bindings.cpp",
+        "rms_norm.cpp",
+        "rope.cpp",
+        "write_kv.cpp",
+        "silu_mul.cpp",
+        "argmax.cpp",
+        "decode_attention.cpp",
+        "decode_layers.cpp",
+        "amx_linear.cpp",
+        "amx_attention.cpp",
+        "amx_int8.cpp",
+    )
 )
 # Headers the sources include: hashed into the build name with them.
-HEADERS = (Path(__file__).with_name("kvserve_amx_tiles.h"),)
+HEADERS = tuple(sorted(h for h in CSRC.rglob("*.h") if h.parent.name != "quant"))
 DISABLE_ENV = "KVSERVE_NATIVE"  # "0" turns the native kernels off
 CACHE_ENV = "KVSERVE_CACHE_DIR"
 # NOTE: "native" unless KVSERVE_NATIVE_MARCH names a gcc -march target (x86-64-v3, cooperlake, ...):
@@ -72,7 +87,8 @@ def cflags() -> tuple[str, ...]:
     """The compiler flags: ``-march`` from ``$KVSERVE_NATIVE_MARCH`` (default ``native``).
 
     A build for a named target also defines ``KVSERVE_EMULATED_TARGET``: the quantized kernels
-    then take only the instruction sets that target has (kvserve_quant_ops.cpp, ``target_has``),
+    then take only the instruction sets that target has (csrc/quant/quant_common.h,
+    ``target_has``),
     so an older kind's build runs that kind's kernels on a newer CPU. A native build picks them
     by the CPU's flags alone.
     """
@@ -105,10 +121,28 @@ def build_name() -> str:
     return f"kvserve_cpu_ops_{h.hexdigest()[:16]}"
 
 
+def checkout_key(package: Path | None = None) -> str:
+    """This checkout (``package``: this package's directory) and torch installation: the
+    paths a build's ninja file names.
+
+    NOTE: ``build.ninja`` names the sources by their absolute paths and torch's and Python's
+    include and library directories; a second checkout (or venv) building into the same
+    directory rewrote it and recompiled everything, and the first one did the same on its next
+    start. Each keeps its own directory instead: the checkout's folder name (to tell them
+    apart by eye) and a hash of those paths.
+    """
+    package = Path(__file__).parent if package is None else package
+    package = package.resolve()
+    h = hashlib.sha256()
+    for part in (package, Path(torch.__file__).resolve().parent, sysconfig.get_paths()["include"]):
+        h.update(str(part).encode() + b"\0")
+    return f"{package.parents[2].name}-{h.hexdigest()[:8]}"
+
+
 def build_dir() -> Path:
     """Where the kernels are built and kept."""
     base = os.environ.get(CACHE_ENV) or os.path.join(Path.home(), ".cache", "kvserve")
-    return Path(base) / "native" / build_name()
+    return Path(base) / "native" / checkout_key() / build_name()
 
 
 def ensure_ninja_on_path() -> None:
@@ -145,24 +179,118 @@ def _register_fakes() -> None:
 def build_extension(
     name: str, sources: Sequence[Path], directory: Path, what: str, verbose: bool = False
 ) -> None:
-    """Build (first time, saying so on stderr) and load ``sources`` as the op library ``name``
-    in ``directory``, with this package's compiler flags. ``what``: e.g. "the native CPU
-    kernels (~15 s)"."""
+    """Build (when needed, saying so on stderr with each file's progress) and load ``sources``
+    as the op library ``name`` in ``directory``, with this package's compiler flags. ``what``:
+    e.g. "the native CPU kernels (~30 s)"."""
     from torch.utils import cpp_extension
 
     ensure_ninja_on_path()
     directory.mkdir(parents=True, exist_ok=True)
-    if not (directory / f"{name}.so").exists():
-        print(f"[kvserve] building {what} into {directory} (once)", file=sys.stderr, flush=True)
     with build_lock(directory):
-        cpp_extension.load(
-            name=name,
-            sources=[str(src) for src in sources],
-            extra_cflags=list(cflags()),
-            extra_ldflags=list(LDFLAGS),
-            build_directory=str(directory),
-            is_python_module=False,
-            verbose=verbose,
+        steps = pending_steps(directory, name)
+        progress = BuildProgress(directory, sources, steps, what) if steps else None
+        try:
+            cpp_extension.load(
+                name=name,
+                sources=[str(src) for src in sources],
+                extra_cflags=list(cflags()),
+                extra_ldflags=list(LDFLAGS),
+                build_directory=str(directory),
+                is_python_module=False,
+                verbose=verbose,
+            )
+        except BaseException:
+            if progress is not None:
+                progress.stop(failed=True)
+            raise
+        if progress is not None:
+            progress.stop()
+
+
+def pending_steps(directory: Path, name: str) -> int:
+    """How many build steps (compiles and the link) a load in ``directory`` runs: 0 when the
+    library there is complete and up to date, so that loading it prints nothing.
+
+    NOTE: ninja decides, from the ninja file and its log of the last build (``ninja -n``, a
+    dry run, ~10 ms): a build that was killed midway left the files it had compiled, and only
+    the others (and the link) are pending. Without a ninja file: everything (-1, counted by
+    the progress lines as the number of sources).
+    """
+    if not (directory / "build.ninja").exists():
+        return -1
+    try:
+        done = subprocess.run(
+            ["ninja", "-C", str(directory), "-n"], capture_output=True, text=True, timeout=60
+        )
+    except (OSError, subprocess.SubprocessError):
+        return -1
+    if done.returncode != 0:
+        return -1
+    steps = sum(1 for line in done.stdout.splitlines() if line.startswith("["))
+    return steps if (directory / f"{name}.so").exists() else max(1, steps)
+
+
+class BuildProgress:
+    """The stderr lines of a build: one before it starts, one as each file is compiled (its
+    object file written since the start), a heartbeat while none finishes, and the time it
+    took. Lines, not a redrawn bar, so that logs and pipes keep them."""
+
+    HEARTBEAT_S = 20.0
+
+    def __init__(self, directory: Path, sources: Sequence[Path], steps: int, what: str) -> None:
+        self.directory, self.what = directory, what
+        self.objects = {f"{Path(src).stem}.o": Path(src).name for src in sources}
+        # compiles pending: ninja's count less the link, or every source when unknown
+        self.total = steps - 1 if steps > 0 else len(self.objects)
+        self.started = time.time()
+        self.seen: set[str] = set()
+        self._stop = threading.Event()
+        first = "first start with these sources on this machine" if steps < 0 else "resuming"
+        self.say(f"building {what} into {directory} ({first}) ...")
+        self._thread = threading.Thread(target=self._watch, name="kvserve-build", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def say(line: str) -> None:
+        print(f"kvserve: {line}", file=sys.stderr, flush=True)
+
+    def poll(self) -> bool:
+        """Report the files compiled since the last poll; True when there were any."""
+        fresh = False
+        for obj, src in self.objects.items():
+            if obj in self.seen:
+                continue
+            try:
+                compiled = (self.directory / obj).stat().st_mtime >= self.started - 1.0
+            except OSError:
+                continue
+            if compiled:
+                self.seen.add(obj)
+                fresh = True
+                done = len(self.seen)
+                elapsed = time.time() - self.started
+                self.say(f"[{done}/{max(done, self.total)}] compiled {src} ({elapsed:.0f} s)")
+        return fresh
+
+    def _watch(self) -> None:
+        quiet_since = time.time()
+        while not self._stop.wait(0.5):
+            if self.poll():
+                quiet_since = time.time()
+            elif time.time() - quiet_since >= self.HEARTBEAT_S:
+                quiet_since = time.time()
+                self.say(f"... still compiling ({time.time() - self.started:.0f} s)")
+
+    def stop(self, failed: bool = False) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.poll()
+        what = self.what.split(" (~")[0]  # the estimate is for the first line
+        took = time.time() - self.started
+        self.say(
+            f"building {what} failed after {took:.0f} s"
+            if failed
+            else f"built {what} in {took:.0f} s"
         )
 
 
@@ -175,6 +303,8 @@ def build_lock(directory: Path) -> Iterator[None]:
     waits on while it exists; a build killed midway left it there, and every later start-up
     waited forever. An ``flock`` is released by the OS when its holder dies, so while this
     one is held no other kvserve process is building here and a ``lock`` file is stale.
+    Clearing it costs no rebuild: ninja then finds the library complete (nothing to do) or
+    compiles only the files the killed build had not finished.
     """
     try:
         import fcntl
@@ -185,13 +315,13 @@ def build_lock(directory: Path) -> Iterator[None]:
         fcntl.flock(handle, fcntl.LOCK_EX)
         baton = directory / "lock"
         if baton.exists():
-            print(f"[kvserve] removing {baton}, left by a build that was killed", file=sys.stderr)
+            log.info("removing %s, left by a build that was killed", baton)
             baton.unlink(missing_ok=True)
         yield
 
 
 def _build(verbose: bool) -> None:
-    build_extension(build_name(), SOURCES, build_dir(), "the native CPU kernels (~15 s)", verbose)
+    build_extension(build_name(), SOURCES, build_dir(), "the native CPU kernels (~30 s)", verbose)
     _register_fakes()
 
 

@@ -1,12 +1,13 @@
-"""Native quantized-weight kernels (``kvserve_quant_ops.cpp``, ``torch.ops.kvserve_quant``).
+"""Native quantized-weight kernels (``csrc/quant/``, ``torch.ops.kvserve_quant``).
 
 Built on first use like the other native kernels (same compiler flags and cache directory,
-``kvserve/runtime/native/__init__.py``), as a second extension of its own, so the two sources
-build and change independently. ``load()`` never raises: it returns False and ``reason()``
-says why (no compiler, ``KVSERVE_NATIVE=0``); quantized weights then run dequantized.
+``kvserve/runtime/native/__init__.py``), as a second extension of its own, so the two libraries
+build and change independently; README.md beside this file has the files, the formats and the
+numerics. ``load()`` never raises: it returns False and ``reason()`` says why (no compiler,
+``KVSERVE_NATIVE=0``); quantized weights then run dequantized.
 
 Ops: ``linear(out, x, weight, qtype, bias, isa, layout)`` (y = x @ W^T + b over GGML blocks, int8
-activations, see the C++ header comment), ``embedding(out, ids, weight, qtype, layout)`` (gather and
+activations, see README.md), ``embedding(out, ids, weight, qtype, layout)`` (gather and
 dequantize rows), ``amx_bf16_linear(out, x, weight, qtype)`` (bf16 x times an x16 weight
 dequantized inside an AMX bf16 GEMM), ``isa_supported(isa)`` and ``best_isa()``.
 """
@@ -22,7 +23,19 @@ import torch
 
 from kvserve.runtime import native
 
-SOURCE = Path(__file__).with_name("kvserve_quant_ops.cpp")
+# NOTE: one op library from these files; quant_bindings.cpp registers every op of them.
+SOURCES = tuple(
+    native.CSRC / "quant" / name
+    for name in (
+        "quant_bindings.cpp",
+        "quant_linear.cpp",
+        "quant_linear_x16.cpp",
+        "quant_amx_bf16.cpp",
+        "quant_embedding.cpp",
+    )
+)
+# Headers the sources include (the AMX kernel: the tile helpers it shares with the other library).
+HEADERS = (native.CSRC / "quant" / "quant_common.h", native.CSRC / "arch" / "amx_tiles.h")
 
 # Kernel qtype codes (the formats the kernels read; K-quants are repacked to these at load).
 QTYPE_CODES: dict[str, int] = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
@@ -40,9 +53,9 @@ _state: dict[str, object] = {}
 
 def build_name() -> str:
     """Extension name: source, flags, torch version and CPU features hashed together."""
-    h = hashlib.sha256(SOURCE.read_bytes())
-    for header in native.HEADERS:  # NOTE: the AMX kernel includes kvserve_amx_tiles.h
-        h.update(header.read_bytes())
+    h = hashlib.sha256()
+    for src in (*SOURCES, *HEADERS):
+        h.update(src.read_bytes())
     for part in (*native.cflags(), *native.LDFLAGS, torch.__version__, native.cpu_flags()):
         h.update(part.encode())
     return f"kvserve_quant_ops_{h.hexdigest()[:16]}"
@@ -60,7 +73,7 @@ def _register_fakes() -> None:
 
 def _build(verbose: bool) -> None:
     what = "the quantized-weight kernels (~30 s)"
-    native.build_extension(build_name(), (SOURCE,), build_dir(), what, verbose)
+    native.build_extension(build_name(), SOURCES, build_dir(), what, verbose)
     _register_fakes()
 
 

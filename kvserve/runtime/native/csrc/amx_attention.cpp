@@ -1,8 +1,7 @@
 // kvserve native AMX prefill attention: a chunk of query rows attends causally over its
 // sequence's paged K/V (the context before the chunk and the chunk itself), bf16 on AMX tiles.
 //
-// Built into the same op library as kvserve_cpu_ops.cpp (a TORCH_LIBRARY_FRAGMENT of the
-// `kvserve` namespace). Ops:
+// Part of the `kvserve` op library (registered in bindings.cpp). Ops:
 //   amx_prefill_supported(head_dim) -> bool   this build and CPU run the kernel for head_dim
 //   amx_prefill_attention(out, q, kv_cache, block_table, ctx_len, scale) -> ()
 //     q, out [n, H, 64] bf16 (rows of any stride, heads and dims contiguous); query row i sits
@@ -25,9 +24,8 @@
 // but for two approximations that P's bf16 rounding (relative 3.9e-3) hides: exp2 by a
 // degree-4 polynomial (relative error ~4e-5), and the running max raised lazily (below).
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -40,8 +38,10 @@
 #define KVSERVE_AMX_ATTN 1
 #include <immintrin.h>
 
-#include "kvserve_amx_tiles.h"
+#include "arch/amx_tiles.h"
 #endif
+
+#include "ops.h"
 
 namespace kvserve {
 namespace {
@@ -254,6 +254,8 @@ void attend_rows(const uint16_t* q, int64_t q_ld, uint16_t* out, int64_t out_ld,
 
 #endif  // KVSERVE_AMX_ATTN
 
+}  // namespace
+
 bool amx_prefill_supported(int64_t head_dim) {
 #if defined(KVSERVE_AMX_ATTN)
   return head_dim == kHeadDim && amx_tiles_granted();
@@ -334,15 +336,5 @@ void amx_prefill_attention(Tensor out, Tensor q, Tensor kv_cache, Tensor block_t
   });
 #endif
 }
-
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(kvserve, m) {
-  m.def("amx_prefill_supported(int head_dim) -> bool", &amx_prefill_supported);
-  m.def("amx_prefill_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_table, "
-        "int ctx_len, float scale) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("amx_prefill_attention", &amx_prefill_attention); }
 
 }  // namespace kvserve

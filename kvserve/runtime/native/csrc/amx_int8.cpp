@@ -2,8 +2,7 @@
 // (a scale per output column and block) and x quantized on the fly the same way (a scale per
 // row and block), multiplied on Intel AMX int8 tiles (TDPBSSD).
 //
-// Built into the same op library as kvserve_cpu_ops.cpp (a TORCH_LIBRARY_FRAGMENT of the
-// `kvserve` namespace). Ops:
+// Part of the `kvserve` op library (registered in bindings.cpp). Ops:
 //   amx_int8_supported() -> bool            compiled with AMX-INT8 and the tile state granted
 //   amx_int8_linear(out, x, packed) -> ()   out [M, N] = x [M, K] @ W^T, x and out bf16, W
 //                                           packed by kvserve/runtime/amx_int8.py
@@ -29,20 +28,19 @@
 // outputs; the kernel it competes with dequantizes every weight to bf16 per call instead.
 //
 // NOTE: why at all. At decode sizes (16-64 rows) the Q4_1 kernel on AMX bf16 tiles
-// (kvserve_quant_ops.cpp, amx_bf16_linear) is bound by dequantizing the blocks to bf16 in
+// (quant/quant_amx_bf16.cpp, amx_bf16_linear) is bound by dequantizing the blocks to bf16 in
 // vector registers, work done per call whatever M is (on the AMX Xeon, session 27, 6-7 ms of
 // a 17.8 ms B=32 step). Here the weight goes from memory into the tiles as it is held: the
 // call costs the weight's bytes (1.06 per weight, 1.7x Q4_1's 0.625) over the memory
 // bandwidth. The price: a second copy of each weight it serves, held beside the blocks. The
 // kernel selection takes it only where it measures faster (kvserve/runtime/kernel_select.py).
 //
-// Blocking as kvserve_amx_linear.cpp: per group, rows in pairs of 16-row blocks: C tiles 0-3
+// Blocking as amx_linear.cpp: per group, rows in pairs of 16-row blocks: C tiles 0-3
 // (2 row blocks x 2 column blocks, int32), A tiles 4-5 (quantized x rows), B tiles 6-7; the
 // fp32 sums of a row pair's 32 x 32 outputs stay in an L1 buffer across the k blocks.
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cmath>
@@ -56,8 +54,10 @@
 #define KVSERVE_AMX_INT8 1
 #include <immintrin.h>
 
-#include "kvserve_amx_tiles.h"
+#include "arch/amx_tiles.h"
 #endif
+
+#include "ops.h"
 
 namespace kvserve {
 namespace {
@@ -136,7 +136,7 @@ inline void scale_block(const int32_t* c, const float* sa, int64_t rows, int64_t
 // One 32-column group times `rows` (1-32) rows of quantized x (16 * BLOCKS rows, padded; row
 // stride kpad bytes; scales sa [rows][kblocks]) -> acc [32 rows][32 cols] fp32. Each k block
 // prefetches `pf_lines` cache lines from `pf` on (into L2 with `pf_to_l2`, else L1), as
-// kvserve_amx_linear.cpp's group_tiles does.
+// amx_linear.cpp's group_tiles does.
 // NOTE: software pipelined: block kb's tile products are issued, then block kb - 1's sums
 // (stored by the previous step, in the other of two buffers) are scaled while they run, then
 // kb's are stored. Scaling a block's sums right after storing them left the AMX unit idle
@@ -188,6 +188,8 @@ void group_rows(const int8_t* a, const float* sa, int64_t rows, int64_t kpad, co
   }
 }
 #endif  // KVSERVE_AMX_INT8
+
+}  // namespace
 
 bool amx_int8_supported() {
 #if defined(KVSERVE_AMX_INT8)
@@ -250,7 +252,7 @@ void amx_int8_linear(Tensor out, const Tensor& x, const Tensor& packed) {
       const int64_t cols = std::min<int64_t>(32, n - g * 32);
       const __mmask32 keep = cols == 32 ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
       for (int64_t r0 = 0; r0 < mpad; r0 += 32) {
-        // NOTE: which lines to prefetch: as kvserve_amx_linear.cpp (one row pair: this
+        // NOTE: which lines to prefetch: as amx_linear.cpp (one row pair: this
         // group's own bytes 4 KiB ahead into L1; several: each pair its share of the next
         // group's into L2, since the later pairs read this group from the caches).
         const bool to_l2 = pairs > 1;
@@ -272,14 +274,5 @@ void amx_int8_linear(Tensor out, const Tensor& x, const Tensor& packed) {
   });
 #endif
 }
-
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(kvserve, m) {
-  m.def("amx_int8_supported() -> bool", &amx_int8_supported);
-  m.def("amx_int8_linear(Tensor(a!) out, Tensor x, Tensor packed) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("amx_int8_linear", &amx_int8_linear); }
 
 }  // namespace kvserve

@@ -1,7 +1,6 @@
 // kvserve native AMX linear: y = x @ W^T in bf16 on Intel AMX tiles.
 //
-// Built into the same op library as kvserve_cpu_ops.cpp (a TORCH_LIBRARY_FRAGMENT of the
-// `kvserve` namespace). Ops:
+// Part of the `kvserve` op library (registered in bindings.cpp). Ops:
 //   amx_supported() -> bool          compiled with AMX-BF16 and the kernel granted the tile
 //                                    state (arch_prctl ARCH_REQ_XCOMP_PERM) in this process
 //   amx_linear(out, x, packed) -> () out [M, N] = x [M, K] @ W^T, bf16, W packed by
@@ -29,9 +28,8 @@
 // not stored.
 // Accumulation is fp32 over all of K; each output is rounded to bf16 once (RNE).
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -42,8 +40,10 @@
 #define KVSERVE_AMX 1
 #include <immintrin.h>
 
-#include "kvserve_amx_tiles.h"
+#include "arch/amx_tiles.h"
 #endif
+
+#include "ops.h"
 
 namespace kvserve {
 namespace {
@@ -99,6 +99,8 @@ void group_tiles(const uint16_t* x0, int64_t ld0, const uint16_t* x1, int64_t ld
   }
 }
 #endif  // KVSERVE_AMX
+
+}  // namespace
 
 bool amx_supported() {
 #if defined(KVSERVE_AMX)
@@ -197,14 +199,5 @@ void amx_linear(Tensor out, const Tensor& x, const Tensor& packed) {
   });
 #endif
 }
-
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(kvserve, m) {
-  m.def("amx_supported() -> bool", &amx_supported);
-  m.def("amx_linear(Tensor(a!) out, Tensor x, Tensor packed) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("amx_linear", &amx_linear); }
 
 }  // namespace kvserve

@@ -1,6 +1,6 @@
-// What the AMX kernels share: those of the `kvserve` op library (kvserve_amx_linear.cpp,
-// kvserve_amx_attention.cpp, kvserve_amx_int8.cpp) and of `kvserve_quant`
-// (kvserve_quant_ops.cpp's amx_bf16_linear): the tile state request, the one tile
+// What the AMX kernels share: those of the `kvserve` op library (amx_linear.cpp,
+// amx_attention.cpp, amx_int8.cpp) and of `kvserve_quant`
+// (quant/quant_amx_bf16.cpp's amx_bf16_linear): the tile state request, the one tile
 // configuration they use, and the store of an fp32 result as bf16 rows.
 #pragma once
 

@@ -1,7 +1,10 @@
 """LLMEngine: ties the scheduler (core/) to the model runner (runtime/) and the tokenizer.
 
 One ``step()`` = schedule -> execute -> update -> detokenize; see docs/DESIGN.md.
-Start-up is a sequence of named phases: ``engine/startup.py``.
+Start-up is a sequence of named phases: ``engine/startup.py``. Beside this file: the checks of
+what ``add_request`` is given (``inputs.py``), each request's samples and the outputs built
+from them (``request_state.py``), and failing requests for faults of their own
+(``failures.py``).
 """
 
 from __future__ import annotations

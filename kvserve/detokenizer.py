@@ -8,14 +8,18 @@ decoders depend on context (SentencePiece's leading space) still join up correct
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvserve.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from kvserve.tokenizer import Tokenizer
+__all__ = ["IncrementalDetokenizer", "TokenDecoder"]
 
-__all__ = ["IncrementalDetokenizer"]
+
+class TokenDecoder(Protocol):
+    """What the detokenizer needs of a tokenizer (``kvserve.tokenizer.Tokenizer`` has it)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
 
 # Prompt tokens decoded as left context for the first output tokens.
 INITIAL_CONTEXT_TOKENS = 5
@@ -44,7 +48,7 @@ class IncrementalDetokenizer:
     """
 
     def __init__(
-        self, tokenizer: Tokenizer, params: SamplingParams, prompt_token_ids: list[int]
+        self, tokenizer: TokenDecoder, params: SamplingParams, prompt_token_ids: list[int]
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens

@@ -8,7 +8,12 @@ import pytest
 
 # NOTE: pytest rewrites asserts only in test modules; the shared helpers' checks must also
 # hold under `python -O -m pytest` (issue 19), so they are rewritten too.
-pytest.register_assert_rewrite("tests.core.fake_runner", "tests.tiny_models")
+pytest.register_assert_rewrite(
+    "tests.core.fake_runner",
+    "tests.core.sched_helpers",
+    "tests.server.openai_extras.common",
+    "tests.tiny_models",
+)
 
 # NOTE: with 2 OpenMP threads on 2 cores, any other busy process (a server under test, a
 # second pytest worker) makes spinning threads collapse throughput ~10x; passive waiting

@@ -30,24 +30,17 @@ from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvserve.distributed.comm import TPCollectiveError, TPGroup, tp_timeout_s
 from kvserve.distributed.sharding import ShardSpec, validate_tp
 from kvserve.distributed.worker import (
+    STARTUP_TIMEOUT_S,
     build_rank_model,
     model_bytes,
     mp_worker_main,
+    rank_threads,
     runner_arch,
 )
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.memory_budget import MemoryReport
 
 logger = logging.getLogger("kvserve.distributed")
-
-STARTUP_TIMEOUT_S = 600.0  # loading a shard may take minutes on a busy machine
-
-
-def rank_threads(config: EngineConfig) -> int:
-    """Torch threads per rank: ``num_threads`` if set, else the cores split over the ranks."""
-    if config.num_threads is not None:
-        return config.num_threads
-    return max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
 
 
 def _free_port() -> int:

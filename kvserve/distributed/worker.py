@@ -25,6 +25,15 @@ logger = logging.getLogger("kvserve.distributed")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+STARTUP_TIMEOUT_S = 600.0  # loading a shard may take minutes on a busy machine
+
+
+def rank_threads(config: EngineConfig) -> int:
+    """Torch threads per rank: ``num_threads`` if set, else the cores split over the ranks."""
+    if config.num_threads is not None:
+        return config.num_threads
+    return max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+
 
 class NoSampler:
     """Stands in for the Sampler on ranks >= 1: rank 0 alone samples."""
@@ -74,7 +83,6 @@ def run_worker(
     rank: int, world_size: int, init_method: str, config: EngineConfig, timeout_s: float
 ) -> int:
     """The worker's whole life: join, load the shard, build the runner, run steps."""
-    from kvserve.distributed.executor import STARTUP_TIMEOUT_S, rank_threads
     from kvserve.models.loader import load_model
     from kvserve.runtime.model_runner import ModelRunner
 

@@ -9,7 +9,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from kvserve.engine.config import EngineConfig
-from kvserve.engine.llm_engine import LLMEngine, is_token_id
+from kvserve.engine.inputs import is_token_id
+from kvserve.engine.llm_engine import LLMEngine
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer import Tokenizer, generation_flags

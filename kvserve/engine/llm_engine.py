@@ -1,26 +1,30 @@
 """LLMEngine: ties the scheduler (core/) to the model runner (runtime/) and the tokenizer.
 
 One ``step()`` = schedule -> execute -> update -> detokenize; see docs/DESIGN.md.
-Start-up is a sequence of named phases: ``engine/startup.py``.
+Start-up is a sequence of named phases: ``engine/startup.py``. Beside this file: the checks of
+what ``add_request`` is given (``inputs.py``), each request's samples and the outputs built
+from them (``request_state.py``), and failing requests for faults of their own
+(``failures.py``).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import operator
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.core.kv.metrics import HostTransferStats
-from kvserve.core.outputs import LogprobsEntry, SchedulerOutput
+from kvserve.core.outputs import LogprobsEntry
 from kvserve.core.sched.step_cost import chunk_pairs
 from kvserve.core.sched.stop_checks import is_stop_token
+from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.engine.config import EngineConfig
+from kvserve.engine.failures import RequestFailures, fail_group
+from kvserve.engine.inputs import check_constraints, tokenize_prompt
 from kvserve.engine.memory_budget import MemoryReport, plan_step_activations
 from kvserve.engine.metrics import LatencyStats
+from kvserve.engine.request_state import RequestGroup, SampleState, make_output
 from kvserve.engine.startup import (
     build_kv_cache_manager,
     build_runner,
@@ -31,48 +35,15 @@ from kvserve.engine.startup import (
     resolve_max_model_len,
     size_kv_pool,
 )
-from kvserve.engine.step_guard import StepFault, execute_isolated
-from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.engine.step_guard import execute_isolated
+from kvserve.outputs import RequestOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.runtime.kv_cache import kv_bytes_per_token
 from kvserve.runtime.native.chunk_limit import ChunkAttention
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured.manager import StructuredOutputManager
-from kvserve.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger("kvserve")
-
-# NOTE: a fault that every request hits (a broken device, a corrupt weight) looks, one request
-# at a time, like each request's own; this many steps in a row with every request failed stop
-# the engine instead (so the supervisor restarts it). A single failing step never does.
-MAX_ALL_FAILED_STEPS = 5
-
-
-@dataclass
-class _SampleState:
-    """Engine-side state of one sample: its detokenizer and logprobs."""
-
-    request: Request
-    detok: IncrementalDetokenizer
-    logprobs: list[LogprobsEntry] | None
-    cumulative_logprob: float = 0.0
-    num_emitted_tokens: int = 0  # tokens already reported as deltas
-    num_emitted_chars: int = 0  # characters of text already reported as deltas
-    last_token_time: float | None = None
-
-
-@dataclass
-class _Group:
-    """All samples of one user request (n of them) plus what the caller gave us."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    samples: list[_SampleState] = field(default_factory=list)
-    reported_finished: bool = False
-    error: str | None = None  # why it failed (a fault of its own), if it did
-    prompt_logprobs: list[LogprobsEntry | None] | None = None
 
 
 class LLMEngine:
@@ -126,16 +97,17 @@ class LLMEngine:
         self.scheduler = build_scheduler(config, self.max_model_len, self.kv_cache_manager)
         self.latency = LatencyStats()
         self.host_transfers = HostTransferStats()
-        self._groups: dict[str, _Group] = {}
-        self._sample_to_group: dict[str, _Group] = {}
+        self._groups: dict[str, RequestGroup] = {}
+        self._sample_to_group: dict[str, RequestGroup] = {}
         self._ids = itertools.count()
         self.structured = StructuredOutputManager(
             self.tokenizer.hf_tokenizer, arch.vocab_size, self.tokenizer.eos_token_id
         )
         self.startup_seconds = time.perf_counter() - t0
         self.num_steps = 0
-        self.num_failed_requests = 0  # requests failed by a fault of their own
-        self._num_blamed_steps = 0  # steps in a row in which every request failed
+        self.failures = RequestFailures(
+            self.scheduler, self.kv_cache_manager, self._sample_to_group.get
+        )
         self.step_records: list[dict[str, float]] = []
         for line in rep.lines():
             logger.info(line)
@@ -175,7 +147,7 @@ class LLMEngine:
         for rid in [request_id] + [f"{request_id}#{i}" for i in range(1, params.n)]:
             if rid in self._sample_to_group:
                 raise ValueError(f"request_id {rid!r} is already in use")
-        prompt_text, token_ids = self._tokenize(prompt)
+        prompt_text, token_ids = tokenize_prompt(self.tokenizer, self.arch.vocab_size, prompt)
         now = time.monotonic() if arrival_time is None else arrival_time
         samples = [
             Request(
@@ -192,17 +164,17 @@ class LLMEngine:
             for i in range(params.n)
         ]
         samples[0].pending_children = samples[1:]
-        self._check_constraints(params)
+        check_constraints(params, self.arch.vocab_size, self.structured)
         self.scheduler.add_request(samples[0])  # raises ValueError if it can never fit
         if params.structured_outputs is not None:
-            # NOTE: compiled in _check_constraints, so this is a cache hit and cannot fail.
+            # NOTE: compiled in check_constraints, so this is a cache hit and cannot fail.
             self.structured.add_request([r.request_id for r in samples], params.structured_outputs)
-        group = _Group(request_id, prompt_text, token_ids, params)
+        group = RequestGroup(request_id, prompt_text, token_ids, params)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
         for req in samples:
             group.samples.append(
-                _SampleState(
+                SampleState(
                     request=req,
                     detok=IncrementalDetokenizer(self.tokenizer, params, token_ids),
                     logprobs=[] if params.logprobs is not None else None,
@@ -212,36 +184,6 @@ class LLMEngine:
         self._groups[request_id] = group
         self.latency.num_prompt_tokens += len(token_ids)
         return request_id
-
-    def _check_constraints(self, params: SamplingParams) -> None:
-        """ValueError for a logit_bias id outside the vocabulary or a constraint that does
-        not compile (before anything is queued)."""
-        vocab = self.arch.vocab_size
-        for t in params.logit_bias or {}:
-            if t >= vocab:
-                raise ValueError(
-                    f"SamplingParams.logit_bias token id {t} is outside the vocabulary [0, {vocab})"
-                )
-        if params.structured_outputs is not None:
-            self.structured.validate(params.structured_outputs)
-
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, (bytes, dict)) or not isinstance(prompt, Sequence) or not prompt:
-            raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
-        vocab = self.arch.vocab_size
-        ids = []
-        for t in prompt:
-            if not is_token_id(t):
-                raise ValueError(f"prompt token ids must be integers, got {t!r}")
-            tid = operator.index(t)
-            if not 0 <= tid < vocab:
-                raise ValueError(f"prompt token id {tid} is outside the vocabulary [0, {vocab})")
-            ids.append(tid)
-        return None, ids
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request (all its samples) in any state; frees everything it holds."""
@@ -254,6 +196,11 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    @property
+    def num_failed_requests(self) -> int:
+        """Requests failed by a fault of their own."""
+        return self.failures.num_failed_requests
 
     @property
     def num_request_states(self) -> int:
@@ -272,15 +219,15 @@ class LLMEngine:
         # logits, a bad draw) come back in runner_out.failed; a fault no request can be
         # blamed for raises StepFault and stops the engine.
         runner_out = execute_isolated(self.runner.execute, sched)
-        failed = self._fail_faulted(sched, runner_out.failed)
+        failed = self.failures.fail_faulted(sched, runner_out.failed)
         # NOTE: a request the grammar engine failed still ran in the forward (its KV is
         # written, so readers of its blocks are unaffected); its sampled token is ignored.
-        failed.update(self._fail_grammar_faults(grammar_faults))
+        failed.update(self.failures.fail_grammar_faults(grammar_faults))
         self.host_transfers.record(sched, runner_out, self.kv_cache_manager.counters)
         changed = self.scheduler.update_from_output(sched, runner_out)
         failed.update(self._after_step_extras(runner_out, changed))
         now = time.monotonic()
-        touched: dict[str, _Group] = {}
+        touched: dict[str, RequestGroup] = {}
         for req in changed:
             group = self._sample_to_group.get(req.request_id)
             if group is None:
@@ -290,14 +237,14 @@ class LLMEngine:
                 self._consume_tokens(state, runner_out.logprobs.get(req.request_id), now)
             except Exception as e:  # noqa: BLE001 - this request's detokenization only
                 logger.exception("detokenizing %s failed", req.request_id)
-                self._fail_group(group, f"detokenization failed: {e!r}")
+                fail_group(self.scheduler, group, f"detokenization failed: {e!r}")
                 failed[group.request_id] = group
                 continue
             touched[group.request_id] = group
         for rid in failed:
             touched.pop(rid, None)
-        outputs = [self._make_output(g, delta=True) for g in touched.values()]
-        outputs += [self._make_output(g, delta=True) for g in failed.values()]
+        outputs = [make_output(g, delta=True) for g in touched.values()]
+        outputs += [make_output(g, delta=True) for g in failed.values()]
         for group in failed.values():
             self._finish_group(group)
         for group in touched.values():
@@ -328,100 +275,9 @@ class LLMEngine:
             del self.step_records[:50_000]
         return outputs
 
-    def _fail_faulted(self, sched: SchedulerOutput, faults: dict[str, str]) -> dict[str, _Group]:
-        """Fail every request (all samples of its group) named in ``faults``; returns them.
-
-        Their blocks that this step should have written leave the prefix cache, then every
-        block they hold is freed. MAX_ALL_FAILED_STEPS steps in a row in which every request
-        failed mean the fault is not theirs: StepFault.
-        """
-        if not faults:
-            self._num_blamed_steps = 0
-            return {}
-        num_failed = sum(1 for sr in sched.scheduled if sr.request_id in faults)
-        if num_failed == len(sched.scheduled):
-            self._num_blamed_steps += 1
-            if self._num_blamed_steps >= MAX_ALL_FAILED_STEPS:
-                raise StepFault(
-                    f"{self._num_blamed_steps} steps in a row failed for every request: {faults}"
-                )
-        else:
-            self._num_blamed_steps = 0
-        start = {sr.request_id: sr.start_pos for sr in sched.scheduled}
-        # NOTE: after the blame count: they fail for the faulted ones, not on their own.
-        faults = {**faults, **self._readers_of_unwritten_kv(start, faults)}
-        forget = getattr(self.kv_cache_manager, "forget_unwritten", None)
-        out: dict[str, _Group] = {}
-        for rid, reason in faults.items():
-            logger.warning("request %s failed: %s", rid, reason)
-            req = self.scheduler.get_request(rid)
-            if req is not None and forget is not None and rid in start:
-                forget(req, start[rid])
-            group = self._sample_to_group.get(rid)
-            if group is None:  # not the engine's own (a test's scheduler-level request)
-                self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
-                continue
-            self._fail_group(group, reason)
-            out[group.request_id] = group
-        self.num_failed_requests += len(out)
-        return out
-
-    def _readers_of_unwritten_kv(
-        self, start: dict[str, int], faults: dict[str, str]
-    ) -> dict[str, str]:
-        """The step's other requests (``start``: each one's first position computed in the
-        step) whose prefix hit took blocks a faulted request was writing in this step: their
-        forward read KV that was never written, so they fail too.
-
-        NOTE: failing them is the honest outcome the step allows: their sampled tokens came
-        from garbage, and the blocks they matched will never hold the right KV. (A prefix
-        hit on blocks computed in an earlier step is unaffected.)
-        """
-        bs = self.kv_cache_manager.block_size
-        unwritten: dict[int, str] = {}
-        for rid in faults:
-            if rid in start:
-                for bid in self.kv_cache_manager.get_block_ids(rid)[start[rid] // bs :]:
-                    unwritten.setdefault(bid, rid)
-        readers = {}
-        for rid, first in start.items():
-            if rid in faults:
-                continue
-            # the blocks of the positions it did not compute itself in this step
-            for bid in self.kv_cache_manager.get_block_ids(rid)[: -(-first // bs)]:
-                if bid in unwritten:
-                    readers[rid] = (
-                        f"its prefix-cache hit was on KV that request {unwritten[bid]!r} was "
-                        "writing in the same step, which failed: the KV was never written"
-                    )
-                    break
-        return readers
-
-    def _fail_grammar_faults(self, faults: dict[str, str]) -> dict[str, _Group]:
-        """Fail every request (all samples of its group) the grammar engine failed (request
-        id -> reason, from StructuredOutputManager); returns them. Unlike a runner fault, the
-        KV of their step was written: their blocks stay valid for prefix hits."""
-        out: dict[str, _Group] = {}
-        for rid, reason in faults.items():
-            group = self._sample_to_group.get(rid)
-            if group is None:  # not the engine's own (a test's scheduler-level request)
-                self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
-                continue
-            if group.error is not None:
-                continue  # already failed in this step (a runner fault)
-            self._fail_group(group, reason)
-            out[group.request_id] = group
-        self.num_failed_requests += len(out)
-        return out
-
-    def _fail_group(self, group: _Group, reason: str) -> None:
-        """Finish every sample of ``group`` with an error; frees their blocks."""
-        if group.error is None:
-            group.error = reason
-        ids = [s.request.request_id for s in group.samples if not s.request.is_finished]
-        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
-
-    def _after_step_extras(self, runner_out: Any, changed: list[Request]) -> dict[str, _Group]:
+    def _after_step_extras(
+        self, runner_out: Any, changed: list[Request]
+    ) -> dict[str, RequestGroup]:
         """Structured output and prompt logprobs: matchers consume the new tokens (an
         unfinished request whose grammar has ended stops); prompt logprobs are recorded.
         Returns the requests failed because the grammar engine raised for them."""
@@ -436,10 +292,10 @@ class LLMEngine:
                 # NOTE: a recompute preemption scores the prompt again; keep the first.
                 if pos == len(group.prompt_logprobs):
                     group.prompt_logprobs.append(entry)
-        return self._fail_grammar_faults(grammar_faults)
+        return self.failures.fail_grammar_faults(grammar_faults)
 
     def _consume_tokens(
-        self, state: _SampleState, logprobs: LogprobsEntry | None, now: float
+        self, state: SampleState, logprobs: LogprobsEntry | None, now: float
     ) -> None:
         req = state.request
         new_ids = req.output_token_ids[len(state.detok.token_ids) :]
@@ -467,49 +323,11 @@ class LLMEngine:
                 state.detok.flush()
             self.latency.record_finished(req)
 
-    def _finish_group(self, group: _Group) -> None:
+    def _finish_group(self, group: RequestGroup) -> None:
         self._groups.pop(group.request_id, None)
         for s in group.samples:
             self._sample_to_group.pop(s.request.request_id, None)
             self.structured.free(s.request.request_id)
-
-    def _make_output(self, group: _Group, *, delta: bool) -> RequestOutput:
-        completions = []
-        for s in group.samples:
-            req = s.request
-            text = s.detok.text
-            delta_ids = req.output_token_ids[s.num_emitted_tokens :] if delta else []
-            delta_text = text[s.num_emitted_chars :] if delta else ""
-            if delta:
-                s.num_emitted_tokens = req.num_output_tokens
-                s.num_emitted_chars = len(text)
-            completions.append(
-                CompletionOutput(
-                    index=req.sample_index,
-                    text=text,
-                    token_ids=list(req.output_token_ids),
-                    finish_reason=req.finish_reason,
-                    stop_reason=req.stop_reason,
-                    logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                    cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
-                    delta_text=delta_text,
-                    delta_token_ids=delta_ids,
-                )
-            )
-        head = group.samples[0].request
-        return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
-            outputs=completions,
-            finished=all(s.request.is_finished for s in group.samples),
-            num_cached_tokens=max(head.num_cached_tokens, 0),
-            metrics=_metrics([s.request for s in group.samples]),
-            error=group.error,
-            prompt_logprobs=list(group.prompt_logprobs)
-            if group.prompt_logprobs is not None
-            else None,
-        )
 
     # ---- figures --------------------------------------------------------------------------
 
@@ -537,26 +355,3 @@ class LLMEngine:
             "num_host_blocks": self.memory_report.num_host_blocks,
         }
         return out
-
-
-def _metrics(samples: list[Request]) -> RequestMetrics:
-    """The request's latencies: the first sample's, but e2e ends with its last sample."""
-    req = samples[0]
-    m = RequestMetrics(arrival_time=req.arrival_time)
-    if req.first_scheduled_time is not None:
-        m.queue_time = req.first_scheduled_time - req.arrival_time
-    if req.first_token_time is not None:
-        m.ttft = req.first_token_time - req.arrival_time
-        if req.last_token_time is not None and req.num_output_tokens > 1:
-            m.tpot = (req.last_token_time - req.first_token_time) / (req.num_output_tokens - 1)
-    # NOTE: an n > 1 request finishes with its last sample (a forked sample samples a step
-    # after the first one, or waits for a seat), not with the first.
-    ends = [s.finished_time for s in samples]
-    if all(t is not None for t in ends):
-        m.e2e = max(t for t in ends if t is not None) - req.arrival_time
-    return m
-
-
-def is_token_id(value: object) -> bool:
-    """An integer of any type (numpy's too: ``operator.index`` takes it), not a bool."""
-    return hasattr(value, "__index__") and not isinstance(value, bool)

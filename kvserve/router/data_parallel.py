@@ -330,7 +330,7 @@ def serve_data_parallel(args: argparse.Namespace) -> int:
         return 0
 
     if backend == "ray":
-        from kvserve.server.cli import load_chat_template
+        from kvserve.server.chat_template import load_chat_template
 
         kwargs = replica_server_kwargs(args)
         kwargs["chat_template"] = load_chat_template(args.chat_template)

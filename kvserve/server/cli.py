@@ -12,6 +12,7 @@ from types import FrameType
 from typing import Any
 
 from kvserve.cors import add_cors_arg
+from kvserve.server.chat_template import load_chat_template
 from kvserve.server.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT_S
 from kvserve.server.tools import TOOL_CALL_PARSERS
 
@@ -95,19 +96,6 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
-
-
-def load_chat_template(value: str | None) -> str | None:
-    """``--chat-template``: the text of a file, or the value itself when it is a Jinja
-    template (as vLLM). Exits with a message when it is neither."""
-    if value is None:
-        return None
-    if os.path.isfile(value):
-        with open(value, encoding="utf-8") as f:
-            return f.read()
-    if "{%" in value or "{{" in value:
-        return value
-    raise SystemExit(f"kvserve serve: --chat-template: no such file: {value}")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

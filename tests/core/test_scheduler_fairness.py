@@ -9,7 +9,7 @@ from kvserve.config import SchedulerConfig
 from kvserve.core.outputs import ModelRunnerOutput
 from kvserve.request import RequestStatus
 from tests.core.fake_runner import assert_pool_idle, make_request
-from tests.core.test_scheduler import assert_expected, first_step_of, make_driver, prompt
+from tests.core.sched_helpers import assert_expected, first_step_of, make_driver, prompt
 
 
 def test_seat_share_defaults_to_half_and_is_capped() -> None:

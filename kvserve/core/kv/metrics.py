@@ -24,12 +24,9 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput
-
-if TYPE_CHECKING:
-    from kvserve.core.kv.kv_cache_manager import KVCacheManager
 
 
 @dataclass(slots=True)
@@ -77,8 +74,42 @@ class KVCacheCounters:
             self.alloc_calls += 1
 
 
+class _EvictingPool(Protocol):
+    @property
+    def num_evictions(self) -> int: ...
+
+
+class _CachingHostTier(Protocol):
+    @property
+    def num_cached_blocks(self) -> int: ...
+
+
+class KVCapacitySource(Protocol):
+    """What ``capacity_figures`` reads of a KV cache manager: its public state
+    (``KVCacheManager`` and its variants have it; the Protocol keeps this module below them)."""
+
+    @property
+    def counters(self) -> KVCacheCounters: ...
+    @property
+    def block_pool(self) -> _EvictingPool: ...
+    @property
+    def host_tier(self) -> _CachingHostTier: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def num_free_blocks(self) -> int: ...
+    @property
+    def usage(self) -> float: ...
+    @property
+    def num_host_blocks(self) -> int: ...
+    @property
+    def num_free_host_blocks(self) -> int: ...
+
+
 def capacity_figures(
-    kv: KVCacheManager, utilization: float, has_tables: bool
+    kv: KVCapacitySource, utilization: float, has_tables: bool
 ) -> dict[str, float | int]:
     """``KVCacheManager.snapshot()``: every capacity figure by name, from the manager's
     public state plus its ``utilization`` and whether it ``has_tables`` (any live one)."""

@@ -8,7 +8,7 @@ this order:
    first (``PreemptionPolicy.sort_key``). If one cannot get a block, the policy picks a
    victim among the running requests not yet scheduled in this step (the requester
    included) and preempts it, until the block can be had or the requester itself was
-   preempted (``core/preemption.py``: never a request already scheduled in this step).
+   preempted (``preemption.py``: never a request already scheduled in this step).
 2. Running requests still prefilling (prompt, or prompt + output after a recompute
    preemption), in chunks of the remaining budget; same preemption rule.
 3. Swapped-out requests are swapped back in (most important first), then
@@ -16,15 +16,15 @@ this order:
    only: if the head cannot be admitted, nobody behind it is. No admission while any
    request is swapped out. Steps 3 and 4 are skipped in a step that preempted.
 
-With a step-time budget (``step_budget``, a ``core.step_budget.StepTimeBudget``; the engine
-sets one by default), steps 2-4 also respect per-request prefill chunk caps that it plans right
-after step 1, so the step's predicted time stays within its target (decodes are never capped;
-a step without decodes is not capped; see that module). ``observe_step`` feeds it the engine's
-step records.
+With a step-time budget (``step_budget``, a ``step_budget.StepTimeBudget``; off by default,
+on under ``--step-budget``, ``--max-step-ms`` or ``--target-itl-ms``), steps 2-4 also respect
+per-request prefill chunk caps that it plans right after step 1, so the step's predicted time
+stays within its target (decodes are never capped; a step without decodes is not capped; see
+that module). ``observe_step`` feeds it the engine's step records.
 
 Admission rules of steps 3 and 4 (seats, headroom, hysteresis, no deadlock):
-``core/admission.py``. Preemption modes ("recompute", or "swap" with a fallback to
-recompute): ``core/preemption.py``.
+``admission.py``. Preemption modes ("recompute", or "swap" with a fallback to recompute):
+``preemption.py`` (both beside this file in ``core/sched/``).
 
 Files: this one holds the queues and the order of a step; ``step_plan`` the step's token
 budget, chunk sizes and output; ``admission``, ``preemption`` and ``stop_checks`` the rules.

@@ -17,7 +17,7 @@ import torch
 from kvserve.distributed.comm import TPGroup
 from kvserve.distributed.sharding import ShardSpec
 from kvserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, rope_cos_sin
-from kvserve.runtime.attention import AttentionMetadata
+from kvserve.runtime.attention.metadata import AttentionMetadata
 from kvserve.runtime.linear import Linear
 from kvserve.runtime.workspace import Workspace
 

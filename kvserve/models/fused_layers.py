@@ -50,14 +50,14 @@ from kvserve.models.quant_linear import (
     QuantSplitMethod,
 )
 from kvserve.runtime.amx_linear import AmxBf16Method
+from kvserve.runtime.attention.native_cpu import NativeCPUBackend
 from kvserve.runtime.layer_ops import NATIVE_OPS
 from kvserve.runtime.linear import DenseMmMethod, LinearMethod, OneDnnPrepackedMethod, row_bucket
-from kvserve.runtime.native.backend import NativeCPUBackend
 from kvserve.runtime.native.quant_ops import ISA_CODES, LAYOUT_CODES, QTYPE_CODES
 
 if TYPE_CHECKING:
     from kvserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, StepViews
-    from kvserve.runtime.attention import AttentionMetadata
+    from kvserve.runtime.attention.metadata import AttentionMetadata
 
 DISABLE_ENV = "KVSERVE_FUSED_LAYERS"  # "0" runs the layers one by one
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")

@@ -34,7 +34,9 @@ from kvserve.runtime import (
     amx_linear,  # noqa: F401 - registers the AMX linear candidate
     native,
 )
-from kvserve.runtime.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+from kvserve.runtime.attention import get_attention_backend
+from kvserve.runtime.attention.interface import AttentionBackend
+from kvserve.runtime.attention.metadata import AttentionMetadata
 from kvserve.runtime.layer_ops import TORCH_OPS, LayerOps, RopeViews, layer_ops
 from kvserve.runtime.linear import Linear, LinearPlan, build_linear
 from kvserve.runtime.workspace import Workspace

@@ -43,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvserve.config import ModelArchConfig
 from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
+from kvserve.runtime.attention.native_cpu import NativeCPUBackend
 from kvserve.runtime.kernel_scratch import (
     GemmShape,
     amx_prefill_scratch_bytes,
@@ -50,7 +51,6 @@ from kvserve.runtime.kernel_scratch import (
     native_decode_scratch_bytes,
     sdpa_cpu_flash_scratch_bytes,
 )
-from kvserve.runtime.native.backend import NativeCPUBackend
 from kvserve.runtime.native.chunk_limit import ChunkAttention
 from kvserve.sampling_params import MAX_LOGPROBS, SamplingParams
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kvserve.runtime import native
-from kvserve.runtime.attention import SeqSpec, build_attention_metadata
-from kvserve.runtime.native.backend import NativeCPUBackend, amx_prefill_available
+from kvserve.runtime.attention.metadata import SeqSpec, build_attention_metadata
+from kvserve.runtime.attention.native_cpu import NativeCPUBackend, amx_prefill_available
 
 pytestmark = pytest.mark.skipif(
     not amx_prefill_available(), reason="the AMX prefill kernel does not run here"

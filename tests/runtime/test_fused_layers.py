@@ -23,7 +23,8 @@ from kvserve.models.quant_linear import (
 from kvserve.runtime import native
 from kvserve.runtime.amx_int8 import amx_int8_available
 from kvserve.runtime.amx_linear import AmxBf16Method, amx_available
-from kvserve.runtime.attention import SeqSpec, build_attention_metadata
+from kvserve.runtime.attention.metadata import SeqSpec, build_attention_metadata
+from kvserve.runtime.attention.native_cpu import NativeCPUBackend
 from kvserve.runtime.linear import (
     EXACT_ROWS,
     M_MAX,
@@ -34,7 +35,6 @@ from kvserve.runtime.linear import (
     onednn_supports,
 )
 from kvserve.runtime.native import quant_ops
-from kvserve.runtime.native.backend import NativeCPUBackend
 from tests.tiny_models import make_tiny_gguf
 
 pytestmark = pytest.mark.skipif(

@@ -12,7 +12,7 @@ import torch
 
 from kvserve.models.llama import PROJECTIONS, LlamaForCausalLM, compute_inv_freq, rope_cos_sin
 from kvserve.runtime import native
-from kvserve.runtime.attention import SeqSpec, build_attention_metadata
+from kvserve.runtime.attention.metadata import SeqSpec, build_attention_metadata
 from kvserve.runtime.kv_cache import KVCache
 from kvserve.runtime.linear import (
     M_MAX,

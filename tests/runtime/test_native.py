@@ -17,15 +17,11 @@ from hypothesis import strategies as st
 
 from kvserve.models.llama import rope_cos_sin
 from kvserve.runtime import native
-from kvserve.runtime.attention import (
-    NULL_BLOCK_ID,
-    SeqSpec,
-    TorchSDPABackend,
-    build_attention_metadata,
-    get_attention_backend,
-)
+from kvserve.runtime.attention import get_attention_backend
+from kvserve.runtime.attention.metadata import NULL_BLOCK_ID, SeqSpec, build_attention_metadata
+from kvserve.runtime.attention.native_cpu import NativeCPUBackend
+from kvserve.runtime.attention.sdpa import TorchSDPABackend
 from kvserve.runtime.layer_ops import apply_rope_, rms_norm_into
-from kvserve.runtime.native.backend import NativeCPUBackend
 from kvserve.runtime.workspace import Workspace
 
 CPU = torch.device("cpu")

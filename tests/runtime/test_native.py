@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.models.llama import rope_cos_sin
+from kvserve.models.rope import rope_cos_sin
 from kvserve.runtime import native
 from kvserve.runtime.attention import get_attention_backend
 from kvserve.runtime.attention.metadata import NULL_BLOCK_ID, SeqSpec, build_attention_metadata

@@ -171,7 +171,7 @@ def test_memory_plan_counts_the_kernels_scratch() -> None:
     from kvserve.config import ModelArchConfig
     from kvserve.models.llama import LlamaForCausalLM
     from kvserve.runtime.kernel_scratch import amx_prefill_scratch_bytes
-    from kvserve.runtime.memory_plan import plan_activations
+    from kvserve.runtime.memory_plan.planner import plan_activations
     from kvserve.runtime.native.chunk_limit import ChunkAttention
 
     arch = ModelArchConfig(

@@ -422,7 +422,7 @@ def test_memory_plan_traces_the_native_ops_and_counts_their_scratch() -> None:
     from kvserve.config import ModelArchConfig
     from kvserve.models.llama import LlamaForCausalLM
     from kvserve.runtime.kernel_scratch import native_decode_scratch_bytes
-    from kvserve.runtime.memory_plan import plan_activations
+    from kvserve.runtime.memory_plan.planner import plan_activations
 
     arch = ModelArchConfig(
         architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,

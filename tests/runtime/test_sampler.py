@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from kvserve.core.outputs import ScheduledRequest
 from kvserve.runtime.guard import sample_guarded
-from kvserve.runtime.sampler import Sampler, _top_k_top_p, apply_penalties, seeded_uniform
+from kvserve.runtime.sampler import Sampler, seeded_uniform
+from kvserve.runtime.sampler.filters import _top_k_top_p, apply_penalties
 from kvserve.sampling_params import SamplingParams
 
 VOCAB = 64

@@ -30,7 +30,7 @@ PACKAGE = ROOT / "kvserve"
 
 # (file relative to the repo, attribute) -> why reading it is acceptable.
 THIRD_PARTY_PRIVATE = {
-    ("kvserve/runtime/memory_plan.py", "_schema"): (
+    ("kvserve/runtime/memory_plan/recorder.py", "_schema"): (
         "torch's OpOverload exposes its schema (argument alias info) only as _schema"
     ),
 }

@@ -36,7 +36,7 @@ from kvserve.engine.memory_budget import (
 )
 from kvserve.models.loader import resolve_model
 from kvserve.runtime.kernel_scratch import measure_gemm_scratch
-from kvserve.runtime.memory_plan import ActivationPlan, describe
+from kvserve.runtime.memory_plan.planner import ActivationPlan, describe
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -68,7 +68,7 @@ import torch
 from kvserve.bench.memory import _arch, _read_status
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.runtime.kernel_scratch import GemmShape, measure_gemm_scratch
-from kvserve.runtime.memory_plan import worst_case_steps
+from kvserve.runtime.memory_plan.planner import worst_case_steps
 from kvserve.runtime.model_runner import ModelRunner
 a = json.loads(sys.argv[1])
 torch.set_num_threads(a["num_threads"])

@@ -30,7 +30,7 @@ class ScheduledRequest:
     # Read-only views for penalties / seeded draws (the runner must not mutate them).
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    # Seed of this sample's draws (runtime/sampler.py): SamplingParams.seed + sample_index, or None.
+    # Seed of this sample's draws (runtime/sampler/): SamplingParams.seed + sample_index, or None.
     seed: int | None = None
 
     @property

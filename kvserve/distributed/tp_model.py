@@ -16,8 +16,10 @@ import torch
 
 from kvserve.distributed.comm import TPGroup
 from kvserve.distributed.sharding import ShardSpec
-from kvserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, rope_cos_sin
-from kvserve.runtime.attention import AttentionMetadata
+from kvserve.models.decoder_layer import LlamaDecoderLayer
+from kvserve.models.llama import LlamaForCausalLM
+from kvserve.models.rope import rope_cos_sin
+from kvserve.runtime.attention.metadata import AttentionMetadata
 from kvserve.runtime.linear import Linear
 from kvserve.runtime.workspace import Workspace
 

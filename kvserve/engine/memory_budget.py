@@ -3,7 +3,7 @@
 The KV pool gets every byte the budget leaves after the fixed consumers, and is allocated
 once, before any request (seed: "Pre-allocate everything at startup", "Reserve headroom").
 
-    budget = weights + activations (planned, runtime/memory_plan.py) + kernel scratch
+    budget = weights + activations (planned, runtime/memory_plan/) + kernel scratch
              + headroom + KV blocks
              [+ the host swap tier when the device is the CPU: it lives in the same RAM]
 
@@ -28,7 +28,7 @@ from kvserve.config import ModelArchConfig
 from kvserve.engine.config import EngineConfig, GiB, available_memory_bytes
 from kvserve.runtime.kernel_scratch import GemmShape, measure_gemm_scratch
 from kvserve.runtime.kv_cache import kv_bytes_per_token
-from kvserve.runtime.memory_plan import ActivationPlan, plan_activations
+from kvserve.runtime.memory_plan.planner import ActivationPlan, plan_activations
 from kvserve.runtime.native.chunk_limit import ChunkAttention
 
 MiB = 1 << 20
@@ -199,7 +199,7 @@ def max_sequence_tokens(config: EngineConfig, arch: ModelArchConfig, *, max_mode
     """The longest context one sequence can have in a step: what the plan pads gathers to.
 
     NOTE: the batched decode gathers every decode's blocks padded to the longest one
-    (runtime/attention.py), so one sequence at this length and max_num_seqs - 1 short ones
+    (runtime/attention/sdpa.py), so one sequence at this length and max_num_seqs - 1 short ones
     already gather max_num_seqs x this length: the plan's decode step is the true worst case
     of that code, not an over-reservation. What bounds it besides max_model_len: a block table
     holds distinct pool blocks, so without windowed eviction (whose tables keep freed

@@ -44,7 +44,7 @@ from kvserve.models.quant_model import quantization_summary, quantized_nbytes, s
 from kvserve.models.quant_select import quantized_counts, quantized_formats
 from kvserve.runtime.kernel_select import plan_of
 from kvserve.runtime.linear import gather_into_huge_pages, warm_row_buckets
-from kvserve.runtime.memory_plan import ActivationPlan
+from kvserve.runtime.memory_plan.planner import ActivationPlan
 from kvserve.runtime.model_runner import ModelRunner
 from kvserve.runtime.native.chunk_limit import configure_backend
 from kvserve.tokenizer import Tokenizer

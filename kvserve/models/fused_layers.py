@@ -31,15 +31,16 @@ dispatch each plus the wrappers around them; its kernels alone took 3.6 ms of a 
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from kvserve.models.decoder_layer import LlamaDecoderLayer, StepViews
 from kvserve.models.quant_linear import (
     DenseCopyMethod,
     DequantDenseMethod,
@@ -50,19 +51,15 @@ from kvserve.models.quant_linear import (
     QuantSplitMethod,
 )
 from kvserve.runtime.amx_linear import AmxBf16Method
-from kvserve.runtime.layer_ops import NATIVE_OPS
+from kvserve.runtime.attention.interface import AttentionBackend
+from kvserve.runtime.attention.metadata import AttentionMetadata
+from kvserve.runtime.attention.native_cpu import NativeCPUBackend
+from kvserve.runtime.layer_ops import NATIVE_OPS, LayerOps
 from kvserve.runtime.linear import DenseMmMethod, LinearMethod, OneDnnPrepackedMethod, row_bucket
-from kvserve.runtime.native.backend import NativeCPUBackend
 from kvserve.runtime.native.quant_ops import ISA_CODES, LAYOUT_CODES, QTYPE_CODES
-
-if TYPE_CHECKING:
-    from kvserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, StepViews
-    from kvserve.runtime.attention import AttentionMetadata
 
 DISABLE_ENV = "KVSERVE_FUSED_LAYERS"  # "0" runs the layers one by one
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-# Each build of a layer's projections takes a new number (LlamaDecoderLayer.build_linears).
-LINEAR_VERSIONS = itertools.count(1)
 
 
 def enabled_by_env() -> bool:
@@ -143,8 +140,6 @@ def build_fused_layers(layers: list[LlamaDecoderLayer], num_rows: int) -> FusedL
     """The arguments for a step of ``num_rows`` rows, or None when some projection of some
     layer runs another method (or has a bias) at that row count, or some layer is not a
     plain ``LlamaDecoderLayer``."""
-    from kvserve.models.llama import LlamaDecoderLayer  # NOTE: llama.py imports this module
-
     if any(type(layer) is not LlamaDecoderLayer for layer in layers):
         return None
     weights: list[torch.Tensor] = []
@@ -169,8 +164,19 @@ def build_fused_layers(layers: list[LlamaDecoderLayer], num_rows: int) -> FusedL
     )
 
 
+class FusedModel(Protocol):
+    """What ``run_fused_layers`` reads of the model (``llama.LlamaForCausalLM``)."""
+
+    layers: Sequence[LlamaDecoderLayer]
+    attn_backend: AttentionBackend
+    ops: LayerOps
+    fused_layers: bool  # whether a step may run every layer in one native call
+    # By step row count: (the layers' linears_version, the call's arguments or None).
+    fused_cache: dict[int, tuple[tuple[int, ...], FusedLayers | None]]
+
+
 def run_fused_layers(
-    model: LlamaForCausalLM,
+    model: FusedModel,
     hidden: torch.Tensor,  # [T, hidden] the embedded tokens (updated in place)
     cos: torch.Tensor,  # [T, 1, d]
     sin: torch.Tensor,  # [T, 1, d]

@@ -258,7 +258,7 @@ class DequantDenseMethod(DenseCopyMethod):
 
     def prepare(self) -> None:
         if self.weight_t is None:
-            # [in, out] contiguous: the layout MKL ran fastest for decode (see models/llama.py).
+            # [in, out] contiguous: the layout MKL ran fastest for decode (models/decoder_layer.py).
             self.weight_t = self.source.dequantize(self.act_dtype).t().contiguous()
 
     def streamed_tensors(self) -> list[torch.Tensor]:

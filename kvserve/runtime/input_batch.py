@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
-from kvserve.runtime.attention import AttentionMetadata, SeqSpec, build_attention_metadata
+from kvserve.runtime.attention.metadata import AttentionMetadata, SeqSpec, build_attention_metadata
 
 
 @dataclass(slots=True)

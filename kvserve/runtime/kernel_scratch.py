@@ -1,6 +1,6 @@
 """Kernel scratch: memory that kernels take for themselves, invisible to the activation trace.
 
-The activation plan (``memory_plan.py``) records every tensor an aten op returns; it cannot
+The activation plan (``memory_plan/recorder.py``) records every tensor an aten op returns; it cannot
 see the buffers an op allocates inside its kernel and frees before returning, nor the ones a
 BLAS library keeps for itself. On the embedded model (fp32, 2 threads) those were the bytes
 a real step used beyond the plan (``kvserve bench memory --measure``), of two kinds:

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kvserve.runtime import native
-from kvserve.runtime.attention import SeqSpec, build_attention_metadata
-from kvserve.runtime.native.backend import NativeCPUBackend, amx_prefill_available
+from kvserve.runtime.attention.metadata import SeqSpec, build_attention_metadata
+from kvserve.runtime.attention.native_cpu import NativeCPUBackend, amx_prefill_available
 
 pytestmark = pytest.mark.skipif(
     not amx_prefill_available(), reason="the AMX prefill kernel does not run here"
@@ -171,7 +171,7 @@ def test_memory_plan_counts_the_kernels_scratch() -> None:
     from kvserve.config import ModelArchConfig
     from kvserve.models.llama import LlamaForCausalLM
     from kvserve.runtime.kernel_scratch import amx_prefill_scratch_bytes
-    from kvserve.runtime.memory_plan import plan_activations
+    from kvserve.runtime.memory_plan.planner import plan_activations
     from kvserve.runtime.native.chunk_limit import ChunkAttention
 
     arch = ModelArchConfig(

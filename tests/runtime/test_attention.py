@@ -14,17 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
-from kvserve.runtime import attention
-from kvserve.runtime.attention import (
-    SeqSpec,
-    TorchReferenceBackend,
-    TorchSDPABackend,
-    build_attention_metadata,
-    get_attention_backend,
-    plan_decode_groups,
-)
+from kvserve.runtime.attention import get_attention_backend, metadata
+from kvserve.runtime.attention.metadata import SeqSpec, build_attention_metadata, plan_decode_groups
+from kvserve.runtime.attention.native_cpu import NativeCPUBackend
+from kvserve.runtime.attention.sdpa import TorchSDPABackend
+from kvserve.runtime.attention.torch_ref import TorchReferenceBackend
 from kvserve.runtime.input_batch import build_input_batch
-from kvserve.runtime.native.backend import NativeCPUBackend
 from kvserve.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -94,7 +89,7 @@ def test_backends_match_dense_attention(
     mix: list[tuple[int, int]], window: int | None, group_cost: int | None, monkeypatch
 ) -> None:
     if group_cost is not None:  # every distinct decode length in a group of its own
-        monkeypatch.setattr(attention, "DECODE_GROUP_COST_TOKENS", group_cost)
+        monkeypatch.setattr(metadata, "DECODE_GROUP_COST_TOKENS", group_cost)
     data, seqs, cache0 = _case(mix, seed=len(mix))
     meta = build_attention_metadata(
         seqs, block_size=BLOCK_SIZE, device=CPU, dtype=torch.float32, sliding_window=window
@@ -270,7 +265,7 @@ def test_decode_groups_tile_the_rows_and_never_pad_more(
 
     assert total(groups) <= total([(0, len(blocks))])  # never worse than one group
     distinct = len(set(blocks))
-    if sort and cost == 0 and distinct <= attention.MAX_DECODE_SPLIT_POINTS:
+    if sort and cost == 0 and distinct <= metadata.MAX_DECODE_SPLIT_POINTS:
         assert total(groups) == sum(blocks) * 16  # no padding at all
 
 

@@ -14,9 +14,10 @@ from kvserve.config import ModelArchConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.models.loader import default_model_path
 from kvserve.runtime import native
-from kvserve.runtime.attention import SeqSpec, TorchSDPABackend, build_attention_metadata
+from kvserve.runtime.attention.metadata import SeqSpec, build_attention_metadata
+from kvserve.runtime.attention.native_cpu import NativeCPUBackend, amx_prefill_available
+from kvserve.runtime.attention.sdpa import TorchSDPABackend
 from kvserve.runtime.native import chunk_limit
-from kvserve.runtime.native.backend import NativeCPUBackend, amx_prefill_available
 from kvserve.runtime.native.chunk_limit import (
     ChunkAttention,
     choice_from_timings,

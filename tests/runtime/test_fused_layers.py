@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvserve.models import fused_layers
+from kvserve.models.decoder_layer import LINEAR_VERSIONS
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_model
 from kvserve.models.quant_linear import (
@@ -23,7 +24,8 @@ from kvserve.models.quant_linear import (
 from kvserve.runtime import native
 from kvserve.runtime.amx_int8 import amx_int8_available
 from kvserve.runtime.amx_linear import AmxBf16Method, amx_available
-from kvserve.runtime.attention import SeqSpec, build_attention_metadata
+from kvserve.runtime.attention.metadata import SeqSpec, build_attention_metadata
+from kvserve.runtime.attention.native_cpu import NativeCPUBackend
 from kvserve.runtime.linear import (
     EXACT_ROWS,
     M_MAX,
@@ -34,7 +36,6 @@ from kvserve.runtime.linear import (
     onednn_supports,
 )
 from kvserve.runtime.native import quant_ops
-from kvserve.runtime.native.backend import NativeCPUBackend
 from tests.tiny_models import make_tiny_gguf
 
 pytestmark = pytest.mark.skipif(
@@ -146,7 +147,7 @@ def test_amx_bf16_projections_fuse(tmp_path: Path) -> None:
         for name in fused_layers.PROJECTIONS:
             method = QuantAmxBf16Method(getattr(layer, name).method_for(1).weight)
             setattr(layer, name, Linear(method.weight, [(M_MAX, method)]))
-        layer.linears_version = next(fused_layers.LINEAR_VERSIONS)
+        layer.linears_version = next(LINEAR_VERSIONS)
     ref = run(model, torch.bfloat16, fused=False)
     got = run(model, torch.bfloat16, fused=True)
     assert fused_rows(model) == {3}
@@ -165,7 +166,7 @@ def test_amx_int8_projections_fuse(tmp_path: Path) -> None:
             source = getattr(layer, name).method_for(1).weight
             method = QuantAmxInt8Method(source)
             setattr(layer, name, Linear(source, [(M_MAX, method)]))
-        layer.linears_version = next(fused_layers.LINEAR_VERSIONS)
+        layer.linears_version = next(LINEAR_VERSIONS)
     ref = run(model, torch.bfloat16, fused=False)
     got = run(model, torch.bfloat16, fused=True)
     assert fused_rows(model) == {3}
@@ -184,7 +185,7 @@ def test_amx_dense_projections_fuse(tmp_path: Path) -> None:
         for name in fused_layers.PROJECTIONS:
             weight = getattr(layer, name).method_for(1).weight
             setattr(layer, name, Linear(weight, [(M_MAX, AmxBf16Method(weight))]))
-        layer.linears_version = next(fused_layers.LINEAR_VERSIONS)
+        layer.linears_version = next(LINEAR_VERSIONS)
     ref = run(model, torch.bfloat16, fused=False)
     got = run(model, torch.bfloat16, fused=True)
     assert fused_rows(model) == {3}
@@ -217,7 +218,7 @@ def test_dense_copies_of_quantized_weights_fuse(tmp_path: Path, copy: type) -> N
         for name in ("qkv_proj", "down_proj"):  # o and gate/up stay on the int8-dot kernel
             source = getattr(layer, name).method_for(1).weight
             setattr(layer, name, Linear(source, [(M_MAX, copy(source, torch.bfloat16))]))
-        layer.linears_version = next(fused_layers.LINEAR_VERSIONS)
+        layer.linears_version = next(LINEAR_VERSIONS)
     ref = run(model, torch.bfloat16, fused=False)
     got = run(model, torch.bfloat16, fused=True)
     assert fused_rows(model) == {3}
@@ -244,7 +245,7 @@ def test_dense_models_fuse_on_mm_and_onednn(tmp_path: Path, dtype: torch.dtype) 
         for name in fused_layers.PROJECTIONS:
             weight = getattr(layer, name).method_for(1).weight
             setattr(layer, name, Linear(weight, [(M_MAX, OneDnnPrepackedMethod(weight))]))
-        layer.linears_version = next(fused_layers.LINEAR_VERSIONS)
+        layer.linears_version = next(LINEAR_VERSIONS)
     ref = run(model, dtype, fused=False)
     got = run(model, dtype, fused=True)
     assert fused_rows(model) == {3}

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from kvserve.bench.hotpath import StorageCounter, _DecodeDriver
 from kvserve.core.outputs import SchedulerOutput
 from kvserve.runtime import native
-from kvserve.runtime.attention import SeqSpec, build_attention_metadata
+from kvserve.runtime.attention.metadata import SeqSpec, build_attention_metadata
 from kvserve.runtime.kv_cache import KVCache
 from kvserve.runtime.layer_ops import apply_rope_, rms_norm_into
 from kvserve.runtime.model_runner import ModelRunner

@@ -20,7 +20,8 @@ from kvserve.runtime.kernel_scratch import (
     measure_gemm_scratch,
     sdpa_cpu_flash_scratch_bytes,
 )
-from kvserve.runtime.memory_plan import LifetimeRecorder, plan_activations
+from kvserve.runtime.memory_plan.planner import plan_activations
+from kvserve.runtime.memory_plan.recorder import LifetimeRecorder
 
 FLASH = "aten::_scaled_dot_product_flash_attention_for_cpu"
 

@@ -9,13 +9,10 @@ import random
 import pytest
 import torch
 
-from kvserve.runtime.attention import (
-    NULL_BLOCK_ID,
-    SeqSpec,
-    TorchReferenceBackend,
-    TorchSDPABackend,
-    build_attention_metadata,
-)
+from kvserve.runtime.attention.metadata import NULL_BLOCK_ID, SeqSpec, build_attention_metadata
+from kvserve.runtime.attention.native_cpu import NativeCPUBackend
+from kvserve.runtime.attention.sdpa import TorchSDPABackend
+from kvserve.runtime.attention.torch_ref import TorchReferenceBackend
 from kvserve.runtime.kv_cache import (
     KVCache,
     QuantizedLayerCache,
@@ -24,7 +21,6 @@ from kvserve.runtime.kv_cache import (
     quantize_kv,
 )
 from kvserve.runtime.model_runner import ModelRunner
-from kvserve.runtime.native.backend import NativeCPUBackend
 from tests.runtime.runtime_testutil import ToyAllocator, generate, ours_from_hf, tiny_hf_model
 
 CPU = torch.device("cpu")

@@ -10,9 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.models.llama import PROJECTIONS, LlamaForCausalLM, compute_inv_freq, rope_cos_sin
+from kvserve.models.decoder_layer import PROJECTIONS
+from kvserve.models.llama import LlamaForCausalLM
+from kvserve.models.rope import compute_inv_freq, rope_cos_sin
 from kvserve.runtime import native
-from kvserve.runtime.attention import SeqSpec, build_attention_metadata
+from kvserve.runtime.attention.metadata import SeqSpec, build_attention_metadata
 from kvserve.runtime.kv_cache import KVCache
 from kvserve.runtime.linear import (
     M_MAX,

@@ -9,14 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.models.llama import LlamaForCausalLM
-from kvserve.runtime.memory_plan import (
-    Interval,
-    LifetimeRecorder,
-    live_bytes_lower_bound,
-    pack_intervals,
-    plan_activations,
-    worst_case_steps,
-)
+from kvserve.runtime.memory_plan.arena import Interval, live_bytes_lower_bound, pack_intervals
+from kvserve.runtime.memory_plan.planner import plan_activations, worst_case_steps
+from kvserve.runtime.memory_plan.recorder import LifetimeRecorder
 
 # ------------------------------------------------------------------------ packer, by hand
 

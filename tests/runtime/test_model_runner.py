@@ -235,7 +235,7 @@ def test_embedded_model_matches_hf(embedded) -> None:
             )
         assert ours[rid] == ref[0, len(prompt) :].tolist(), rid
     # Per-position logits through the runner's model, one ragged step.
-    from kvserve.runtime.attention import SeqSpec, build_attention_metadata
+    from kvserve.runtime.attention.metadata import SeqSpec, build_attention_metadata
 
     alloc = ToyAllocator(runner.num_blocks, runner.block_size, seed=9)
     specs, ids, pos = [], [], []

@@ -17,17 +17,13 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.models.llama import rope_cos_sin
+from kvserve.models.rope import rope_cos_sin
 from kvserve.runtime import native
-from kvserve.runtime.attention import (
-    NULL_BLOCK_ID,
-    SeqSpec,
-    TorchSDPABackend,
-    build_attention_metadata,
-    get_attention_backend,
-)
+from kvserve.runtime.attention import get_attention_backend
+from kvserve.runtime.attention.metadata import NULL_BLOCK_ID, SeqSpec, build_attention_metadata
+from kvserve.runtime.attention.native_cpu import NativeCPUBackend
+from kvserve.runtime.attention.sdpa import TorchSDPABackend
 from kvserve.runtime.layer_ops import apply_rope_, rms_norm_into
-from kvserve.runtime.native.backend import NativeCPUBackend
 from kvserve.runtime.workspace import Workspace
 
 CPU = torch.device("cpu")
@@ -428,7 +424,7 @@ def test_memory_plan_traces_the_native_ops_and_counts_their_scratch() -> None:
     from kvserve.config import ModelArchConfig
     from kvserve.models.llama import LlamaForCausalLM
     from kvserve.runtime.kernel_scratch import native_decode_scratch_bytes
-    from kvserve.runtime.memory_plan import plan_activations
+    from kvserve.runtime.memory_plan.planner import plan_activations
 
     arch = ModelArchConfig(
         architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,

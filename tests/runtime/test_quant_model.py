@@ -28,7 +28,7 @@ from kvserve.models.quant_linear import (
 from kvserve.models.quant_model import quantization_summary, quantized_nbytes, summary_line
 from kvserve.runtime.amx_int8 import amx_int8_available
 from kvserve.runtime.amx_linear import amx_available
-from kvserve.runtime.attention import SeqSpec, build_attention_metadata
+from kvserve.runtime.attention.metadata import SeqSpec, build_attention_metadata
 from kvserve.runtime.linear import onednn_available, onednn_supports
 from kvserve.runtime.native import quant_ops
 from tests.tiny_models import make_tiny_gguf, make_tiny_model

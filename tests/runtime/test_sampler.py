@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.runtime.sampler import Sampler, apply_penalties
+from kvserve.runtime.sampler import Sampler
+from kvserve.runtime.sampler.filters import apply_penalties
 from kvserve.sampling_params import SamplingParams
 from tests.runtime.sampler_helpers import VOCAB, make_req, random_logits
 

@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.runtime.sampler import Sampler, _top_k_top_p
+from kvserve.runtime.sampler import Sampler
+from kvserve.runtime.sampler.filters import _top_k_top_p
 from kvserve.sampling_params import SamplingParams
 from tests.runtime.sampler_helpers import VOCAB, make_req, random_logits
 

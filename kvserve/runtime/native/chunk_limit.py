@@ -28,18 +28,18 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.config import ModelArchConfig
-from kvserve.runtime.attention import AttentionMetadata, SeqSpec, build_attention_metadata
+from kvserve.runtime.attention.metadata import AttentionMetadata, SeqSpec, build_attention_metadata
+from kvserve.runtime.attention.native_cpu import (
+    AMX_PREFILL_HEAD_DIM,
+    NativeCPUBackend,
+    amx_prefill_available,
+)
 from kvserve.runtime.kernel_cache import (
     cache_path,
     cpu_identity,
     machine_load,
     read_cached_value,
     write_cached_value,
-)
-from kvserve.runtime.native.backend import (
-    AMX_PREFILL_HEAD_DIM,
-    NativeCPUBackend,
-    amx_prefill_available,
 )
 
 log = logging.getLogger("kvserve")

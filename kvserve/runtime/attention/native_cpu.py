@@ -1,4 +1,4 @@
-"""``NativeCPUBackend``: paged attention with the native CPU kernels (see ``__init__``).
+"""``NativeCPUBackend``: paged attention with the native CPU kernels (``kvserve.runtime.native``).
 
 Decodes (one query token each) attend straight from the cache blocks with
 ``kvserve::paged_decode_attention``: no gathered copy of the context, no mask tensor, one
@@ -10,7 +10,7 @@ of its own causal length (``AttentionMetadata.query_tables``); a longer one atte
 ``TorchSDPABackend`` (one SDPA call) or, on an AMX CPU, through ``kvserve::amx_prefill_attention``
 (bf16, head_dim 64, no sliding window: flash attention on AMX tiles over the paged cache). The
 engine sets the limit and the way longer chunks go at start-up, where each measured faster
-(``chunk_limit.chunk_attention_limit``).
+(``runtime/native/chunk_limit.chunk_attention_limit``).
 
 Where the kernels cannot serve (not loaded, a CUDA cache, a quantized cache) every call
 takes ``TorchSDPABackend``'s path, so the backend is safe to select anywhere.
@@ -25,7 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.runtime import native
-from kvserve.runtime.attention import AttentionMetadata, ChunkMeta, LayerCache, TorchSDPABackend
+from kvserve.runtime.attention.interface import LayerCache
+from kvserve.runtime.attention.metadata import AttentionMetadata, ChunkMeta
+from kvserve.runtime.attention.sdpa import TorchSDPABackend
 from kvserve.runtime.kv_cache import QuantizedLayerCache
 
 # The one head size kvserve::amx_prefill_attention serves (its O^T takes four of the 8 tiles).

@@ -9,6 +9,7 @@
   use the base's hooks and helpers (methods), never its state.
 - No package-level two-way import dependency among core, runtime, models, engine, server,
   bench and sim (imports through the shared top-level modules count).
+- No two kvserve modules import each other (an import inside a function counts too).
 - No core file is over ``MAX_CORE_LINES`` lines.
 
 Failure messages list every offending ``file:line``.
@@ -337,6 +338,19 @@ def test_the_graph_sees_the_known_direction() -> None:
     """The engine imports core (guards the graph test against finding nothing)."""
     assert group_edges()[("engine", "core")]
     assert ("core", "engine") not in group_edges()
+
+
+def test_no_two_modules_import_each_other() -> None:
+    direct = {name: {t for t, _ in _imports(mod)} for name, mod in modules().items()}
+    pairs = sorted(
+        f"{a} <-> {b}"
+        for a, targets in direct.items()
+        for b in targets
+        if a < b and a in direct.get(b, ())
+    )
+    assert not pairs, "modules that import each other (move the shared part out):\n" + "\n".join(
+        pairs
+    )
 
 
 # ---------------------------------------------------------------- size

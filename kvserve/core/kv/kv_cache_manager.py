@@ -1,10 +1,8 @@
 """KV cache manager: per-request block tables over a BlockPool and a prefix cache.
 
-Token p of a request lives in block ``table[p // block_size]`` at offset
-``p % block_size``. The manager decides which physical block each table entry is; the
-runtime moves bytes as told by (src, dst) lists: copy-on-write copies and swap plans.
-
-Life of a request:
+Token p lives in block ``table[p // block_size]`` at offset ``p % block_size``. The manager
+decides which physical block each entry is; the runtime moves bytes as told by (src, dst)
+lists (copy-on-write copies, swap plans). Life of a request:
 
 1. ``get_computed_blocks``: longest cached block-aligned prefix, capped so one token is
    left to compute. *Choice*: the cap drops a whole block. A block-aligned prompt that is
@@ -23,18 +21,16 @@ Collaborators: ``block_tables.BlockTableManager`` (the layer below: tables, copy
 fork, skipped blocks, free), ``host_prefix.HostPrefixTier`` (offload on eviction, loads of
 host hits, reported as ``-1 - host id``), ``swap_space.SwapSpace`` (swapped-out requests),
 ``slot_plan`` (what an allocation needs, decided first), ``prefix_hits``, ``integrity``,
-``metrics``. Variants (``core/window.py``, ``core/contiguous.py``) change behaviour only
-through protected hooks (the layer below's, ``_allocate_slots``, ``_swap_out_blocks``,
+``metrics``. Variants (``window.py``, ``contiguous.py``) change behaviour only through
+protected hooks (the layer below's, ``_allocate_slots``, ``_swap_out_blocks``,
 ``_blocks_for_swap_in``, ``prefix_caching_conflict``), never by reaching into either layer.
+Invariants (``check_integrity`` raises ``IntegrityError`` naming the first broken one): in
+``integrity.py``, next to the checks; the host tier's in ``host_prefix.py``.
 
-Invariants (``check_integrity`` raises ``IntegrityError`` naming the first broken one): listed
-in ``core/integrity.py``, next to the checks; the host tier's in ``core/host_prefix.py``.
-
-Scheduler rules these rely on (documented in CONTRACTS.md): blocks allocated for a step are
-computed by that step, so a request scheduled in a step is not freed, swapped out or
-forked from before the step has run; ``remove_skipped_blocks``, ``take_pending_copies()``
-and ``take_pending_swaps()`` are called once per step, after the last allocation, and the
-runner executes swap-out, swap-in, copies, then the forward pass.
+Scheduler rules these rely on (CONTRACTS.md): a step computes the blocks allocated for it,
+so a request in a step is not freed, swapped out or forked from before it has run;
+``remove_skipped_blocks`` and ``take_pending_copies/swaps()`` run once a step, after the
+last allocation; the runner does swap-out, swap-in, copies, then the forward pass.
 """
 
 from __future__ import annotations

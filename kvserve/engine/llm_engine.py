@@ -30,6 +30,7 @@ from kvserve.engine.startup import (
     measure_gemm_scratch,
     resolve_max_model_len,
     size_kv_pool,
+    startup_line,
 )
 from kvserve.engine.step_guard import StepFault, execute_isolated
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -138,7 +139,8 @@ class LLMEngine:
         self._num_blamed_steps = 0  # steps in a row in which every request failed
         self.step_records: list[dict[str, float]] = []
         for line in rep.lines():
-            logger.info(line)
+            logger.debug(line)
+        logger.info(startup_line(self))
 
     # ---- requests -------------------------------------------------------------------------
 

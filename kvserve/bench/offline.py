@@ -171,6 +171,7 @@ def run_offline(
     output_lens = {rid: r.output_len for rid, r in zip(ids, requests, strict=True)}
     next_i = 0
     in_flight = 0
+    gaps = TokenGaps()
     t0 = time.perf_counter()
     while len(finals) < len(requests):
         now = time.perf_counter() - t0
@@ -196,7 +197,9 @@ def run_offline(
             # Idle until the next arrival (replay only).
             time.sleep(max(0.0, requests[order[next_i]].arrival_time - now))
             continue
-        for out in engine.step():
+        outs = engine.step()
+        gaps.observe(outs, time.perf_counter())
+        for out in outs:
             if not out.finished and max_tokens is not None:
                 target = output_lens[out.request_id]
                 if all(len(c.token_ids) >= target for c in out.outputs):
@@ -212,7 +215,7 @@ def run_offline(
         outputs,
         _figures(outputs, elapsed, before, after, sampler),
         timeline=downsample_columns(sampler.timeline),
-        latency_samples=_latency_samples(outputs),
+        latency_samples=_latency_samples(outputs, gaps.gaps),
     )
 
 
@@ -231,13 +234,40 @@ def _stop_as_eos(engine: LLMEngine, out: RequestOutput) -> None:
         out.metrics.e2e = request.finished_time - out.metrics.arrival_time
 
 
-def _latency_samples(outputs: list[RequestOutput]) -> dict[str, list[float]]:
-    """Per-request latencies by name, sorted and thinned for CDF plots."""
+class TokenGaps:
+    """Inter-token latencies (ITL) of every request, pooled, in seconds: the time between two
+    steps that gave a request new tokens (all its samples' together), as ``bench serve``
+    times the gaps between streamed chunks."""
+
+    def __init__(self) -> None:
+        self.gaps: list[float] = []
+        self._tokens: dict[str, int] = {}
+        self._last: dict[str, float] = {}
+
+    def observe(self, outputs: list[RequestOutput], now: float) -> None:
+        """Record the outputs of one step, returned at ``now``."""
+        for out in outputs:
+            rid = out.request_id
+            num = sum(len(c.token_ids) for c in out.outputs)
+            if num <= self._tokens.get(rid, 0):
+                continue
+            if rid in self._last:
+                self.gaps.append(now - self._last[rid])
+            self._tokens[rid], self._last[rid] = num, now
+            if out.finished:
+                del self._tokens[rid], self._last[rid]
+
+
+def _latency_samples(outputs: list[RequestOutput], itls: list[float]) -> dict[str, list[float]]:
+    """Per-request latencies by name (``itl``: every gap, pooled), sorted and thinned for
+    CDF plots."""
     metrics = [o.metrics for o in outputs if o.metrics is not None]
-    return {
+    samples = {
         name: cdf_points([v for m in metrics if (v := getattr(m, name)) is not None])
         for name in ("ttft", "tpot", "e2e", "queue_time")
     }
+    samples["itl"] = cdf_points(itls)
+    return samples
 
 
 def _figures(

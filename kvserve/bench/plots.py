@@ -11,6 +11,7 @@ contiguous comparison.
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -239,7 +240,7 @@ def plot_latency_cdf(records: list[Record], path: Path) -> Path | None:
     metrics = ("ttft", "tpot", "itl", "e2e")
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
     for ax, metric in zip(axes, metrics, strict=True):
-        drawn = False
+        drawn: list[float] = []
         for i, (label, samples) in enumerate(series):
             values = sorted(v for v in samples.get(metric) or [] if v is not None and v > 0)
             if not values:
@@ -247,10 +248,10 @@ def plot_latency_cdf(records: list[Record], path: Path) -> Path | None:
             n = len(values)
             ys = [(k + 1) / n for k in range(n)]
             ax.step([v * 1e3 for v in values], ys, where="post", color=f"C{i % 10}", label=label)
-            drawn = True
+            drawn += [values[0] * 1e3, values[-1] * 1e3]
         if drawn:
-            ax.set_xscale("log")
-        else:  # e.g. ITL: only bench serve records keep per-chunk gaps
+            log_ms_axis(ax, min(drawn), max(drawn))
+        else:  # e.g. ITL of throughput / capacity records written before they kept gaps
             ax.text(0.5, 0.5, "no samples", ha="center", transform=ax.transAxes, alpha=0.6)
         ax.set_xlabel("ms")
         ax.set_ylim(0, 1.02)
@@ -259,6 +260,24 @@ def plot_latency_cdf(records: list[Record], path: Path) -> Path | None:
     axes[0].set_ylabel("fraction of requests (ITL: of gaps)")
     axes[0].legend(fontsize=7)
     return _save(fig, path)
+
+
+def log_ms_axis(ax: Any, lo: float, hi: float) -> None:
+    """A log x axis over [lo, hi] ms labelled with plain numbers (10, 20, 50, 100, ...) that
+    do not overlap: 1-2-5 steps over at most two decades, decades (every k-th one over many)
+    beyond; minor ticks unlabelled.
+
+    NOTE: matplotlib's default labels the minor ticks (``2x10^3``, ``3x10^3``...) when the data
+    span under a decade or so, which ran the labels into each other on a 5-inch panel.
+    """
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    ax.set_xscale("log")
+    decades = math.log10(max(hi, lo * 1.0001)) - math.log10(lo)
+    subs = (1.0, 2.0, 5.0) if decades <= 2 else (1.0,)
+    ax.xaxis.set_major_locator(LogLocator(base=10, subs=subs, numticks=7))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
 
 
 def _timeline_series(records: list[Record]) -> list[tuple[str, dict[str, list[float]]]]:

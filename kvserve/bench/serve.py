@@ -24,7 +24,8 @@ def register(sub: argparse._SubParsersAction, engine_parser: Any) -> None:
     p = sub.add_parser(
         "serve",
         help="online benchmark of an OpenAI-compatible server (kvserve, vLLM, llama-server)",
-        description=__doc__,
+        description="Send a trace to a running OpenAI-compatible server (kvserve, vLLM, "
+        "llama-server) and report TTFT, TPOT, ITL, end-to-end latency and goodput.",
     )
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root URL")
     p.add_argument("--model", default=None, help="model id (default: first of /v1/models)")

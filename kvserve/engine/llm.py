@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,7 +30,6 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
-        print(f"[kvserve] {self.engine.kernels.short()}", file=sys.stderr)
 
     def generate(
         self,

@@ -34,6 +34,7 @@ from kvserve.engine.startup import (
     measure_gemm_scratch,
     resolve_max_model_len,
     size_kv_pool,
+    startup_line,
 )
 from kvserve.engine.step_guard import execute_isolated
 from kvserve.outputs import RequestOutput
@@ -110,7 +111,8 @@ class LLMEngine:
         )
         self.step_records: list[dict[str, float]] = []
         for line in rep.lines():
-            logger.info(line)
+            logger.debug(line)
+        logger.info(startup_line(self))
 
     # ---- requests -------------------------------------------------------------------------
 

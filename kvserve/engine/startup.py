@@ -144,7 +144,7 @@ def load_engine_model(config: EngineConfig, kernels: KernelChoice) -> EngineMode
     # NOTE: prepacked weight copies are held beside (or instead of) the parameters: counted
     # as weights.
     packed = sum(lin.extra_nbytes for lin in model.linears())
-    logger.info(
+    logger.debug(
         "%s; prepacked weight copies %.1f MiB (counted as weights; %.1f MiB of parameters "
         "they replace freed)",
         kernels.summary(),
@@ -159,7 +159,7 @@ def load_engine_model(config: EngineConfig, kernels: KernelChoice) -> EngineMode
         + quantized_nbytes(model)
     )
     summary = quantization_summary(model, quantization)
-    logger.info(summary_line(summary))
+    logger.debug(summary_line(summary))
     return EngineModel(
         model,
         loaded.arch,
@@ -264,7 +264,7 @@ def warm_kernel_primitives(config: EngineConfig, runner: ModelRunner) -> None:
     rows = [config.max_num_batched_tokens] * (len(built) - 1) + [config.max_num_seqs]
     calls = warm_row_buckets(list(zip(built, rows, strict=True)), runner.dtype, runner.device)
     if calls:
-        logger.info(
+        logger.debug(
             "kernel primitives: %d row-bucket shapes built in %.2f s",
             calls,
             time.perf_counter() - t0,
@@ -314,3 +314,38 @@ def device_free_bytes(device: str) -> int | None:
         free, _total = torch.cuda.mem_get_info(torch.device(device))
         return free
     return None
+
+
+# The request length the start-up line counts concurrent requests at (or max_model_len).
+SUMMARY_REQUEST_LEN = 2048
+
+
+def startup_line(engine: Any) -> str:  # LLMEngine
+    """The one start-up line logged at INFO: the model as run, dtype and kernels, the KV
+    pool's capacity and the start-up time. The full memory report is logged at DEBUG
+    (``MemoryReport.lines``) and kept in ``LLMEngine.memory_report`` and ``stats()``.
+
+    e.g. ``SmolLM2-135M-Instruct.Q4_1 | bfloat16, int8-dot kernels (avx2), kernel choice
+    from cache | KV 36,448 tokens in 2,278 blocks, 17 requests at 2,048 tokens | ready in
+    3.1 s``.
+    """
+    from kvserve.models.quant_model import model_id
+
+    quant = engine.quantization or {}
+    held = set(quant.get("weight_bytes_by_format", {})) - {"dense"}
+    if held and quant.get("kernels"):
+        kernels = f"int8-dot kernels ({quant['kernels']})"
+    elif held:
+        kernels = "dequantizing kernels"
+    else:
+        kernels = "dense kernels"
+    source = getattr(getattr(engine.kernels, "selection", None), "source", None)
+    how = {"off": "selection off", "cache": "choice from cache"}.get(source, "choice measured")
+    rep = engine.memory_report
+    typical = min(SUMMARY_REQUEST_LEN, engine.max_model_len)
+    return (
+        f"{model_id(engine.model_path, quant)} | {engine.kernels.dtype_name}, {kernels}, "
+        f"{how} | KV {rep.max_tokens_in_cache:,} tokens in {rep.num_kv_blocks:,} blocks, "
+        f"{rep.max_concurrent_requests(typical):,} requests at {typical:,} tokens"
+        f" | ready in {engine.startup_seconds:.1f} s"
+    )

@@ -13,6 +13,8 @@ registers their methods); the embedding looks rows up with ``embedding_lookup``.
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -157,3 +159,29 @@ def summary_line(summary: dict[str, Any]) -> str:
     if copies:
         kernels += f"; dense copies of quantized weights {copies / 1e6:.1f} MB (chosen for large M)"
     return f"quantization {summary['mode']}: weights {parts}{kernels}"
+
+
+# A GGUF file name's weight-format tag: ``.Q4_1``, ``-Q4_K_M``, ``.IQ2_XS``, ``-f16``, ``.BF16``.
+_FORMAT_TAG = re.compile(r"[.\-_](?:I?Q\d+(?:_[A-Z0-9]+)*|F16|F32|BF16)$", re.IGNORECASE)
+
+
+def model_id(model_path: str | None, summary: Mapping[str, Any] | None = None) -> str:
+    """The model's name as run: its file or directory name without ``.gguf``, with the weight
+    format tag of the weights as held (``summary``: ``quantization_summary``).
+
+    A GGUF's own tag (``SmolLM2-135M-Instruct.Q4_1``) stays while its tensors run as stored
+    (``auto``); weights dequantized at load (``none``) drop it, weights quantized at load to
+    a format (``q8_0``) carry that format's: ``SmolLM2-135M-Instruct.Q8_0``.
+    """
+    name = os.path.basename(str(model_path or "kvserve-model").rstrip("/\\"))
+    name = name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
+    if summary is None:
+        return name
+    held = set(summary.get("weight_bytes_by_format", {})) - {"dense"}
+    mode = summary.get("mode", "auto")
+    if held and mode == "auto":
+        return name  # the file's tensors as stored
+    base = _FORMAT_TAG.sub("", name) or name
+    if held and mode in held:
+        return f"{base}.{mode.upper()}"
+    return base if not held else name

@@ -326,7 +326,7 @@ def serve_data_parallel(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
         return 0
 
     if backend == "ray":

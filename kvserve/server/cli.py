@@ -23,6 +23,13 @@ def register(
 ) -> None:
     """Add the ``serve`` sub-command to the ``kvserve`` parser."""
     p = engine_parser(sub, "serve", "serve the OpenAI-compatible API (completions, chat, models)")
+    p.add_argument(
+        "--config",
+        metavar="FILE.yaml",
+        default=None,
+        help="read flags from a YAML file of flag names (dashes or underscores) to values, "
+        "e.g. 'max_num_seqs: 8'; flags on the command line override it (vLLM's --config)",
+    )
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     g.add_argument("--port", type=int, default=8000)
@@ -76,7 +83,12 @@ def register(
         choices=TOOL_CALL_PARSERS,
         help="how tool calls are read from the output (hermes: <tool_call>{...}</tool_call>)",
     )
-    g.add_argument("--log-level", default="warning", help="uvicorn log level")
+    g.add_argument(
+        "--uvicorn-log-level",
+        default="warning",
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+        help="uvicorn's log level (info: a line per request); kvserve's is --log-level",
+    )
     add_cors_arg(g)
     g.add_argument(
         "--data-parallel-size",
@@ -113,16 +125,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return serve_data_parallel(args)
     chat_template = load_chat_template(args.chat_template)
     config = EngineConfig.from_cli_args(args)
+    # NOTE: the engine logs its one start-up line (INFO) and the memory report (DEBUG).
     engine, executor = build_on_engine_thread(lambda: LLMEngine(config))
-    print(f"[kvserve] {engine.kernels.summary()}", file=sys.stderr)
     if args.debug_inject_faults:
         from kvserve.engine.fault_injection import install
 
         install(engine)
         print("[kvserve] fault injection is ON (--debug-inject-faults)", file=sys.stderr)
-    if not args.quiet:
-        for line in engine.memory_report.lines():
-            print(f"[kvserve] {line}", file=sys.stderr)
     app = build_app(
         engine,
         served_model_name=args.served_model_name,
@@ -144,7 +153,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     lifecycle = app.state.lifecycle
     server = _draining_server(
-        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level), lifecycle
+        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level),
+        lifecycle,
     )
     lifecycle.server = server
     lifecycle.exit_backstop = True

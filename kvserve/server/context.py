@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any
@@ -63,7 +62,8 @@ class ServingContext:
         structured = engine.structured
         return cls(
             engine=async_engine,
-            model_name=served_model_name or default_model_name(engine.model_path),
+            model_name=served_model_name
+            or default_model_name(engine.model_path, getattr(engine, "quantization", None)),
             max_model_len=max_model_len,
             vocab_size=int(engine.arch.vocab_size),
             tokenizer=engine.tokenizer,
@@ -84,10 +84,12 @@ def longest_request(max_model_len: int, kv: KVCacheManager) -> int:
     return min(max_model_len, kv.num_blocks * kv.block_size)
 
 
-def default_model_name(model_path: str) -> str:
-    """The model's file or directory name, without a .gguf suffix."""
-    name = os.path.basename(str(model_path or "kvserve-model").rstrip("/"))
-    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+def default_model_name(model_path: str, quantization: Mapping[str, Any] | None = None) -> str:
+    """The model's file or directory name, without a .gguf suffix, its format tag that of the
+    weights as run (``kvserve.models.quant_model.model_id``)."""
+    from kvserve.models.quant_model import model_id
+
+    return model_id(model_path, quantization)
 
 
 def serving_context(request: Request) -> ServingContext:

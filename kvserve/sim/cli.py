@@ -11,10 +11,11 @@ import sys
 import time
 from typing import Any
 
+from kvserve.engine.config import parse_bytes
 from kvserve.sim.calibrate import fit_efficiency, load_step_records, save_step_records
 from kvserve.sim.cost_model import Efficiency
 from kvserve.sim.experiments import EXPERIMENTS, run_experiment
-from kvserve.sim.hardware import HARDWARE, get_hardware
+from kvserve.sim.hardware import HARDWARE, GiB, get_hardware
 from kvserve.sim.report import Cell, format_table
 from kvserve.sim.setup import SimSetup
 from kvserve.sim.simulator import simulate
@@ -46,7 +47,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=None, help="weight dtype (default: preset / config)")
     g.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: --dtype)")
     g.add_argument("--gpu", default="h100", help="h100, h200, a100, cpu (this machine)")
-    g.add_argument("--tp", type=int, default=1, help="tensor parallel degree")
+    g.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="tensor parallel degree (GPUs)"
+    )
+    # NOTE: the spelling before the engine's; kept, hidden, for old scripts.
+    g.add_argument("--tp", dest="tensor_parallel_size", type=int, help=argparse.SUPPRESS)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--eff-flops", type=float, default=DEFAULT_EFF.flops)
     g.add_argument("--eff-bandwidth", type=float, default=DEFAULT_EFF.bandwidth)
@@ -58,7 +63,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--max-num-batched-tokens", type=int, default=2048)
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
-    e.add_argument("--swap-space-gib", type=float, default=16.0, help="host tier per GPU")
+    e.add_argument(
+        "--swap-space",
+        type=parse_bytes,
+        default=16 * GiB,
+        help="host tier per GPU for swap preemption, in bytes as the engine's flag (suffixes "
+        "K, M, G, KiB, MiB, GiB accepted; default 16GiB)",
+    )
+    # NOTE: the spelling before the engine's (a float of GiB); kept, hidden, for old scripts.
+    e.add_argument("--swap-space-gib", type=float, default=None, help=argparse.SUPPRESS)
     e.add_argument("--no-prefix-caching", action="store_true")
     w = p.add_argument_group("workload")
     w.add_argument(
@@ -98,7 +111,7 @@ def build_setup(args: argparse.Namespace) -> SimSetup:
     return SimSetup(
         model=model,
         hardware=get_hardware(args.gpu),
-        tp=args.tp,
+        tp=args.tensor_parallel_size,
         efficiency=Efficiency(args.eff_flops, args.eff_bandwidth, args.overhead_ms / 1e3),
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
@@ -106,7 +119,9 @@ def build_setup(args: argparse.Namespace) -> SimSetup:
         max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_kv_blocks=args.num_kv_blocks,
-        swap_space_gib=args.swap_space_gib,
+        swap_space_gib=(
+            args.swap_space / GiB if args.swap_space_gib is None else args.swap_space_gib
+        ),
         preemption_mode=args.preemption_mode,
         enable_prefix_caching=not args.no_prefix_caching,
         num_requests=args.num_requests,

@@ -86,6 +86,8 @@ def test_shared_prefix_run_hits_the_cache() -> None:
     assert [o.prompt_token_ids for o in run.outputs] == [r.prompt_token_ids for r in trace]
     # The first request computes the 3 full prefix blocks; the other three reuse them.
     assert f["prefix_hit_rate"] > 0.5 and f["num_cached_prompt_tokens"] >= 3 * 48
+    # ITL: one gap per request (2 tokens each), what the CDF plot's ITL panel draws.
+    assert len(run.latency_samples["itl"]) == 4 and min(run.latency_samples["itl"]) > 0
     with pytest.raises(ValueError, match="max_concurrency"):
         run_offline(engine, trace, max_concurrency=0)
     # Replay: the second request is queued only once its arrival time has passed.
@@ -188,6 +190,7 @@ def test_max_tokens_cap_ends_requests_at_their_trace_length() -> None:
     assert len(tl["t_s"]) == capped.figures["num_steps"] and max(tl["num_running"]) >= 1
     assert tl["t_s"] == sorted(tl["t_s"])
     assert len(capped.latency_samples["ttft"]) == 3
+    assert len(capped.latency_samples["itl"]) == sum(r.output_len - 1 for r in trace)
     with pytest.raises(ValueError, match="max_tokens"):
         run_offline(engine, trace, max_tokens=0)
 

@@ -208,3 +208,44 @@ def test_goodput_plot_from_serve_records_swept_over_rates(tmp_path) -> None:
     one_rate = [r for r in load_records([str(res)]) if r["request_rate"] == 1.0]
     paths = plot_all(one_rate, str(tmp_path / "png1"))
     assert not any(p.endswith("goodput_vs_rate.png") for p in paths)
+
+
+def test_latency_cdf_log_axis_labels_plain_numbers_without_minor_labels() -> None:
+    """The CDF's log axes label 1-2-5 steps (or decades) in plain numbers and leave the minor
+    ticks bare: matplotlib's default labelled them (``2x10^3``, ``3x10^3``...) under a decade
+    or so of data, and the labels ran into each other."""
+    import matplotlib.pyplot as plt
+
+    from kvserve.bench.plots import log_ms_axis
+
+    for lo, hi, expected in (
+        (1500.0, 25000.0, {"2000", "5000", "10000", "20000"}),
+        (3.0, 800.0, {"10", "100"}),
+    ):
+        fig, ax = plt.subplots(figsize=(5, 4))
+        ax.plot([lo, hi], [0, 1])
+        log_ms_axis(ax, lo, hi)
+        fig.canvas.draw()
+        major = {t.get_text() for t in ax.get_xticklabels() if lo <= t.get_position()[0] <= hi}
+        minor = [t.get_text() for t in ax.get_xticklabels(minor=True) if t.get_text()]
+        plt.close(fig)
+        assert major == expected and minor == []
+
+
+def test_offline_token_gaps_pool_every_request_gap() -> None:
+    """Offline runs (bench throughput, capacity) keep ITL samples: the CDF's ITL panel was
+    empty for them."""
+    from kvserve.bench.offline import TokenGaps
+    from kvserve.outputs import CompletionOutput, RequestOutput
+
+    def out(rid: str, tokens: int, finished: bool = False) -> RequestOutput:
+        return RequestOutput(
+            rid, None, [1], [CompletionOutput(0, "", list(range(tokens)))], finished=finished
+        )
+
+    gaps = TokenGaps()
+    gaps.observe([out("a", 1), out("b", 0)], 1.0)  # b: prefill chunk, no token yet
+    gaps.observe([out("a", 2), out("b", 1)], 1.5)
+    gaps.observe([out("a", 2), out("b", 2, finished=True)], 2.25)  # a: no new token
+    gaps.observe([out("a", 3, finished=True)], 3.0)
+    assert gaps.gaps == [0.5, 0.75, 1.5]

@@ -99,7 +99,7 @@ def test_cli_prints_kv_header_first_then_replays(capsys, tmp_path) -> None:
             "llama-3-70b",
             "--gpu",
             "h100",
-            "--tp",
+            "--tensor-parallel-size",
             "8",
             "--num-requests",
             "12",
@@ -158,7 +158,10 @@ def test_cli_calibrate_and_errors(capsys, tmp_path) -> None:
         (["--max-model-len", "16384"], "max_model_len 16384 exceeds Llama-3-8B's context 8192"),
         (["--swap-space-gib", "nan"], "swap_space_gib must be a finite number >= 0, got nan"),
         (["--swap-space-gib", "inf"], "swap_space_gib must be a finite number >= 0, got inf"),
-        (["--tp", "3"], "tensor parallel degree 3 must divide Llama-3-8B's 32 attention heads"),
+        (
+            ["--tensor-parallel-size", "3"],
+            "tensor parallel degree 3 must divide Llama-3-8B's 32 attention heads",
+        ),
         (["--seed", "-1"], "seed must be >= 0, got -1"),
     ],
 )
@@ -170,3 +173,24 @@ def test_cli_rejects_impossible_setup(capsys, flags: list[str], message: str) ->
     captured = capsys.readouterr()
     assert message in captured.err
     assert captured.out == ""
+
+
+def test_cli_takes_the_engine_flag_names() -> None:
+    """``--tensor-parallel-size`` and ``--swap-space`` (bytes) as the engine spells them; the
+    old ``--tp`` and ``--swap-space-gib`` still parse but are not in the help."""
+    setup = cli.build_setup(_parse(["--tensor-parallel-size", "4", "--swap-space", "8GiB"]))
+    assert (setup.tp, setup.swap_space_gib) == (4, 8.0)
+    assert cli.build_setup(_parse([])).swap_space_gib == 16.0
+    old = cli.build_setup(_parse(["--tp", "2", "--swap-space-gib", "4"]))
+    assert (old.tp, old.swap_space_gib) == (2, 4.0)
+    parser = argparse.ArgumentParser(prog="kvserve simulate")
+    cli.add_arguments(parser)
+    text = parser.format_help()
+    assert "--tensor-parallel-size" in text and "--swap-space SWAP_SPACE" in text
+    assert "--tp " not in text and "--swap-space-gib" not in text
+
+
+def test_cli_rejects_a_swap_space_that_is_not_bytes(capsys) -> None:
+    with pytest.raises(SystemExit):
+        _parse(["--swap-space", "lots"])
+    assert "not a byte size: 'lots'" in capsys.readouterr().err

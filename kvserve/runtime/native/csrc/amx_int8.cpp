@@ -20,16 +20,16 @@
 // are exact (int32); each is scaled by s_x s_w and summed in fp32, and each output is rounded
 // to bf16 once.
 //
-// NOTE: why blocks of 64. One scale per row of x over all of K (per-token int8, as W8A8
-// schemes use) cost the embedded model 2.8 % perplexity in `kvserve bench accuracy`,
-// simulated (its activations have outlier channels); blocks of 64 on both sides left it
-// within the run's noise of fp32 (bench/ACCURACY.md, session 28). A block is one tile
-// product, so the scaling is vector work per block and output, ~6 instructions per 16
-// outputs; the kernel it competes with dequantizes every weight to bf16 per call instead.
+// NOTE: why blocks of 64. One scale per row of x over all of K (per-token int8, as W8A8 schemes
+// use) cost the embedded model 2.8 % perplexity in `kvserve bench accuracy`, simulated (its
+// activations have outlier channels); blocks of 64 on both sides left it within the run's noise
+// of fp32 (bench/ACCURACY.md; the AMX Xeon, 2026-12-06, 29406c0). A block is one tile product,
+// so the scaling is vector work per block and output, ~6 instructions per 16 outputs; the
+// kernel it competes with dequantizes every weight to bf16 per call instead.
 //
 // NOTE: why at all. At decode sizes (16-64 rows) the Q4_1 kernel on AMX bf16 tiles
 // (quant/quant_amx_bf16.cpp, amx_bf16_linear) is bound by dequantizing the blocks to bf16 in
-// vector registers, work done per call whatever M is (on the AMX Xeon, session 27, 6-7 ms of
+// vector registers, work done per call whatever M is (on the AMX Xeon, 2026-12-05, 6-7 ms of
 // a 17.8 ms B=32 step). Here the weight goes from memory into the tiles as it is held: the
 // call costs the weight's bytes (1.06 per weight, 1.7x Q4_1's 0.625) over the memory
 // bandwidth. The price: a second copy of each weight it serves, held beside the blocks. The

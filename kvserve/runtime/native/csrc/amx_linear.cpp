@@ -12,14 +12,14 @@
 // = W[g*32 + nb*16 + c][kb*32 + 2kp + j] (the VNNI pairing TDPBF16PS reads). A group's
 // tiles lie one after another, so a call streams the weight once, front to back.
 //
-// NOTE: why: a decode or mixed step multiplies a few dozen rows by each weight, so the time
-// is the weight's bytes over the memory bandwidth, and what matters is streaming the weight
-// at full speed with little per-call overhead. On the AMX Xeon (session 9, cold weights,
+// NOTE: why: a decode or mixed step multiplies a few dozen rows by each weight, so the time is
+// the weight's bytes over the memory bandwidth, and what matters is streaming the weight at
+// full speed with little per-call overhead. On the AMX Xeon (2026-12-02, 7797456, cold weights,
 // 2 threads, `kvserve bench kernels --dtype bfloat16`) oneDNN's bf16 linear (AMX too) and
-// torch.mm read the embedded model's weights at 5.8-19 GB/s for M 1-32; this kernel, one
-// pass per call and no primitive lookup, at 9.8-22 GB/s: 1.15-2.4x the better of the two
-// per call at M 1-32, 1.0-1.7x at 128, 0.98-1.24x at 512. The kernel selection measures
-// it against them per M bucket (kvserve/runtime/kernel_select.py).
+// torch.mm read the embedded model's weights at 5.8-19 GB/s for M 1-32; this kernel, one pass
+// per call and no primitive lookup, at 9.8-22 GB/s: 1.15-2.4x the better of the two per call at
+// M 1-32, 1.0-1.7x at 128, 0.98-1.24x at 512. The kernel selection measures it against them per
+// M bucket (kvserve/runtime/kernel_select.py).
 //
 // Blocking: per group, rows in pairs of 16-row blocks: C tiles 0-3 (2 row blocks x 2
 // column blocks, fp32), A tiles 4-5 (x rows, read from x in place), B tiles 6-7 (weight).
@@ -141,7 +141,8 @@ void amx_linear(Tensor out, const Tensor& x, const Tensor& packed) {
   // every row, when K is not a multiple of 32 or x's rows are not 64-byte aligned), into a
   // 64-byte aligned buffer, so that no tile row straddles two cache lines. Copying all of x
   // whenever M % 16 != 0, as before, made the model's projections 9-18 % slower at M = 36,
-  // 52 and 68 (bench/probes/amx_model_ab.py, bench/results/session10/amx_inplace_ab.txt).
+  // 52 and 68 (the AMX Xeon, 2026-12-02, 6778ddc; bench/probes/amx_model_ab.py and
+  // bench/results/session10/amx_inplace_ab.txt, both at 25ace60).
   const bool aligned = reinterpret_cast<uintptr_t>(xs) % 64 == 0 && ldx % 32 == 0;
   const int64_t full = kpad == k && aligned ? m / 16 * 16 : 0;  // rows read in place
   thread_local std::vector<uint16_t> padded;
@@ -172,13 +173,13 @@ void amx_linear(Tensor out, const Tensor& x, const Tensor& packed) {
       const int64_t cols = std::min<int64_t>(32, n - g * 32);
       const __mmask32 keep = cols == 32 ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
       for (int64_t r0 = 0; r0 < mpad; r0 += 32) {
-        // NOTE: which lines to prefetch. With one row pair the group's own tiles, 4 KiB
-        // ahead, into L1 (over the hardware prefetcher alone: bare-runner decode +4 / +8 /
-        // +10 % at B=1 / 8 / 32, bench/results/session9/ab_prefetch). With several, the
-        // group's tiles come from memory for the first pair only and from the caches after,
-        // so the memory would idle; instead each pair brings its share of the next group's
-        // tiles into L2 (cold gate/up 3072x576 at M=128: 410 -> 318 us,
-        // bench/results/session9/amx_prefetch_groups.txt).
+        // NOTE: which lines to prefetch. With one row pair the group's own tiles, 4 KiB ahead,
+        // into L1 (over the hardware prefetcher alone: bare-runner decode +4 / +8 / +10 % at
+        // B=1 / 8 / 32, 2026-12-02, 24ca3db; 25ace60:bench/results/session9/ab_prefetch). With
+        // several, the group's tiles come from memory for the first pair only and from the
+        // caches after, so the memory would idle; instead each pair brings its share of the
+        // next group's tiles into L2 (cold gate/up 3072x576 at M=128: 410 -> 318 us, 7797456;
+        // git show 25ace60:bench/results/session9/amx_prefetch_groups.txt).
         const bool to_l2 = pairs > 1;
         const int lines = to_l2 ? pf_share : 32;
         const char* pf = reinterpret_cast<const char*>(wg) + kPrefetchBytes;

@@ -209,7 +209,8 @@ constexpr int64_t kTaskOverheadPositions = 16;
 // decode rows come ordered by context length and its prompt chunks' rows grow one position
 // each, so halving by count left one thread with most of the reading (a recorded ShareGPT
 // step at B=31: 2.0x the other's positions; the layer's call took 1.22-1.35x as long as for
-// the same positions spread evenly, bench/results/session18/attn_cold_ab.txt).
+// the same positions spread evenly; the Xeon without AMX, 2026-12-03, 90a957a: git show
+// 25ace60:bench/results/session18/attn_cold_ab.txt).
 template <typename WorkFn>
 std::vector<int64_t> balanced_bounds(int64_t tasks, int64_t parts, WorkFn work) {
   parts = std::max<int64_t>(1, std::min(parts, tasks));

@@ -90,7 +90,7 @@ void project(const Tensor& out, const Tensor& x, at::TensorList weights, at::Int
 // so the same results bit for bit; only the Python between them is gone.
 // NOTE: why. A B=1 step of the embedded model dispatched 343 ops from Python, each ~2 us of
 // dispatch plus the wrappers around it: its kernels alone took 3.6 ms of a 5.3 ms step
-// (docs/KERNELS_HISTORY.md, session 17).
+// (the Xeon without AMX, 2026-12-03, 33ddfab; docs/kernels-rationale.md, section 7).
 // hidden [T, h] residual stream, updated in place; residual: the MLP output to add first, or
 // none; cos, sin [T, 1, d]. Per layer l: input_norms[l], post_norms[l] [h]; the qkv, o,
 // gate_up and down projections, projection j made of part_counts[j] consecutive weights and
@@ -130,7 +130,7 @@ void decode_layers(Tensor hidden, const std::optional<Tensor>& residual, Tensor 
               "qkv must be [T, (H + 2 kvh) d]");
   TORCH_CHECK(attn.size(0) == rows && attn.size(1) == num_heads * d && attn.is_contiguous(),
               "attn must be a contiguous [T, H d] tensor");
-  // The views every layer uses (StepViews in llama.py).
+  // The views every layer uses (StepViews in models/decoder_layer.py).
   const Tensor qk = qkv.narrow(1, 0, qk_width).view({rows, num_heads + kvh, d});
   const Tensor q = qk.narrow(1, 0, num_heads);
   const Tensor k = qk.narrow(1, num_heads, kvh);

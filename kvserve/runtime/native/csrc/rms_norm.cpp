@@ -46,9 +46,9 @@ void rms_row(scalar_t* h, const scalar_t* r, const scalar_t* w, scalar_t* o, int
 // order, and for float rows its order changes it by ~1e-16, below the float mean's rounding.
 // The tail runs masked (zeros add nothing).
 // NOTE: why. GCC's `omp simd` loops kept one double accumulator (a 4-cycle FMA chain) and
-// rounded with six integer instructions per 16 values: a [32, 576] bf16 call took 11.3-12.2
-// us from Python, one thread, and takes 8.2-8.6 with four accumulators and vcvtneps2bf16
-// (bench/results/session23/layer_ops_probe_ab.txt).
+// rounded with six integer instructions per 16 values: a [32, 576] bf16 call took 11.3-12.2 us
+// from Python, one thread, and takes 8.2-8.6 with four accumulators and vcvtneps2bf16 (the AMX
+// Xeon, 2026-12-05, eb3e34e; git show 25ace60:bench/results/session23/layer_ops_probe_ab.txt).
 template <typename scalar_t>
 void rms_row_wide(scalar_t* h, const scalar_t* r, const scalar_t* w, scalar_t* o, int64_t n,
                   float eps) {

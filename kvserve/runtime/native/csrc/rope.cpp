@@ -25,7 +25,7 @@ void rope_row(scalar_t* x, const scalar_t* c, const scalar_t* s, int64_t heads, 
 }  // namespace
 
 // Rotate-half RoPE in place on x [T, heads, d] (rows may be strided; heads contiguous).
-// cos, sin: [T, 1, d] contiguous, sin's first half negated (see rope_cos_sin in llama.py).
+// cos, sin: [T, 1, d] contiguous, sin's first half negated (see rope_cos_sin in models/rope.py).
 void rope_(Tensor x, Tensor cos, Tensor sin) {
   check_cpu(x, "x");
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),

@@ -51,10 +51,11 @@ void silu_mul_row_wide(const scalar_t* gu, scalar_t* o, int64_t inter) {
 
 // silu_mul_row on 8 lanes with exp8: the scalar row's operations in its order, so the same
 // results bit for bit. The row's tail runs through the same code on a zero-padded copy.
-// NOTE: why. The scalar row's `omp simd` loop took [32, 1536] in 176-178 us (fp32) and
-// 328-343 (bf16) on one thread of an x86-64-v3 build, 26 and 70 here (the AMX Xeon,
-// bench/results/session24/layer_ops_avx2_ab.txt): ~3 ms of a fp32 B=32 step of the
-// embedded model on two threads, ~7 % of a 512-token prefill chunk (~0.68 s there).
+// NOTE: why. The scalar row's `omp simd` loop took [32, 1536] in 176-178 us (fp32) and 328-343
+// (bf16) on one thread of an x86-64-v3 build, 26 and 70 here (the AMX Xeon, 2026-12-05,
+// 4560dbc; git show 25ace60:bench/results/session24/layer_ops_avx2_ab.txt): ~3 ms of a fp32
+// B=32 step of the embedded model on two threads, ~7 % of a 512-token prefill chunk (~0.68 s
+// there).
 
 template <typename scalar_t>
 void silu_mul_row_wide(const scalar_t* gu, scalar_t* o, int64_t inter) {

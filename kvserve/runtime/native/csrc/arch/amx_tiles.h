@@ -33,10 +33,10 @@ struct alignas(64) TileConfig {
 };
 
 // Load that configuration on the calling thread.
-// NOTE: from a static object: GCC 12 does not count _tile_loadconfig as reading its operand,
-// so the stores of a configuration built on the stack may be removed as dead. Inlined into
-// its caller they survive; called out of line (tried in session 19) they were gone and
-// ldtilecfg faulted on the garbage.
+// NOTE: from a static object: GCC 12 does not count _tile_loadconfig as reading its operand, so
+// the stores of a configuration built on the stack may be removed as dead. Inlined into its
+// caller they survive; called out of line (tried on the AMX Xeon, 2026-12-04) they were gone
+// and ldtilecfg faulted on the garbage.
 inline void load_tile_config() {
   static const TileConfig cfg = [] {
     TileConfig c;

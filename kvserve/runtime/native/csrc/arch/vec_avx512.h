@@ -59,9 +59,9 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
   // NOTE: p * 2^n in one vscalefps instead of exp_approx's exponent-bits add, its n < -126
   // select and the float -> int conversion (4 of ~20 instructions; silu_mul's [32, 1536] bf16
-  // row set 28 -> 26 us, one thread, bench/probes/silu_variants.cpp). Same bits: after the
-  // clamp n >= -126 and r > 0 at n = -126, so p * 2^n is a normal float, which the bits add
-  // builds exactly too.
+  // row set 28 -> 26 us, one thread, bench/probes/silu_variants.cpp at 25ace60). Same bits:
+  // after the clamp n >= -126 and r > 0 at n = -126, so p * 2^n is a normal float, which the
+  // bits add builds exactly too.
   return _mm512_scalef_ps(p, n);
 }
 
@@ -154,7 +154,7 @@ inline __m512 round16<float>(__m512 v) {
 
 // NOTE: with AVX512_BF16, vcvtneps2bf16 rounds to nearest even in one instruction where
 // bf16_bits16 takes six (silu_mul's [32, 1536] bf16 rows 35 -> 28 us, one thread,
-// bench/probes/silu_variants.cpp). Same bits
+// bench/probes/silu_variants.cpp at 25ace60). Same bits
 // but for NaN (a quiet NaN keeping its sign, not 0x7FC0) and denormals (flushed to zero:
 // the instruction ignores MXCSR), which no activation of a real model reaches.
 #if defined(__AVX512BF16__)

@@ -34,9 +34,10 @@ inline Visible visible_ranges(int64_t seq_len, int64_t window, int64_t sinks) {
 // in whatever order the allocator gave out blocks: too short for the hardware prefetcher to
 // ramp up on. At B=32 the K/V of a layer come cold from DRAM (the weight stream evicted
 // them). The prefetches go to L2 (prefetcht1), not L1: a block's 200 lines at once overflow
-// L1's miss buffers. Zen 4, bench/probes/attn_cold.py --threads 2 --huge-pages, alternating:
-// 884-894 -> 729-746 us a layer on random blocks, 771-773 -> 649-667 on sequential ones; two
-// blocks ahead instead of one was slower (755).
+// L1's miss buffers. The Zen 4 EPYC, 2026-12-02, a036922, bench/probes/attn_cold.py (at
+// 25ace60) --threads 2 --huge-pages, alternating: 884-894 -> 729-746 us a layer on random
+// blocks, 771-773 -> 649-667 on sequential ones; two blocks ahead instead of one was slower
+// (755).
 template <typename scalar_t, typename F>
 inline void for_each_visible_run(const scalar_t* plane, const int32_t* table, int64_t block_size,
                                  int64_t row_elems, Visible vis, int64_t seq_len,
@@ -69,9 +70,9 @@ inline void for_each_visible_run(const scalar_t* plane, const int32_t* table, in
 
 // A LineStream's reach: at most this many lines past what its reader has read, and at most
 // this many lines a pump (the K pass pumps every 8 key rows of a head, the V pass every row).
-// NOTE: bench/probes/attn_cold.py --huge-pages --threads 2 --len 192, session 22 (the AMX
-// Xeon): 256, 512 or 1024 lines ahead all took 260-303 us a layer at 4 a pump (325-329
-// before); 2 a pump fell behind the reader (438-487 us), 8 a pump 283-303.
+// NOTE: the AMX Xeon, 2026-12-05, 48aceb7, bench/probes/attn_cold.py (at 25ace60) --huge-pages
+// --threads 2 --len 192: 256, 512 or 1024 lines ahead all took 260-303 us a layer at 4 a pump
+// (325-329 before); 2 a pump fell behind the reader (438-487 us), 8 a pump 283-303.
 constexpr int64_t kStreamAhead = 512;
 constexpr int64_t kPumpLines = 4;
 
@@ -82,11 +83,12 @@ constexpr int64_t kPumpLines = 4;
 // one task ahead of the one it runs (`push`, `begin_task`), so the stream holds at most two
 // tasks' runs; a stream that fell behind the reader skips to the task it begins.
 // NOTE: why. Prefetching a block's ~200 K and V lines at once, as for_each_visible_run does,
-// left a step's cold read and its arithmetic one after the other: a third q . k pass added
-// its hot cost in full to the cold one (bench/results/session22/attn_overlap.txt). A burst
-// of prefetches fills the L1's miss buffers (a prefetch to L2 takes one too), and the loads
-// behind it wait. On a synthetic stream (bench/probes/prefetch_overlap.cpp) prefetches of 32
-// lines at a time overlapped none of the read with the arithmetic, 8 or 1 at a time most.
+// left a step's cold read and its arithmetic one after the other: a third q . k pass added its
+// hot cost in full to the cold one (git show 25ace60:bench/results/session22/attn_overlap.txt).
+// A burst of prefetches fills the L1's miss buffers (a prefetch to L2 takes one too), and the
+// loads behind it wait. On a synthetic stream (bench/probes/prefetch_overlap.cpp at 25ace60)
+// prefetches of 32 lines at a time overlapped none of the read with the arithmetic, 8 or 1 at a
+// time most.
 class LineStream {
  public:
   // `rows` rows of `span` contiguous lines each, `stride` bytes apart, from `first`.

@@ -25,7 +25,8 @@ namespace {
 // nibble (HIGH: its high nibble).
 // NOTE: int to float through the float bits of 2^23 + q (an add or an OR, then a subtraction,
 // both exact) instead of vcvtdq2ps, which shares its port with the shifts: a layer's Q4_1
-// projections at M = 32 took 224-237 us against 243-256 (bench/results/session21/magic_ab.txt).
+// projections at M = 32 took 224-237 us against 243-256 (the AMX Xeon,
+// 2026-12-04, 9d2c47f; git show 25ace60:bench/results/session21/magic_ab.txt).
 template <int QT, int J, bool HIGH>
 KVQ_AMXBF16 inline __m512 lane_value(__m512i wv) {
   if constexpr (QT == kQ8_0) {
@@ -61,10 +62,10 @@ KVQ_AMXBF16 inline void store_pairs(__m512 w0, __m512 w1, uint16_t* row) {
 // 0 and 1) and kp + 1 (2 and 3); nibble formats: the low nibbles, or with HIGH the high ones.
 // NOTE: lane r stays row r from the load to the store, so each step is one instruction per 16
 // rows, the scales need no shuffling, and one word permute pairs two rows of values. Before
-// session 21 each 16 bytes were widened to 4 values of 4 rows per vector (an extract and a
-// vpmovzx each, the scales shuffled to match, two 2-source permutes per tile row pair): about
-// twice the shuffle-port work, and the dequantization is what bounds this kernel at decode
-// sizes: its cost is per call, and M = 16 took 80-90 % of M = 32's time.
+// be68d7a (2026-12-04) each 16 bytes were widened to 4 values of 4 rows per vector (an extract
+// and a vpmovzx each, the scales shuffled to match, two 2-source permutes per tile row pair):
+// about twice the shuffle-port work, and the dequantization is what bounds this kernel at
+// decode sizes: its cost is per call, and M = 16 took 80-90 % of M = 32's time.
 template <int QT, bool HIGH>
 KVQ_AMXBF16 inline void chunk_to_tile(__m512i wv, __m512 d, __m512 m, uint16_t* tile, int kp) {
   store_pairs(scaled<QT>(lane_value<QT, 0, HIGH>(wv), d, m),
@@ -166,11 +167,12 @@ KVQ_AMXBF16 void run_amx_bf16(const uint16_t* xs, int64_t ldx, int64_t m, int64_
     // the out-of-order window instead of taking turns, and group G + 2's bytes are prefetched
     // into L2 meanwhile (a decode step's weights come from DRAM: the K/V it read evicted
     // them). Whole 32-row groups only; a group with plain tail rows is dequantized on its own.
-    // Measured on the AMX Xeon (session 21, two threads, bench/probes/amx_quant_layer.py, a
-    // layer's four projections in turn over 30 layers' weights): 289-318 -> 222-235 us at
-    // M = 32, 255-276 -> 184-212 at M = 16, with the one-row-per-lane dequantization above.
-    // The prefetch took the bare runner's B=32 decode step from 27.3-27.6 to 25.1-26.1 ms
-    // (bench/results/session21/weight_prefetch.txt).
+    // Measured on the AMX Xeon (2026-12-04, be68d7a, two threads,
+    // bench/probes/amx_quant_layer.py at 25ace60, a layer's four projections in turn over 30
+    // layers' weights): 289-318 -> 222-235 us at M = 32, 255-276 -> 184-212 at M = 16, with the
+    // one-row-per-lane dequantization above. The prefetch took the bare runner's B=32 decode
+    // step from 27.3-27.6 to 25.1-26.1 ms (git show
+    // 25ace60:bench/results/session21/weight_prefetch.txt).
     dequant_group<QT>(wp, row_bytes, n, k, g0, bts[0], row_buf);
     for (int64_t G = g0; G < g1; ++G) {
       uint16_t* bt = bts[(G - g0) % 2];

@@ -1,6 +1,6 @@
 """Every decoder layer of a step in one native call, where the step allows it.
 
-``kvserve::decode_layers`` (``kvserve/runtime/native/kvserve_cpu_ops.cpp``) runs what
+``kvserve::decode_layers`` (``kvserve/runtime/native/csrc/decode_layers.cpp``) runs what
 ``LlamaDecoderLayer.forward`` runs for each layer (add + RMSNorm, the qkv projection, RoPE,
 the K/V write, paged decode attention, the o projection, add + RMSNorm, gate/up, SiLU x up,
 down), with the same kernels on the same buffers in the same order, so the results are the
@@ -26,7 +26,7 @@ turns the fused call off (for A/B measurements).
 
 NOTE: why. At B=1 the embedded model's step dispatched 343 ops from Python: ~2 us of
 dispatch each plus the wrappers around them; its kernels alone took 3.6 ms of a 5.3 ms step
-(docs/KERNELS_HISTORY.md, session 17).
+(the Xeon without AMX, 2026-12-03, 33ddfab; docs/kernels-rationale.md, section 7).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def enabled_by_env() -> bool:
     return os.environ.get(DISABLE_ENV, "1") != "0"
 
 
-# A projection part's codes (kvserve_cpu_ops.cpp, decode_layers): kind, qtype, isa,
+# A projection part's codes (native/csrc/decode_layers.cpp): kind, qtype, isa,
 # layout, first and end output column.
 PART_INT8_DOT = 0  # kvserve_quant::linear
 PART_AMX_BF16 = 1  # kvserve_quant::amx_bf16_linear

@@ -2,7 +2,7 @@
 
 A ``QuantizedWeight`` holds one linear (or embedding) weight ``[out, in]`` in a GGML block
 format, one row of blocks per output feature: ``data`` is uint8 ``[out, row_bytes]``. The
-native kernels (``kvserve/runtime/native/kvserve_quant_ops.cpp``) read three formats:
+native kernels (``kvserve/runtime/native/csrc/quant/``) read three formats:
 
 - ``q8_0``: 34 bytes / 32 values (8.5 bits a weight), as stored by GGUF;
 - ``q4_0``: 18 bytes / 32 values (4.5 bits), as stored;

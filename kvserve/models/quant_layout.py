@@ -3,7 +3,7 @@
 ``plain``: one row of blocks per output feature, as GGUF stores it. ``x16``: the first
 ``out - out % 16`` rows in groups of 16 whose blocks are interleaved so that the AVX-512 VNNI
 GEMV reads one 64-byte chunk of 16 rows per ``vpdpbusd`` and the scales of 16 rows in one load
-(byte order in ``kvserve_quant_ops.cpp``'s header comment); the other rows stay plain. The
+(byte order in ``kvserve/runtime/native/README.md``, "Numerics"); the other rows stay plain. The
 bytes held are the same (a permutation within each group): ``data`` keeps its shape
 ``[out, row_bytes]``, but row ``r`` of it is no longer output row ``r``.
 

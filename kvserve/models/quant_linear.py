@@ -4,8 +4,8 @@ Candidates for a ``QuantizedWeight`` source (``kvserve.models.quant``):
 
 - ``QuantKernelMethod`` (``{qtype}_{isa}``, e.g. ``q4_1_avx2``; ``{qtype}_x16_{isa}`` for a
   weight in the x16 layout, e.g. ``q4_1_x16_avx512_vnni``): the native int8-dot kernels over
-  the blocks as held (``kvserve_quant_ops.cpp``); holds nothing extra. ``kernel_layout``
-  repacks a weight at load to the layout its kernel reads fastest.
+  the blocks as held (``native/csrc/quant/quant_linear*.cpp``); holds nothing extra.
+  ``kernel_layout`` repacks a weight at load to the layout its kernel reads fastest.
 - ``DequantTileMethod`` (``dequant_tile_{dtype}``): rows dequantized a tile at a time into a
   small scratch and multiplied with ``torch.mm``; holds nothing extra (large M without a copy).
 - ``DequantDenseMethod`` (``dequant_{dtype}``): a dense copy made once at load, run with
@@ -48,14 +48,14 @@ from kvserve.runtime.native import quant_ops
 WeightPart = torch.Tensor | QuantizedWeight
 
 
-# NOTE: the AMX methods of a quantized weight are offered from 9 rows only (``min_rows``).
-# Below that the selection's isolated timing misled on the AMX Xeon: a plan it measured with
-# AMX bf16 at M 2-8 for three projections (timed faster there than the VNNI kernel) ran the
-# model's B = 8 step 22 % slower (574 against 739 tok/s; bench/results/session20/plans,
-# m8.json against good.json). Worse, with AMX at M = 1 besides (bad.json) the dtype probe,
-# which times the plans' kernels at M = 1, 8 and 32 in alternation, measured bf16 at 0.99x
-# fp32 and ``--dtype auto`` chose float32: every batch size and the prefill ran 20-50 %
-# slower.
+# NOTE: the AMX methods of a quantized weight are offered from 9 rows only (``min_rows``). Below
+# that the selection's isolated timing misled on the AMX Xeon: a plan it measured with AMX bf16
+# at M 2-8 for three projections (timed faster there than the VNNI kernel) ran the model's B = 8
+# step 22 % slower (574 against 739 tok/s; 2026-12-04, 34e94cb; git show
+# 25ace60:bench/results/session20/plans/m8.json against good.json). Worse, with AMX at M = 1
+# besides (bad.json) the dtype probe, which times the plans' kernels at M = 1, 8 and 32 in
+# alternation, measured bf16 at 0.99x fp32 and ``--dtype auto`` chose float32: every batch size
+# and the prefill ran 20-50 % slower.
 AMX_MIN_ROWS = 9
 
 
@@ -125,9 +125,10 @@ def kernel_layout(source: WeightPart, layout: str | None = None) -> WeightPart:
     if not isinstance(source, QuantizedWeight):
         return source
     if layout == "auto":
-        # NOTE: measured, projection sequence of the embedded model (bench/probes/quant_seq.py):
-        # AVX2 on Zen 3, two runs each: x16 8.4-9.4 / 15.6-19.1 / 48.9-58.9 ms, plain 16.6-22.4 /
-        # 31.8-38.0 / 134.5-135.3 ms at M = 1 / 8 / 32; AVX-512 VNNI on Zen 4 in session 11.
+        # NOTE: measured, projection sequence of the embedded model (bench/probes/quant_seq.py at
+        # 25ace60): AVX2 on Zen 3, two runs each: x16 8.4-9.4 / 15.6-19.1 / 48.9-58.9 ms, plain
+        # 16.6-22.4 / 31.8-38.0 / 134.5-135.3 ms at M = 1 / 8 / 32 (2026-12-02, efdd138); AVX-512
+        # VNNI on the Zen 4 EPYC: docs/kernels-rationale.md, section 4.
         # AVX-VNNI has no x16 kernel.
         fast = quant_ops.available() and quant_ops.best_isa() in X16_AUTO_ISAS
         layout = "x16" if fast and source.out_features >= 16 else "plain"
@@ -200,7 +201,7 @@ class QuantAmxBf16Method(LinearMethod):
     NOTE: why: from ~16 rows the int8-dot kernels are compute bound, and before this the
     selection took a dense bf16 copy there (3.6x the Q4_1 bytes, held beside the blocks). On
     the AMX Xeon the embedded model's projection sequence ran within 2-6 % of the copy at M
-    1-512 (session 11, README "Quantized weights").
+    1-512 (2026-12-02, 7f85a6c).
     """
 
     shares_source = True
@@ -279,7 +280,9 @@ class DequantPrepackedMethod(DenseCopyMethod):
     NOTE: why a second layout: where the selector prefers a copy (M above the int8 kernel's
     range), the dense model's own selection runs oneDNN prepacked at decode sizes, and with
     only the ``torch.mm`` copy a quantized model ran those steps slower than the dense model
-    (docs/KERNELS_HISTORY.md, session 7: 694.5 vs 786.6 tok/s at B=32 on the AMX Xeon).
+    (694.5 vs 786.6 tok/s at B=32 on the AMX Xeon, 2026-12-01, d0207ff; in 25ace60:
+    bench/results/session7/runtime_speed_defaultquantization_auto.txt and
+    runtime_speed_default.txt).
     """
 
     allocates = True
@@ -313,7 +316,8 @@ class DequantPrepackedMethod(DenseCopyMethod):
 
 class DequantAmxMethod(DequantPrepackedMethod):
     """The dense bf16 copy in AMX tiles (``AmxBf16Method`` over the dequantized weight): the
-    layout the dense model's own selection takes on an AMX CPU (session 9: every bucket)."""
+    layout the dense model's own selection takes on an AMX CPU (the AMX Xeon,
+    2026-12-02, 7797456: every bucket)."""
 
     allocates = False
     shape_cached = False

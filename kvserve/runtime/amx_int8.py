@@ -1,6 +1,6 @@
 """int8 weights on AMX int8 tiles (``kvserve::amx_int8_linear``): the packing and its inverse.
 
-The kernel (``kvserve/runtime/native/kvserve_amx_int8.cpp``) multiplies bf16 activations,
+The kernel (``kvserve/runtime/native/csrc/amx_int8.cpp``) multiplies bf16 activations,
 quantized per row and block of 64 inputs on the fly, by a weight held as int8 per output
 column and block of 64 inputs, both with an fp32 scale. ``pack_int8_weight`` makes that copy
 once at load from a float weight; the quantized-weight candidate that holds it is

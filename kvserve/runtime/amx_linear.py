@@ -4,7 +4,7 @@ A candidate of the kernel selection like oneDNN prepacked: offered on CPU for bf
 activations when the native kernels were built with AMX-BF16 and the kernel granted this
 process the tile state; the selection times it per M bucket and keeps it where it wins
 (README, "Kernels and dtype"). The weight is repacked once at load into the tile layout
-that ``kvserve_amx_linear.cpp`` describes, zero-padded to whole tiles; the packing is a
+that ``native/csrc/amx_linear.cpp`` describes, zero-padded to whole tiles; the packing is a
 padded permutation, so the packed copy rebuilds the weight exactly and the dense source can
 be freed.
 """

@@ -5,9 +5,10 @@ over a pool of hundreds of MB, and a decode step streams every weight once: with
 nearly every block, and every 4 KiB of weight, is a TLB miss. Asked for 2 MiB pages
 (``madvise(MADV_HUGEPAGE)`` before the first touch; Linux's default THP mode is ``madvise``,
 so nothing gets them unasked), attention over a 530 MB pool and the AMX projections both
-ran faster (docs/KERNELS_HISTORY.md, session 10: ``bench/probes/attn_cold.py
---huge-pages``, ``bench/probes/amx_model_ab.py --huge-pages``). Where the kernel does not
-give them (THP off, another OS, CUDA tensors), the buffer is an ordinary one.
+ran faster (docs/kernels-rationale.md, section 10: the AMX Xeon, 2026-12-02, 6778ddc; the
+probes ``bench/probes/attn_cold.py`` and ``amx_model_ab.py --huge-pages``, at 25ace60). Where
+the kernel does not give them (THP off, another OS, CUDA tensors), the buffer is an ordinary
+one.
 """
 
 from __future__ import annotations
@@ -91,10 +92,11 @@ def zeros_huge(
     withdraws its advice and takes ordinary pages.
 
     NOTE: why. Under THP's default ``defrag`` setting (``madvise``) the kernel compacts memory
-    to make each huge page of an advised region when none is free: a 2.3 GiB buffer took
-    14.5 s to fault in on a fragmented host, 0.6 s in 4 KiB pages and 0.5 s in huge pages
-    when free (``bench/probes/first_touch.py``; README, "Memory"), and every start-up paid
-    it. Huge pages gain a few per cent on decode; not a start-up twenty times as long.
+    to make each huge page of an advised region when none is free: a 2.3 GiB buffer took 14.5 s
+    to fault in on a fragmented host, 0.6 s in 4 KiB pages and 0.5 s in huge pages when free
+    (the Xeon without AMX, 2026-12-03, cd84d74: the probe ``bench/probes/first_touch.py`` at
+    25ace60; docs/memory.md), and every start-up paid it. Huge pages gain a few per cent on
+    decode; not a start-up twenty times as long.
     """
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)

@@ -15,10 +15,10 @@ a real step used beyond the plan (``kvserve bench memory --measure``), of two ki
   1.1 MiB for a 2048-token chunk with 2 threads.
 - **Native decode attention** (``kvserve::paged_decode_attention``, our own kernel): per
   thread one float buffer for a task's scores ``[heads, context]`` and its queries and
-  accumulators ``[heads, 2 * head_dim]``, and the line stream's runs (a few per block of
-  the block table), kept for the call: :func:`native_decode_scratch_bytes` (exact from
-  kvserve_cpu_ops.cpp, bounded by the block table's width). 0.4 MiB per thread for the
-  embedded model at 8,192 tokens (block size 16).
+  accumulators ``[heads, 2 * head_dim]``, and the line stream's runs (a few per block of the
+  block table), kept for the call: :func:`native_decode_scratch_bytes` (exact from
+  native/csrc/decode_attention.cpp, bounded by the block table's width). 0.4 MiB per thread for
+  the embedded model at 8,192 tokens (block size 16).
 - **GEMM library buffers** (MKL's packing buffers behind ``aten.mm``): sized by the
   library's own blocking, per thread and per shape, and then kept by the library across
   calls (its memory manager caches them), so they are a fixed cost once the largest step
@@ -110,7 +110,7 @@ def sdpa_cpu_flash_scratch_bytes(
     return total
 
 
-# sizeof(LineStream::Run) in kvserve_cpu_ops.cpp: a pointer and three int64s.
+# sizeof(LineStream::Run) in native/csrc/attention/paged_kv.h: a pointer and three int64s.
 _LINE_RUN_BYTES = 32
 
 
@@ -132,7 +132,7 @@ def native_decode_scratch_bytes(
     return num_threads * (num_heads * (max_context + 2 * head_dim) * 4 + stream)
 
 
-# bf16 bytes kvserve_amx_attention.cpp packs per KV head and 32-key step (K rows and V^T, 32
+# bf16 bytes native/csrc/amx_attention.cpp packs per KV head and 32-key step (K rows and V^T, 32
 # keys x 64 dims each), and its per-thread TaskScratch (Q^T, two steps' S^T and P^T, an O^T
 # tile).
 _AMX_PREFILL_STEP_BYTES = 2 * 32 * 64 * 2

@@ -27,8 +27,8 @@ Sample = tuple[list[int], list[dict]]
 
 
 # NOTE: without native bf16 (an AVX2-only CPU) torch emulates bf16 GEMMs, ~80x fp32 at 512
-# rows (2.6 s a 512x576x3072 call on Zen 3, session 13), and these tests would take most of
-# an hour there; the bf16 path's own tests still run (tests/runtime).
+# rows (2.6 s a 512x576x3072 call on the Zen 3 EPYC (AVX2), 2026-12-02), and these tests
+# would take most of an hour there; the bf16 path's own tests still run (tests/runtime).
 BF16 = pytest.param(
     "bfloat16",
     marks=pytest.mark.skipif(not native_bf16(), reason="bf16 is emulated on this CPU (slow)"),

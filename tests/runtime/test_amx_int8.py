@@ -1,4 +1,4 @@
-"""int8 weights on AMX int8 tiles (``kvserve/runtime/amx_int8.py``, ``kvserve_amx_int8.cpp``)
+"""int8 weights on AMX int8 tiles (``kvserve/runtime/amx_int8.py``, ``native/csrc/amx_int8.cpp``)
 and their candidate ``QuantAmxInt8Method``.
 
 The packing is checked everywhere; the kernel only where the CPU has AMX-INT8 (the tests say

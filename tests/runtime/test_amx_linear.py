@@ -1,4 +1,4 @@
-"""The AMX linear method (``kvserve/runtime/amx_linear.py``, ``kvserve_amx_linear.cpp``).
+"""The AMX linear method (``kvserve/runtime/amx_linear.py``, ``native/csrc/amx_linear.cpp``).
 
 The packing and the candidate rules are checked everywhere; the kernel only where the CPU
 has AMX-BF16 (the tests say so when they skip).

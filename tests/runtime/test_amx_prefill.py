@@ -1,5 +1,5 @@
 """The AMX prefill attention kernel (``kvserve::amx_prefill_attention``,
-kvserve/runtime/native/kvserve_amx_attention.cpp) against a float64 reference, and the native
+kvserve/runtime/native/csrc/amx_attention.cpp) against a float64 reference, and the native
 backend's use of it: long chunks through the kernel where it serves them, SDPA where not.
 Skipped where the kernel does not run (no AMX-BF16 in this build or CPU)."""
 

@@ -2,8 +2,8 @@
 
 The build compiles for ``-march=native``, so a suite on an AMX Xeon only ever runs the AMX and
 AVX-512 branches of ``kvserve/runtime/native``; the AVX2 branches (the AVX2-only EPYC) and
-the AVX-512-without-AMX ones (Zen 4, a Xeon whose hypervisor hides AMX) ran only when a
-session landed on such a machine. Here the kernels are built again for an older kind
+the AVX-512-without-AMX ones (Zen 4, a Xeon whose hypervisor hides AMX) ran only when the
+suite ran on such a machine. Here the kernels are built again for an older kind
 (``KVSERVE_NATIVE_MARCH``, into a scratch cache) and the kernel tests run against that build
 in a subprocess, with oneDNN capped the same way (``ONEDNN_MAX_CPU_ISA``) so torch's own
 kernels take that kind's paths too. A kind is skipped where this CPU cannot run its code, or

@@ -3,10 +3,10 @@
 The build uses ``-march=native``, so a machine compiles only what its own CPU enables: code
 under a ``target`` attribute that needs more than the enclosing function enables (a lambda
 inside an AVX-512 function does not inherit the attribute) builds on an AVX-512 CPU and fails
-on an AVX2-only one, taking every quantized kernel with it. This happened (session 13, AVX2
-EPYC). Each source is compiled here, without optimization (the quickest codegen that still
-checks inlining and immediates), for the AVX2 baseline, AVX-512 without BF16 and the widest
-kind (AMX).
+on an AVX2-only one, taking every quantized kernel with it. This happened (the Zen 3 EPYC
+(AVX2), 2026-12-02). Each source is compiled here, without optimization (the quickest codegen
+that still checks inlining and immediates), for the AVX2 baseline, AVX-512 without BF16 and the
+widest kind (AMX).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Quantized-weight kernels (kvserve_quant_ops.cpp) against numpy dequantize-then-matmul.
+"""Quantized-weight kernels (runtime/native/csrc/quant/) against numpy dequantize-then-matmul.
 
 Every instruction set this CPU has is forced in turn, plus the scalar one. Tolerance: the
 kernels round each activation to int8 per block of 32 (d = max|x_b| / 127), so an

@@ -22,7 +22,7 @@ STARTUP_TIMEOUT_S = 180.0
 # each, so neither reuses the other's prompt blocks: both then run the same steps. With a
 # prefix hit the second would decode from a 1-token step where the first ran a whole prompt,
 # and in the default bf16 (quantized weights, the kernel chosen per row count) that rounds
-# differently and can flip a greedy near-tie (seen on the AMX Xeon, session 19). Streaming is
+# differently and can flip a greedy near-tie (seen on the AMX Xeon, 2026-12-04). Streaming is
 # what those tests check; tests/e2e/test_equivalence.py checks what the cache may change.
 FRESH_A = {"cache_salt": "streaming-check-a"}
 FRESH_B = {"cache_salt": "streaming-check-b"}

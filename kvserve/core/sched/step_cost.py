@@ -13,9 +13,9 @@ their own per-token cost because every decode row also goes through the lm_head.
 chunk also costs something of its own, whatever its length (its attention call and the mixed
 step's extra work in every layer).
 NOTE: why the chunk term: on the AMX Xeon the first 16 prefill tokens beside 4 decodes added
-8 ms to a 21 ms step, the next 100 about 0.25 ms each (``bench/probes/mixed_step.py``);
-fitted without it, the per-token cost absorbed the fixed part, so small chunks were predicted
-too cheap and large ones too dear.
+8 ms to a 21 ms step, the next 100 about 0.25 ms each (the probe ``bench/probes/mixed_step.py``,
+at 25ace60); fitted without it, the per-token cost absorbed the fixed part, so small chunks
+were predicted too cheap and large ones too dear.
 
 The fit is least squares on the *relative* error (a decode step and a 512-token prefill differ
 by 10x; both should be predicted well), with every coefficient kept >= 0 so a prediction grows

@@ -89,7 +89,8 @@ class NativeCPUBackend(TorchSDPABackend):
         if plan.end:
             tables, lens = plan.tables, plan.lens
             # NOTE: no views when the call covers every row (a decode-only step): at B=1 the
-            # two slices were ~4 us of a ~30 us layer call (bench/README, session 16).
+            # two slices were ~4 us of a ~30 us layer call (the Xeon without AMX, 2026-12-03,
+            # 02cba92).
             whole = plan.end == q.shape[0]
             ops.paged_decode_attention(
                 out if whole else out[: plan.end],

@@ -9,13 +9,13 @@ by how much depends on the CPU and dtype. ``chunk_attention_limit`` times both o
 16 .. ``max_tokens`` rows (each after an earlier chunk of its size, so with a context of
 2n) and returns the longest chunk up to which the kernel was never the slower. For a
 half-precision model SDPA is also timed in float32 (inputs converted, output converted
-back): on a CPU without AMX its float32 kernels beat its bf16 ones (session 15's Xeon,
-256-row chunk: 1.93-2.08 vs 2.32-2.45 ms), on others the reverse may hold; the faster
-one at the size where the kernel lost serves the longer chunks. On an AMX CPU a bf16 model of
-head_dim 64 has a fourth way, ``kvserve::amx_prefill_attention`` (flash attention on AMX tiles
-over the paged cache, no gathered copy), timed with the others: where it beats SDPA at the
-size where the decode kernel lost, it serves the longer chunks. The answer is cached like the
-kernel selections (``kvserve.runtime.kernel_select``).
+back): on a CPU without AMX its float32 kernels beat its bf16 ones (the Xeon without AMX,
+2026-12-03, 2175cbf, 256-row chunk: 1.93-2.08 vs 2.32-2.45 ms), on others the reverse may hold;
+the faster one at the size where the kernel lost serves the longer chunks. On an AMX CPU a bf16
+model of head_dim 64 has a fourth way, ``kvserve::amx_prefill_attention`` (flash attention on
+AMX tiles over the paged cache, no gathered copy), timed with the others: where it beats SDPA at
+the size where the decode kernel lost, it serves the longer chunks. The answer is cached like
+the kernel selections (``kvserve.runtime.kernel_select``).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
     NOTE: greedy decoding runs this on every step. On CPU the native kernel (one pass keeping
     each lane's maximum and its first index) took 0.09 ms on [32, 49152] bf16 rows, 0.10 on
-    float32 (two threads, the AMX Xeon, session 22), where ``max(dim).indices`` took 1.3 ms
+    float32 (two threads, the AMX Xeon, 2026-12-05, b66c10f), where ``max(dim).indices`` took 1.3 ms
     and ``argmax`` 2.3 ms (one thread, Zen 4); elsewhere ``max(dim).indices``.
     """
     if _native_rows(logits):

@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any
 
+from kvserve.cache_dir import cache_root
 from kvserve.detokenizer import IncrementalDetokenizer
 
 __all__ = ["CHAT_ROLES", "IncrementalDetokenizer", "Tokenizer", "tokenizer_cache_dir"]
@@ -42,10 +43,7 @@ _PROCESS_CACHE_LOCK = threading.Lock()
 
 def tokenizer_cache_dir() -> str:
     """Folder holding tokenizers converted from GGUF files (``$KVSERVE_CACHE_DIR/tokenizers``)."""
-    root = os.environ.get("KVSERVE_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "kvserve"
-    )
-    return os.path.join(root, "tokenizers")
+    return str(cache_root() / "tokenizers")
 
 
 class Tokenizer:

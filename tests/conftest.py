@@ -19,3 +19,6 @@ pytest.register_assert_rewrite(
 # second pytest worker) makes spinning threads collapse throughput ~10x; passive waiting
 # keeps the suite's wall time stable. Set before torch loads libgomp; subprocesses inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# NOTE: every test traces its activation plans (a plan read back from an earlier run's disk
+# cache would hide a change to a test's own model); test_plan_disk_cache turns it back on.
+os.environ["KVSERVE_PLAN_CACHE"] = "0"

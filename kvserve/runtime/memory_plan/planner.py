@@ -25,6 +25,7 @@ from kvserve.runtime.memory_plan.arena import (
     live_bytes_lower_bound,
     pack_intervals,
 )
+from kvserve.runtime.memory_plan.disk_cache import cached_on_disk, plan_key
 from kvserve.runtime.memory_plan.recorder import LifetimeRecorder
 from kvserve.runtime.native.chunk_limit import ChunkAttention
 from kvserve.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -218,14 +219,15 @@ def plan_activations(
     candidates by name; ``num_threads`` sizes per-thread kernel scratch (None: torch's
     current count). ``chunk_attention``: the native backend's chunk choice, as the engine
     applies it (chunks through the decode kernel hold no gathered copy; chunks through
-    float32 SDPA hold float32 copies). Results are cached per argument set (engines built
-    with the same options trace once).
+    float32 SDPA hold float32 copies). Results are cached per argument set: in the process
+    (engines built with the same options trace once) and on disk (``disk_cache``: a warm start
+    traces nothing).
     """
     if max_layers is not None:
         if max_layers < 1:
             raise ValueError(f"max_layers must be >= 1 or None, got {max_layers}")
         arch = dataclasses.replace(arch, num_hidden_layers=min(arch.num_hidden_layers, max_layers))
-    return _plan_cached(
+    args = (
         arch,
         max_num_batched_tokens,
         max_num_seqs,
@@ -240,6 +242,7 @@ def plan_activations(
         model_factory,
         chunk_attention,
     )
+    return cached_on_disk(plan_key(args), lambda: _plan_cached(*args))
 
 
 @lru_cache(maxsize=16)

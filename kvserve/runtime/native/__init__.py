@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from kvserve.cache_dir import cache_root
+
 CSRC = Path(__file__).with_name("csrc")
 # NOTE: one op library from these files; bindings.cpp registers every op of them.
 SOURCES = tuple(
@@ -61,7 +63,6 @@ SOURCES = tuple(
 # Headers the sources include: hashed into the build name with them.
 HEADERS = tuple(sorted(h for h in CSRC.rglob("*.h") if h.parent.name != "quant"))
 DISABLE_ENV = "KVSERVE_NATIVE"  # "0" turns the native kernels off
-CACHE_ENV = "KVSERVE_CACHE_DIR"
 # NOTE: "native" unless KVSERVE_NATIVE_MARCH names a gcc -march target (x86-64-v3, cooperlake, ...):
 # building for an older CPU kind than this one runs that kind's code paths here (AVX2 without
 # AVX-512, AVX-512 without AMX), which is how the tests check them on whichever CPU CI has.
@@ -141,8 +142,7 @@ def checkout_key(package: Path | None = None) -> str:
 
 def build_dir() -> Path:
     """Where the kernels are built and kept."""
-    base = os.environ.get(CACHE_ENV) or os.path.join(Path.home(), ".cache", "kvserve")
-    return Path(base) / "native" / checkout_key() / build_name()
+    return cache_root() / "native" / checkout_key() / build_name()
 
 
 def ensure_ninja_on_path() -> None:

@@ -35,8 +35,9 @@ from kvserve.runtime import (
     native,
 )
 from kvserve.runtime.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+from kvserve.runtime.autotune.candidates import build_linear
 from kvserve.runtime.layer_ops import TORCH_OPS, LayerOps, RopeViews, layer_ops
-from kvserve.runtime.linear import Linear, LinearPlan, build_linear
+from kvserve.runtime.linear import Linear, LinearPlan
 from kvserve.runtime.workspace import Workspace
 
 

@@ -13,14 +13,13 @@ import torch
 from kvserve.models.llama import PROJECTIONS, LlamaForCausalLM, compute_inv_freq, rope_cos_sin
 from kvserve.runtime import native
 from kvserve.runtime.attention import SeqSpec, build_attention_metadata
-from kvserve.runtime.kv_cache import KVCache
-from kvserve.runtime.linear import (
-    M_MAX,
+from kvserve.runtime.autotune.candidates import (
     candidate_methods,
-    dtype_tag,
     onednn_available,
     onednn_supports,
 )
+from kvserve.runtime.kv_cache import KVCache
+from kvserve.runtime.linear import M_MAX, dtype_tag
 from kvserve.runtime.workspace import Workspace
 from tests.runtime.runtime_testutil import ToyAllocator, hf_logits, ours_from_hf, tiny_hf_model
 

@@ -5,13 +5,13 @@
 
 For the model's projection shapes (qkv, o, gate/up, down, lm_head) and each M bucket
 (decode 1, 2-8, 9-16, 17-32, 33-128; prefill chunks 129-256 and above, probed at 256 and 512
-rows), each candidate runs as at start-up (``kvserve.runtime.kernel_select``, mode
-``measure``: the cache is refreshed). One row per shape x bucket x candidate: best ms per
-call, weight GB/s, GFLOP/s and whether it was chosen; then each decode bucket's step check
-(``kvserve.runtime.plan_check``: the plans tried on whole steps' projections, ms a step, the
-one taken). The last lines give the decode matmul time per dtype (M = 1, 8 and 32 summed,
-chosen kernels) and what ``--dtype auto`` would pick (``kernel_setup.dtype_speedup``: those
-matmuls and decode attention, dense weights).
+rows), each candidate runs as at start-up (``kvserve.runtime.autotune``, mode ``measure``:
+the cache is refreshed). One row per shape x bucket x candidate: best ms per call, weight
+GB/s, GFLOP/s and whether it was chosen; then each decode bucket's step check
+(``autotune.check``: the plans tried on whole steps' projections, ms a step, the one taken).
+The last lines give the decode matmul time per dtype (M = 1, 8 and 32 summed, chosen
+kernels) and what ``--dtype auto`` would pick (``autotune.measure_dtype.dtype_speedup``:
+those matmuls and decode attention, dense weights).
 """
 
 from __future__ import annotations
@@ -21,18 +21,18 @@ import json
 
 import torch
 
-from kvserve.engine.config import EngineConfig
-from kvserve.kernel_setup import (
+from kvserve.models.loader import load_arch
+from kvserve.runtime.autotune.candidates import (
     DTYPES,
-    decode_matmul_seconds,
-    dtype_speedup,
+    cpu_identity,
+    m_buckets,
     native_bf16,
     projection_shapes,
-    select_shapes,
 )
-from kvserve.models.loader import load_arch
-from kvserve.runtime.kernel_cache import cpu_identity
-from kvserve.runtime.kernel_select import M_MAX, Selection, m_buckets
+from kvserve.runtime.autotune.choose import Selection
+from kvserve.runtime.autotune.measure_dtype import dtype_speedup
+from kvserve.runtime.autotune.tune import decode_matmul_seconds, select_shapes
+from kvserve.runtime.linear import M_MAX
 
 
 def _bucket(max_m: int) -> str:
@@ -98,7 +98,6 @@ def main(argv: list[str] | None = None) -> None:
         f"CPU: {cpu} (native bf16: {native_bf16()}); torch {torch.__version__}; "
         f"{torch.get_num_threads()} threads"
     )
-    config = EngineConfig(device=args.device, kernel_selection="measure")
     record: dict[str, object] = {
         "benchmark": "kernels",
         "cpu": cpu,
@@ -108,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     totals: dict[str, float] = {}
     sels: dict[str, Selection] = {}
     for name in args.dtype:
-        sel = sels[name] = select_shapes(config, arch, DTYPES[name], "measure")
+        sel = sels[name] = select_shapes(args.device, arch, DTYPES[name], "measure")
         print(f"\n== {name}: {sel.summary()}")
         print("\n".join(table(sel, names) + check_lines(sel, names)))
         totals[name] = decode_matmul_seconds(sel, arch)

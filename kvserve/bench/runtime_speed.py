@@ -34,14 +34,13 @@ import time
 import torch
 
 from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
-from kvserve.engine.config import DTYPE_CHOICES, KERNEL_SELECTION_MODES, EngineConfig
-from kvserve.kernel_setup import choose_dtype_and_kernels
+from kvserve.engine.config import DTYPE_CHOICES, KERNEL_SELECTION_MODES
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_model
 from kvserve.models.quant import QUANTIZATION_CHOICES
 from kvserve.models.quant_model import quantized_decode_bytes
-from kvserve.models.quant_select import quantized_counts, quantized_formats
-from kvserve.runtime.kernel_select import plan_of
+from kvserve.models.quant_select import quantized_projections
+from kvserve.runtime.autotune import TuneSettings, choose_kernels
 from kvserve.runtime.linear import gather_into_huge_pages
 from kvserve.runtime.model_runner import ModelRunner
 from kvserve.runtime.native.chunk_limit import configure_backend
@@ -272,16 +271,10 @@ def main(argv: list[str] | None = None) -> None:
     model = LlamaForCausalLM(loaded.arch, device=args.device, attn_backend=args.attn_backend)
     model.load_weights(loaded.state_dict)
     del loaded
-    kernels = choose_dtype_and_kernels(
-        EngineConfig(
-            dtype=args.dtype,
-            kernel_selection=args.kernel_selection,
-            device=args.device,
-            max_num_batched_tokens=args.max_batched_tokens,
-        ),
+    kernels = choose_kernels(
+        TuneSettings(args.dtype, args.device, args.kernel_selection),
         model.arch,
-        quantized_formats(model),
-        quantized_counts(model),
+        quantized_projections(model),
     )
     print(kernels.summary())
     blocks_per_seq = -(-(args.prompt_len + args.steps) // args.block_size)
@@ -293,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
         device=args.device,
         dtype=kernels.dtype,
     )
-    model.set_linear_plan(plan_of(kernels.selection))  # the quantized projections' included
+    model.set_linear_plan(kernels.plan)  # the quantized projections' included
     model.ensure_linears()
     configure_backend(
         model.attn_backend,

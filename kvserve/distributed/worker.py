@@ -53,16 +53,15 @@ def build_rank_model(
 ) -> torch.nn.Module:
     """This rank's ``TPLlamaForCausalLM``, loaded with its slices, in the config's dtype."""
     from kvserve.distributed.tp_model import TPLlamaForCausalLM
-    from kvserve.kernel_setup import choose_dtype_and_kernels
-    from kvserve.runtime.kernel_select import plan_of
+    from kvserve.runtime.autotune import TuneSettings, choose_kernels
 
     model = TPLlamaForCausalLM(spec, group)
     model.load_sharded(state_dict)
     model = model.to(device=config.device, dtype=_DTYPES[config.dtype]).eval()
     # NOTE: the projection kernels are chosen for this rank's own weight shapes (measured at
     # start-up or read from the cache), not the full model's that the engine selected for.
-    kernels = choose_dtype_and_kernels(config, spec.local_arch())
-    model.rank_linear_plan = plan_of(kernels.selection)
+    settings = TuneSettings(config.dtype, config.device, config.kernel_selection)
+    model.rank_linear_plan = choose_kernels(settings, spec.local_arch()).plan
     model.set_linear_plan(None)
     return model
 

@@ -17,7 +17,7 @@ from kvserve.config import QUANTIZATION_CHOICES, CacheConfig, SchedulerConfig
 from kvserve.core.sched.step_budget import PREFILL_POLICIES, StepBudgetConfig
 
 GiB = 1 << 30
-# NOTE: kept here (torch-free) and checked against kernel_setup / kernel_select by a test.
+# NOTE: kept here (torch-free) and checked against runtime/autotune by a test.
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 KERNEL_SELECTION_MODES = ("auto", "measure", "off")
 

@@ -134,7 +134,7 @@ def _fmt(num_bytes: int) -> str:
     return f"{num_bytes / MiB:.1f} MiB ({num_bytes} bytes)"
 
 
-# NOTE: "auto" is resolved by the engine before it plans (kernel_setup); a config planned
+# NOTE: "auto" is resolved by the engine before it plans (runtime/autotune); a config planned
 # without an engine counts float32, the larger of the dtypes "auto" can choose on CPU.
 _DTYPES = {
     "float32": torch.float32,

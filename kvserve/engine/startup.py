@@ -2,9 +2,10 @@
 
 Order (``LLMEngine.__init__`` runs them in this order; the order matters):
 
-0. ``choose_kernels``: the dtype (for "auto") and each projection's kernel per M bucket,
-   measured on the model's shapes (or read from the cache) before any weight is read; left
-   to phase 1 when the weights load quantized (which shapes are is known once read).
+0. ``choose_kernels``: the dtype (for "auto") and each projection's kernel per M bucket
+   (``kvserve.runtime.autotune.choose_kernels``), measured on the model's shapes (or read
+   from the cache) before any weight is read; left to phase 1 when the weights load
+   quantized (which shapes are is known once read).
 1. ``load_engine_model``: weights -> model on its device and dtype with the chosen kernels,
    tokenizer, weight bytes (prepacked copies included); for a model loaded quantized, the
    dtype and kernels chosen on its quantized projections (``EngineModel.kernels``: the
@@ -37,12 +38,12 @@ from kvserve.core.sched.scheduler import Scheduler
 from kvserve.core.sched.step_budget import StepTimeBudget
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.memory_budget import MemoryReport, measure_kernel_scratch, plan_kv_blocks
-from kvserve.kernel_setup import KernelChoice, choose_dtype_and_kernels, pending_choice
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_arch, load_model
 from kvserve.models.quant_model import quantization_summary, quantized_nbytes, summary_line
-from kvserve.models.quant_select import quantized_counts, quantized_formats
-from kvserve.runtime.kernel_select import plan_of
+from kvserve.models.quant_select import quantized_projections
+from kvserve.runtime import autotune
+from kvserve.runtime.autotune import KernelChoice, TuneSettings
 from kvserve.runtime.linear import gather_into_huge_pages, warm_row_buckets
 from kvserve.runtime.memory_plan.planner import ActivationPlan
 from kvserve.runtime.model_runner import ModelRunner
@@ -86,16 +87,21 @@ def loads_quantized(config: EngineConfig) -> str:
     return config.quantization if on_cpu and config.tensor_parallel_size == 1 else "none"
 
 
+def tune_settings(config: EngineConfig) -> TuneSettings:
+    """What kernel selection takes of the engine's options."""
+    return TuneSettings(config.dtype, config.device, config.kernel_selection)
+
+
 def choose_kernels(config: EngineConfig) -> KernelChoice:
     """Phase 0: apply the torch settings; choose the dtype and the projection kernels, or
-    leave them to phase 1 (``pending_choice``) when the model may hold quantized projections:
+    leave them to phase 1 (the pending choice) when the model may hold quantized projections:
     which shapes it does is known once its weights are read."""
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     torch.manual_seed(config.seed)
     if loads_quantized(config) != "none":
-        return pending_choice(config)
-    return choose_dtype_and_kernels(config, load_arch(config.model))
+        return autotune.choose_kernels(tune_settings(config))
+    return autotune.choose_kernels(tune_settings(config), load_arch(config.model))
 
 
 def load_engine_model(config: EngineConfig, kernels: KernelChoice) -> EngineModel:
@@ -118,14 +124,13 @@ def load_engine_model(config: EngineConfig, kernels: KernelChoice) -> EngineMode
         if kernels.pending is not None:
             # NOTE: the quantized projections run their own kernels, which may favour the
             # other dtype under ``auto``: such a model loads in float32, cast once decided.
-            asked = config.replace(dtype=kernels.pending)
-            formats, counts = quantized_formats(model), quantized_counts(model)
-            kernels = choose_dtype_and_kernels(asked, loaded.arch, formats, counts)
+            asked = tune_settings(config.replace(dtype=kernels.pending))
+            kernels = autotune.choose_kernels(asked, loaded.arch, quantized_projections(model))
         dtype = kernels.dtype
         model = model.to(device=config.device, dtype=dtype).eval()
     # NOTE: the selection holds the quantized projections' choices too (the int8-dot kernel
     # or a dense copy, per M), so its plan is the whole model's.
-    model.set_linear_plan(plan_of(kernels.selection))
+    model.set_linear_plan(kernels.plan)
     if tp is None:
         configure_backend(
             model.attn_backend,

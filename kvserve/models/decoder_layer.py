@@ -19,8 +19,9 @@ from torch import nn
 from kvserve.config import ModelArchConfig
 from kvserve.runtime.attention.interface import AttentionBackend
 from kvserve.runtime.attention.metadata import AttentionMetadata
+from kvserve.runtime.autotune.candidates import build_linear
 from kvserve.runtime.layer_ops import TORCH_OPS, LayerOps, RopeViews
-from kvserve.runtime.linear import Linear, LinearPlan, build_linear
+from kvserve.runtime.linear import Linear, LinearPlan
 from kvserve.runtime.workspace import Workspace
 
 # Each build of a layer's projections takes a new number (LlamaDecoderLayer.build_linears).

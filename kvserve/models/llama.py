@@ -36,8 +36,9 @@ from kvserve.runtime import (
 from kvserve.runtime.attention import get_attention_backend
 from kvserve.runtime.attention.interface import AttentionBackend
 from kvserve.runtime.attention.metadata import AttentionMetadata
+from kvserve.runtime.autotune.candidates import build_linear
 from kvserve.runtime.layer_ops import TORCH_OPS, layer_ops
-from kvserve.runtime.linear import Linear, LinearPlan, build_linear
+from kvserve.runtime.linear import Linear, LinearPlan
 from kvserve.runtime.workspace import Workspace
 
 

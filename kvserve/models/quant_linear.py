@@ -36,13 +36,8 @@ import torch
 from kvserve.models.quant import QuantizedWeight
 from kvserve.runtime import amx_int8
 from kvserve.runtime.amx_linear import AmxBf16Method, amx_available, run_packed
-from kvserve.runtime.linear import (
-    LinearMethod,
-    OneDnnPrepackedMethod,
-    dtype_tag,
-    onednn_supports,
-    register_candidates,
-)
+from kvserve.runtime.autotune.candidates import onednn_supports, register_candidates
+from kvserve.runtime.linear import LinearMethod, OneDnnPrepackedMethod, dtype_tag
 from kvserve.runtime.native import quant_ops
 
 WeightPart = torch.Tensor | QuantizedWeight

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from kvserve.runtime import native
-from kvserve.runtime.linear import LinearMethod, register_candidates
+from kvserve.runtime.autotune.candidates import register_candidates
+from kvserve.runtime.linear import LinearMethod
 
 log = logging.getLogger(__name__)
 

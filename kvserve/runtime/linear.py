@@ -3,30 +3,23 @@
 A model holds one ``Linear`` per projection (fused qkv, o, gate/up, down, lm_head). A
 ``Linear`` owns the weight source and the ``LinearMethod`` chosen for each range of M (rows
 of ``x``); the model never knows which kernel runs. Methods are built once at load (a
-prepacked method copies the weight into its own layout then) from the candidates that the
-registered factories offer; ``kvserve.runtime.kernel_select`` times them and picks one per
-M bucket. Shapes follow HF: a weight is ``[out_features, in_features]``.
-
-Weight sources handed to the factories: a dense ``torch.Tensor`` [out, in] (any float dtype),
-or a quantized weight (issue #16, registered by its own module through
-``register_candidates``). A factory returns the methods it can build for a source (an empty
-list when none applies); a factory that raises is skipped with its reason logged.
+prepacked method copies the weight into its own layout then). Which methods exist for a
+weight (the candidate factories the kernels register), which one runs each M bucket and the
+building of a ``Linear`` from that choice (``build_linear``) are kernel selection's:
+``kvserve.runtime.autotune``. Shapes follow HF: a weight is ``[out_features, in_features]``.
 """
 
 from __future__ import annotations
 
 import abc
 import bisect
-import logging
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from kvserve.runtime.huge_pages import into_huge_pages
-
-log = logging.getLogger(__name__)
 
 # NOTE: the M bound of the last bucket: "every larger M".
 M_MAX = sys.maxsize
@@ -226,98 +219,6 @@ def warm_row_buckets(
     return calls
 
 
-CandidateFactory = Callable[..., list[LinearMethod]]
-_FACTORIES: list[CandidateFactory] = []
-
-
-def register_candidates(factory: CandidateFactory) -> CandidateFactory:
-    """Add ``factory(weight_source, *, act_dtype, device) -> list[LinearMethod]``.
-
-    Registering the same factory twice is a no-op. Returns ``factory`` (usable as a decorator).
-    """
-    if factory not in _FACTORIES:
-        _FACTORIES.append(factory)
-    return factory
-
-
-def registered_factories() -> tuple[CandidateFactory, ...]:
-    """The registered candidate factories, in registration order."""
-    return tuple(_FACTORIES)
-
-
-def onednn_available() -> bool:
-    """Whether torch's oneDNN linear ops can be used on CPU."""
-    return bool(torch.backends.mkldnn.is_available()) and hasattr(
-        torch.ops.mkldnn, "_reorder_linear_weight"
-    )
-
-
-def onednn_supports(act_dtype: torch.dtype) -> bool:
-    """Whether oneDNN can prepack and run a linear in ``act_dtype`` on this CPU.
-
-    NOTE: oneDNN's bf16 linear needs AVX512BW/VL/DQ or AVX-NE-CONVERT; on an AVX2-only CPU
-    ``_reorder_linear_weight`` raises for bf16, so the candidate is left out up front instead
-    of failing at build time (and taking the other dense methods down with it).
-    """
-    if act_dtype not in (torch.float32, torch.bfloat16) or not onednn_available():
-        return False
-    return act_dtype == torch.float32 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-@register_candidates
-def dense_candidates(
-    source: Any, *, act_dtype: torch.dtype, device: torch.device
-) -> list[LinearMethod]:
-    """The dense methods: ``torch.mm`` (MKL) and, on CPU, oneDNN prepacked (fp32 / bf16)."""
-    if not isinstance(source, torch.Tensor) or source.dim() != 2:
-        return []
-    weight = source if source.dtype == act_dtype else source.to(act_dtype)
-    methods: list[LinearMethod] = [DenseMmMethod(weight)]
-    if device.type == "cpu" and act_dtype in (torch.float32, torch.bfloat16):
-        if onednn_supports(act_dtype):
-            methods.append(OneDnnPrepackedMethod(weight))
-        else:
-            log.info(
-                "linear candidate onednn_prepacked_%s skipped: oneDNN %s linear unavailable",
-                dtype_tag(act_dtype),
-                act_dtype,
-            )
-    return methods
-
-
-def candidate_methods(
-    source: Any,
-    *,
-    act_dtype: torch.dtype,
-    device: torch.device,
-    skipped: dict[str, str] | None = None,
-    factories: Sequence[CandidateFactory] | None = None,
-) -> list[LinearMethod]:
-    """Every method the registered factories (or ``factories``) can build for ``source``
-    (names unique; the first factory offering a name wins).
-
-    A factory that raises is skipped: its reason is logged and recorded in ``skipped``
-    (factory name -> reason) when given.
-    """
-    methods: list[LinearMethod] = []
-    seen: set[str] = set()
-    for factory in _FACTORIES if factories is None else factories:
-        try:
-            built = factory(source, act_dtype=act_dtype, device=device)
-        except Exception as e:  # noqa: BLE001 - any failure means "not this candidate"
-            name = getattr(factory, "__name__", repr(factory))
-            reason = f"{type(e).__name__}: {e}"
-            log.warning("linear candidate factory %s skipped: %s", name, reason)
-            if skipped is not None:
-                skipped[name] = reason
-            continue
-        for m in built:
-            if m.name not in seen:
-                seen.add(m.name)
-                methods.append(m)
-    return methods
-
-
 class Linear:
     """What a model layer holds for one projection: the weight source, an optional bias and
     the method chosen per M bucket; ``linear(x, out)`` picks by ``x.shape[0]``.
@@ -469,61 +370,6 @@ class Linear:
     def __repr__(self) -> str:
         parts = ", ".join(f"M<={'inf' if b == M_MAX else b}:{m.name}" for b, m in self.buckets)
         return f"Linear({self.out_features}x{self.in_features}; {parts})"
-
-
-def build_linear(
-    source: Any,
-    bias: torch.Tensor | None = None,
-    *,
-    act_dtype: torch.dtype,
-    device: torch.device,
-    choice: Sequence[tuple[int, str]] | None = None,
-    factories: Sequence[CandidateFactory] | None = None,
-) -> Linear:
-    """A ``Linear`` for ``source``: ``choice`` names the method per bucket (``(max_m, name)``).
-
-    ``choice`` None: ``torch.mm`` on the weight (the original path) for every M. A chosen
-    name no candidate offers falls back to that path with a warning.
-    """
-    if choice is None:
-        if not isinstance(source, torch.Tensor):
-            # NOTE: e.g. a quantized weight: its factory lists its own kernel first.
-            return Linear(source, [(M_MAX, _first_candidate(source, act_dtype, device))], bias)
-        return Linear(source, [(M_MAX, DenseMmMethod(source))], bias)
-    wanted = {name for _, name in choice}
-    by_name = {
-        m.name: m
-        for m in candidate_methods(source, act_dtype=act_dtype, device=device, factories=factories)
-        if m.name in wanted
-    }
-    buckets: list[tuple[int, LinearMethod]] = []
-    fallback: LinearMethod | None = None
-    for max_m, name in choice:
-        method = by_name.get(name)
-        if method is None:
-            log.warning("linear method %s unavailable for %s: using torch.mm", name, _shape(source))
-            if fallback is None:
-                fallback = (
-                    DenseMmMethod(source)
-                    if isinstance(source, torch.Tensor)
-                    else _first_candidate(source, act_dtype, device)
-                )
-            method = fallback
-        buckets.append((max_m, method))
-    return Linear(source, buckets, bias)
-
-
-def _first_candidate(source: Any, act_dtype: torch.dtype, device: torch.device) -> LinearMethod:
-    """The first method the registered factories offer for a non-tensor ``source``."""
-    methods = candidate_methods(source, act_dtype=act_dtype, device=device)
-    if not methods:
-        raise ValueError(f"no linear method can run a {type(source).__name__} weight source")
-    return methods[0]
-
-
-def _shape(source: Any) -> tuple[int, ...]:
-    shape = getattr(source, "shape", ())
-    return tuple(int(s) for s in shape)
 
 
 def gather_into_huge_pages(linears: Iterable[Linear]) -> int:

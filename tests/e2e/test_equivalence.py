@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.kernel_setup import native_bf16
+from kvserve.runtime.autotune.candidates import native_bf16
 from kvserve.sampling_params import SamplingParams
 from tests.e2e.prompts import chat_prompts
 

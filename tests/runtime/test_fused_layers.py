@@ -26,14 +26,13 @@ from kvserve.runtime.amx_int8 import amx_int8_available
 from kvserve.runtime.amx_linear import AmxBf16Method, amx_available
 from kvserve.runtime.attention.metadata import SeqSpec, build_attention_metadata
 from kvserve.runtime.attention.native_cpu import NativeCPUBackend
+from kvserve.runtime.autotune.candidates import onednn_available, onednn_supports
 from kvserve.runtime.linear import (
     EXACT_ROWS,
     M_MAX,
     DenseMmMethod,
     Linear,
     OneDnnPrepackedMethod,
-    onednn_available,
-    onednn_supports,
 )
 from kvserve.runtime.native import quant_ops
 from tests.tiny_models import make_tiny_gguf

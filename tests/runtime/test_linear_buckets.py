@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvserve.runtime.autotune.candidates import onednn_available
 from kvserve.runtime.linear import (
     EXACT_ROWS,
     DenseMmMethod,
     Linear,
     LinearMethod,
     OneDnnPrepackedMethod,
-    onednn_available,
     row_bucket,
     warm_row_buckets,
 )

@@ -15,14 +15,13 @@ from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.rope import compute_inv_freq, rope_cos_sin
 from kvserve.runtime import native
 from kvserve.runtime.attention.metadata import SeqSpec, build_attention_metadata
-from kvserve.runtime.kv_cache import KVCache
-from kvserve.runtime.linear import (
-    M_MAX,
+from kvserve.runtime.autotune.candidates import (
     candidate_methods,
-    dtype_tag,
     onednn_available,
     onednn_supports,
 )
+from kvserve.runtime.kv_cache import KVCache
+from kvserve.runtime.linear import M_MAX, dtype_tag
 from kvserve.runtime.workspace import Workspace
 from tests.runtime.runtime_testutil import ToyAllocator, hf_logits, ours_from_hf, tiny_hf_model
 

@@ -29,7 +29,7 @@ from kvserve.models.quant_model import quantization_summary, quantized_nbytes, s
 from kvserve.runtime.amx_int8 import amx_int8_available
 from kvserve.runtime.amx_linear import amx_available
 from kvserve.runtime.attention.metadata import SeqSpec, build_attention_metadata
-from kvserve.runtime.linear import onednn_available, onednn_supports
+from kvserve.runtime.autotune.candidates import onednn_available, onednn_supports
 from kvserve.runtime.native import quant_ops
 from tests.tiny_models import make_tiny_gguf, make_tiny_model
 
@@ -227,7 +227,8 @@ def test_prepacked_dense_copy_matches_the_dense_copy(dtype: torch.dtype) -> None
 
 def test_a_linear_makes_its_dense_copies_when_built() -> None:
     """A chosen copy is made when the ``Linear`` is built, not by the first request."""
-    from kvserve.runtime.linear import M_MAX, build_linear
+    from kvserve.runtime.autotune.candidates import build_linear
+    from kvserve.runtime.linear import M_MAX
 
     weight = quantize(torch.randn(16, 64))
     names = ["dequant_fp32"] + (["dequant_onednn_fp32"] if onednn_available() else [])
@@ -289,74 +290,10 @@ def test_accuracy_bench_weights_setting() -> None:
 
 
 @pytest.mark.skipif(not quant_ops.load(), reason="quantized kernels unavailable")
-def test_selection_per_bucket_between_kernel_and_dense_copy(tmp_path: Path) -> None:
-    from kvserve.models.quant_select import quantized_shapes, select_quantized_kernels
-    from kvserve.runtime.kernel_select import m_buckets
-
-    path = make_tiny_gguf(tmp_path, "smollm", tensor_type="Q4_1")
-    model = build(path, "auto")
-    shapes = quantized_shapes(model)
-    assert shapes[(model.arch.vocab_size, model.arch.hidden_size)] == "q4_1"
-    plan = select_quantized_kernels(
-        model, act_dtype=torch.float32, budget_s=0.001, directory=tmp_path / "cache"
-    )
-    assert plan.keys() == shapes.keys()
-    kernel = kernel_name("q4_1")
-    for choice in plan.values():
-        assert [b for b, _ in choice] == [b for b, _ in m_buckets()]
-        assert {name for _, name in choice} <= {
-            kernel,
-            "dequant_tile_fp32",
-            "dequant_fp32",
-            "dequant_onednn_fp32",
-        }
-    model.set_linear_plan(plan)
-    assert_close_to_twin(logits(model), logits(build(path, "none")))
-    assert select_quantized_kernels(model, act_dtype=torch.float32, mode="off") == {}
-
-
-@pytest.mark.skipif(not quant_ops.load(), reason="quantized kernels unavailable")
-def test_quantized_selection_is_cached_by_format_and_layout(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from kvserve.models import quant_select
-    from kvserve.models.quant_linear import LAYOUT_ENV
-
-    path = make_tiny_gguf(tmp_path, "smollm", tensor_type="Q4_1")
-    model = build(path, "auto")
-    cache = tmp_path / "cache"
-    kw = {"act_dtype": torch.float32, "budget_s": 0.001, "directory": cache}
-    plan = quant_select.select_quantized_kernels(model, **kw)
-    assert len(list(cache.glob("*.json"))) == 1
-    calls = []
-    real_measure = quant_select.measure
-
-    def counting_measure(*args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append(1)
-        return real_measure(*args, **kwargs)
-
-    monkeypatch.setattr(quant_select, "measure", counting_measure)
-    # NOTE: as loaded as when measured: the cached choice stands (see kernel_select).
-    monkeypatch.setattr(quant_select, "machine_load", lambda: 1000.0)
-    assert quant_select.select_quantized_kernels(model, **kw) == plan  # from the cache
-    assert calls == []
-    quant_select.select_quantized_kernels(model, mode="measure", **kw)
-    assert calls == [1]  # "measure" measures again (and refreshes the same file)
-    assert len(list(cache.glob("*.json"))) == 1
-    monkeypatch.setenv(LAYOUT_ENV, "plain")
-    plain_model = build(path, "auto")
-    plain_plan = quant_select.select_quantized_kernels(plain_model, **kw)
-    assert calls == [1, 1]  # another layout is another cache entry
-    assert len(list(cache.glob("*.json"))) == 2
-    names = {name for choice in plain_plan.values() for _, name in choice}
-    assert not any("x16" in name for name in names)
-
-
-@pytest.mark.skipif(not quant_ops.load(), reason="quantized kernels unavailable")
 def test_dense_copies_of_quantized_weights_are_reported(tmp_path: Path) -> None:
     """A plan that takes the dense copy for prefill (M > 128) states its memory cost."""
     from kvserve.models.quant_select import quantized_shapes
-    from kvserve.runtime.kernel_select import m_buckets
+    from kvserve.runtime.autotune.candidates import m_buckets
 
     path = make_tiny_gguf(tmp_path, "smollm", tensor_type="Q4_1")
     model = build(path, "auto")

@@ -15,7 +15,7 @@ the faster one at the size where the kernel lost serves the longer chunks. On an
 model of head_dim 64 has a fourth way, ``kvserve::amx_prefill_attention`` (flash attention on
 AMX tiles over the paged cache, no gathered copy), timed with the others: where it beats SDPA at
 the size where the decode kernel lost, it serves the longer chunks. The answer is cached like
-the kernel selections (``kvserve.runtime.kernel_select``).
+the kernel selections (``kvserve.runtime.autotune``).
 """
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ from kvserve.runtime.attention.native_cpu import (
     NativeCPUBackend,
     amx_prefill_available,
 )
-from kvserve.runtime.kernel_cache import (
+from kvserve.runtime.autotune.cache import (
     cache_path,
-    cpu_identity,
     machine_load,
     read_cached_value,
     write_cached_value,
 )
+from kvserve.runtime.autotune.candidates import cpu_identity
 
 log = logging.getLogger("kvserve")
 

@@ -1,4 +1,4 @@
-"""The step check (``kvserve.runtime.plan_check``): which plans it tries, what a pass runs,
+"""The step check (``kvserve.runtime.autotune.check``): which plans it tries, what a pass runs,
 the margin for copies, failures keeping the per-shape choice, and its place in the cache."""
 
 from __future__ import annotations
@@ -9,12 +9,15 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from kvserve.runtime import kernel_select, plan_check
-from kvserve.runtime.kernel_select import Timing, m_buckets, select_kernels
+from kvserve.runtime.autotune import check
+from kvserve.runtime.autotune.candidates import m_buckets
+from kvserve.runtime.autotune.check import alternatives, check_plan
+from kvserve.runtime.autotune.choose import Selection
+from kvserve.runtime.autotune.measure import Timing
+from kvserve.runtime.autotune.select import select_kernels
 from kvserve.runtime.linear import M_MAX, LinearMethod
-from kvserve.runtime.plan_check import alternatives, check_plan
 
-from .test_kernel_select import FakeMethod
+from .fakes import FakeMethod
 
 CPU = torch.device("cpu")
 QKV, DOWN = (24, 16), (16, 40)
@@ -191,7 +194,7 @@ def test_select_kernels_checks_steps_when_given_counts_and_caches_the_checks(
     def timer(method: LinearMethod, x: torch.Tensor, out: torch.Tensor) -> float:
         return {"a": 1.0, "b": 1.1, "c": 5.0}[method.name] * 1e-6
 
-    monkeypatch.setattr(plan_check, "_wall_pass", pass_timer({"a": 1.0, "b": 0.5, "c": 1.0}))
+    monkeypatch.setattr(check, "_wall_pass", pass_timer({"a": 1.0, "b": 0.5, "c": 1.0}))
     kw = dict(act_dtype=torch.float32, factories=[factory], timer=timer, directory=tmp_path)
     plain = select_kernels(list(COUNTS), mode="measure", **kw)
     assert plain.checks == [] and plain.plan == plan_all("a")
@@ -212,7 +215,7 @@ def test_select_kernels_checks_steps_when_given_counts_and_caches_the_checks(
 def test_bench_kernels_prints_each_plan_tried_and_marks_the_one_taken() -> None:
     from kvserve.bench.kernels import check_lines
 
-    sel = kernel_select.Selection(torch.bfloat16, {})
+    sel = Selection(torch.bfloat16, {})
     sel.checks = [
         {"max_m": 32, "rows": 32, "plans": [[[[24, 16, "a"]], 0.002], [[[24, 16, "b"]], 0.001]],
          "chosen": 1}

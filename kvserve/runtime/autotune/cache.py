@@ -1,15 +1,17 @@
-"""The cache of start-up measurements: what a decision depends on, where it is kept, and when
-a kept one is measured again.
+"""Cache: the on-disk record of each start-up measurement, what it depends on, where it is
+kept, and when a kept one is measured again.
 
-The kernel selections (``kernel_select``, ``models.quant_select``), the dtype decision
-(``kernel_setup.dtype_speedup``) and the chunk-attention limit (``native.chunk_limit``) each
-keep a JSON record under ``$KVSERVE_CACHE_DIR/kernel_select/`` (default ``~/.cache/kvserve``),
-at a path hashed from its key: everything the measurement depends on (``cache_key``: CPU
-model and flags, torch version, threads, device, dtype, shapes, buckets, candidates, the
-native kernels' build target). A record that cannot be read is ignored with a warning and
-measured again; one measured on a busy machine (1-minute load above 1 per CPU) is measured
-again by a later start-up that finds the machine at least twice as quiet
-(``measured_under_load``).
+The kernel selections (``select.select_kernels``, ``select.quantized_selection``), the dtype
+decision (``measure_dtype.dtype_speedup``) and the chunk-attention limit
+(``native.chunk_limit``) each keep a JSON record under
+``$KVSERVE_CACHE_DIR/kernel_select/<checkout>/`` (default ``~/.cache/kvserve``), at a path
+hashed from its key: everything the measurement depends on (``cache_key``: CPU model and
+flags, torch version, threads, device, dtype, shapes, buckets, candidates, the native
+kernels' build target). ``<checkout>`` is a hash of the resolved ``kvserve`` package
+directory (``checkout_tag``), so two checkouts never overwrite or invalidate each other's
+records. A record that cannot be read is ignored with a warning and measured again; one
+measured on a busy machine (1-minute load above 1 per CPU) is measured again by a later
+start-up that finds the machine at least twice as quiet (``measured_under_load``).
 """
 
 from __future__ import annotations
@@ -18,44 +20,27 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvserve.runtime.linear import M_MAX, CandidateFactory, dtype_tag
+from kvserve.runtime.autotune.candidates import cpu_identity
+from kvserve.runtime.autotune.choose import Selection
+from kvserve.runtime.autotune.measure import Timing
+from kvserve.runtime.linear import M_MAX, dtype_tag
 
-log = logging.getLogger("kvserve.runtime.kernel_select")
+log = logging.getLogger(__name__)
+
+# The ``kvserve`` package directory whose records these are (see ``checkout_tag``).
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 CACHE_ENV = "KVSERVE_CACHE_DIR"
 # Bumped when the measurement changes: older choices are redone (8: the step check; 9: the
 # copies made before the timing; 10: slow candidates sit out).
 CACHE_VERSION = 10
-
-
-def _cpuinfo_field(name: str) -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith(name):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
-def cpu_flags() -> str:
-    """The CPU's feature flags, space-separated (from /proc/cpuinfo; "" where unknown)."""
-    return _cpuinfo_field("flags")
-
-
-def cpu_identity() -> tuple[str, str]:
-    """The CPU's model name and a hash of its feature flags (from /proc/cpuinfo)."""
-    import platform
-
-    model = _cpuinfo_field("model name") or platform.processor() or platform.machine()
-    return model, hashlib.sha256(cpu_flags().encode()).hexdigest()[:16]
 
 
 def cache_key(
@@ -65,7 +50,7 @@ def cache_key(
     shapes: Iterable[tuple[int, int]],
     buckets: Sequence[tuple[int, int]],
     max_rows: Mapping[tuple[int, int], int] | None,
-    factories: Sequence[CandidateFactory],
+    factories: Sequence[Callable[..., object]],
     counts: Mapping[tuple[int, int], int] | None = None,
 ) -> dict[str, object]:
     """Everything a selection depends on (the cache is valid only while all of it holds);
@@ -105,10 +90,21 @@ def _native_march() -> str:
         return "invalid"
 
 
-def cache_dir() -> Path:
-    """Where selections are cached (``$KVSERVE_CACHE_DIR/kernel_select``)."""
+def checkout_tag(package_root: Path | None = None) -> str:
+    """A short hash of the resolved ``kvserve`` package directory (default: this one's).
+
+    NOTE: the cache is per checkout: two checkouts (git worktrees, a release beside a
+    development tree) may hold other kernels under the same key, and shared records made
+    each one measure again after the other (or run the other's choice).
+    """
+    root = (package_root or PACKAGE_ROOT).resolve()
+    return hashlib.sha256(str(root).encode()).hexdigest()[:12]
+
+
+def cache_dir(package_root: Path | None = None) -> Path:
+    """Where selections are cached: ``$KVSERVE_CACHE_DIR/kernel_select/<checkout_tag>``."""
     base = os.environ.get(CACHE_ENV) or os.path.join(Path.home(), ".cache", "kvserve")
-    return Path(base) / "kernel_select"
+    return Path(base) / "kernel_select" / checkout_tag(package_root)
 
 
 def cache_path(key: Mapping[str, object], directory: Path | None = None) -> Path:
@@ -182,3 +178,42 @@ def write_record(path: Path, record: Mapping[str, object], what: str) -> None:
         os.replace(tmp, path)
     except OSError as e:
         log.warning("%s cache %s not written: %s", what, path, e)
+
+
+def load_cached(path: Path, key: Mapping[str, object], act_dtype: torch.dtype) -> Selection | None:
+    """The selection cached for ``key`` at ``path`` (source "cache", ``load`` as measured),
+    or None (absent; unreadable: warned)."""
+    record = read_record(path, key, "kernel selection")
+    if record is None:
+        return None
+    try:
+        plan = {
+            (int(o), int(i)): [(int(b), str(n)) for b, n in choice]
+            for o, i, choice in record["plan"]
+        }
+        timings = [Timing(**t) for t in record["timings"]]
+    except (ValueError, KeyError, TypeError) as e:
+        log.warning("kernel selection cache %s is corrupt (%s): ignored, measuring again", path, e)
+        return None
+    return Selection(
+        act_dtype,
+        plan,
+        timings,
+        dict(record.get("skipped", {})),
+        "cache",
+        load=float(record.get("load", 0.0)),
+        checks=list(record.get("checks", [])),
+    )
+
+
+def save_cached(path: Path, key: Mapping[str, object], sel: Selection) -> None:
+    """Write ``sel`` for ``key`` (atomically: a torn write never leaves a half file)."""
+    record = {
+        "key": key,
+        "plan": [[o, i, [list(c) for c in choice]] for (o, i), choice in sel.plan.items()],
+        "timings": [asdict(t) for t in sel.timings],
+        "skipped": sel.skipped,
+        "load": sel.load,
+        "checks": sel.checks,
+    }
+    write_record(path, record, "kernel selection")

@@ -1,7 +1,7 @@
-"""The step check: per decode bucket, the per-shape choice against its near alternatives, each
+"""Check: per decode bucket, the per-shape choice against its near alternatives, each
 timed as a decode step runs it (every layer's projections in step order, on the model's bytes).
 
-``kernel_select.measure`` times one shape at a time, every candidate on copies that together
+``measure.measure`` times one shape at a time, every candidate on copies that together
 hold up to ``HELD_BYTES``, interleaved call by call, so the weights come from memory. A
 decode step of a small model reads fewer bytes than that, which a large last-level cache
 keeps partly warm, and the ranking can flip. NOTE: measured on the AMX Xeon (300 MB L3),
@@ -22,7 +22,7 @@ on another copy of the weight, so the bytes a pass reads are the step's (past
 ``_layer_methods``). Plans take turns pass by pass and the best pass counts; a plan that holds
 more copy bytes than another, or reads more weight bytes a step, must beat it by ``margin``,
 the per-shape plan too (a copy that another bucket of the same weight holds counts as free to
-hold, as in ``kernel_select.choose``: the buckets are decided twice over, so one a later
+hold, as in ``choose.choose``: the buckets are decided twice over, so one a later
 bucket took is free for an earlier one).
 """
 
@@ -36,8 +36,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.runtime.kernel_select import Timing, m_buckets
-from kvserve.runtime.linear import CandidateFactory, LinearMethod, candidate_methods
+from kvserve.runtime.autotune.candidates import CandidateFactory, candidate_methods, m_buckets
+from kvserve.runtime.autotune.measure import Timing
+from kvserve.runtime.linear import LinearMethod
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +187,7 @@ def check_plan(
 
     new = {s: list(c) for s, c in plan.items()}
     pick: dict[int, int] = {}
-    # NOTE: twice over the buckets, as ``kernel_select.choose`` does: a copy a later bucket
+    # NOTE: twice over the buckets, as ``choose.choose`` does: a copy a later bucket
     # took is free for an earlier one on the second pass.
     for _ in range(2):
         for bound, best in timed.items():
@@ -274,7 +275,7 @@ def _layer_methods(
         if not extra:
             break
         drop = max(extra, key=extra.__getitem__)
-        log.info("kernel step check: %s not tried (its copies pass %d bytes)", drop, stream_bytes)
+        log.debug("kernel step check: %s not tried (its copies pass %d bytes)", drop, stream_bytes)
         for b, plans in list(tried.items()):
             kept = [p for k, p in enumerate(plans) if k == 0 or drop not in p.values()]
             if len(kept) > 1:
@@ -380,7 +381,7 @@ def step_check(
     for c in checks:
         if c.chosen:
             plans = c.plans
-            log.info(
+            log.debug(
                 "kernel step check at %d rows: %s (%.2f ms a step) over the per-shape choice "
                 "(%.2f ms)",
                 c.rows,

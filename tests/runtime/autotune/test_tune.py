@@ -1,5 +1,6 @@
-"""``--dtype auto``: bf16 only with native bf16 *and* a faster measurement; the warning for an
-explicit bf16 without native support; the ops object and its fallback."""
+"""The entry point (``autotune.choose_kernels``) and ``--dtype auto``: bf16 only with native
+bf16 *and* a faster measurement; the warning for an explicit bf16 without native support;
+the ops object and its fallback."""
 
 from __future__ import annotations
 
@@ -9,13 +10,16 @@ import logging
 import pytest
 import torch
 
-from kvserve import kernel_setup
 from kvserve.config import ModelArchConfig
 from kvserve.engine.config import EngineConfig
-from kvserve.kernel_setup import choose_dtype_and_kernels, projection_shapes
+from kvserve.models.quant_select import projections_for
 from kvserve.runtime import layer_ops as layer_ops_mod
-from kvserve.runtime.kernel_select import M_MAX, Selection, Timing
+from kvserve.runtime.autotune import TuneSettings, choose_kernels, measure_dtype, tune
+from kvserve.runtime.autotune.candidates import projection_shapes
+from kvserve.runtime.autotune.choose import Selection
+from kvserve.runtime.autotune.measure import Timing
 from kvserve.runtime.layer_ops import NATIVE_OPS, TORCH_OPS, layer_ops
+from kvserve.runtime.linear import M_MAX
 
 ARCH = ModelArchConfig(
     architecture="llama",
@@ -52,9 +56,9 @@ def fake_select(monkeypatch):  # type: ignore[no-untyped-def]
         calls.append((dtype, mode))
         return _selection(dtype, costs[dtype], mode)
 
-    monkeypatch.setattr(kernel_setup, "select_shapes", select)
+    monkeypatch.setattr(tune, "select_shapes", select)
     monkeypatch.setattr(
-        kernel_setup,
+        tune,
         "dtype_speedup",
         lambda arch, fp32, bf16, **kw: costs[torch.float32] / costs[torch.bfloat16],
     )
@@ -77,8 +81,8 @@ def test_projection_shapes_count_the_layers_and_the_lm_head() -> None:
 def test_auto_dtype(monkeypatch, fake_select, native, bf16_cost, expected) -> None:
     costs, _ = fake_select
     costs[torch.bfloat16] = bf16_cost
-    monkeypatch.setattr(kernel_setup, "native_bf16", lambda: native)
-    choice = choose_dtype_and_kernels(EngineConfig(dtype="auto"), ARCH)
+    monkeypatch.setattr(tune, "native_bf16", lambda: native)
+    choice = choose_kernels(TuneSettings(dtype="auto"), ARCH)
     assert choice.dtype == expected
     assert choice.selection.dtype == expected
     assert choice.dtype_name in choice.short() and "auto" in choice.short()
@@ -86,8 +90,8 @@ def test_auto_dtype(monkeypatch, fake_select, native, bf16_cost, expected) -> No
 
 def test_auto_with_selection_off_still_decides_by_measurement(monkeypatch, fake_select) -> None:
     _, calls = fake_select
-    monkeypatch.setattr(kernel_setup, "native_bf16", lambda: True)
-    choice = choose_dtype_and_kernels(EngineConfig(dtype="auto", kernel_selection="off"), ARCH)
+    monkeypatch.setattr(tune, "native_bf16", lambda: True)
+    choice = choose_kernels(TuneSettings(dtype="auto", mode="off"), ARCH)
     assert choice.dtype == torch.bfloat16
     assert choice.selection.source == "off"  # the kernels stay on the original path
     assert (torch.bfloat16, "off") in calls
@@ -98,17 +102,17 @@ def test_explicit_bf16_without_native_support_warns_with_the_slowdown(
 ) -> None:
     costs, _ = fake_select
     costs[torch.bfloat16] = 6.0  # 3x the fp32 time
-    monkeypatch.setattr(kernel_setup, "native_bf16", lambda: False)
+    monkeypatch.setattr(tune, "native_bf16", lambda: False)
     with caplog.at_level(logging.WARNING, logger="kvserve"):
-        choice = choose_dtype_and_kernels(EngineConfig(dtype="bfloat16"), ARCH)
+        choice = choose_kernels(TuneSettings(dtype="bfloat16"), ARCH)
     assert choice.dtype == torch.bfloat16  # it still runs
     assert any("3.00x" in r.getMessage() for r in caplog.records), caplog.records
 
 
 def test_explicit_float32_measures_only_float32(monkeypatch, fake_select) -> None:
     _, calls = fake_select
-    monkeypatch.setattr(kernel_setup, "native_bf16", lambda: True)
-    choice = choose_dtype_and_kernels(EngineConfig(dtype="float32"), ARCH)
+    monkeypatch.setattr(tune, "native_bf16", lambda: True)
+    choice = choose_kernels(TuneSettings(dtype="float32"), ARCH)
     assert choice.dtype == torch.float32 and calls == [(torch.float32, "auto")]
 
 
@@ -145,18 +149,18 @@ def test_dtype_speedup_times_both_dtypes_together_and_is_cached(
     bf16 = Selection(torch.bfloat16, {}, source="off")
     cpu = torch.device("cpu")
     kw = {"device": cpu, "timer": timer, "attention_timer": attention_timer}
-    speedup = kernel_setup.dtype_speedup(ARCH, fp32, bf16, **kw)
+    speedup = measure_dtype.dtype_speedup(ARCH, fp32, bf16, **kw)
     assert speedup == pytest.approx(3.0)
     assert calls[:2] == [torch.float32, torch.bfloat16]  # alternating
     assert attention[:2] == [(torch.float32, 1), (torch.bfloat16, 1)]
     assert {b for _, b in attention} == {1, 8, 32}
     n = len(calls)
-    assert kernel_setup.dtype_speedup(ARCH, fp32, bf16, **kw) == speedup
+    assert measure_dtype.dtype_speedup(ARCH, fp32, bf16, **kw) == speedup
     assert len(calls) == n  # from the cache
     (path,) = tmp_path.rglob("dtype_*.json")
     path.write_text("garbage")
     with caplog.at_level(logging.WARNING, logger="kvserve"):
-        again = kernel_setup.dtype_speedup(ARCH, fp32, bf16, **kw)
+        again = measure_dtype.dtype_speedup(ARCH, fp32, bf16, **kw)
     assert again == pytest.approx(3.0) and len(calls) > n
     assert any("corrupt" in r.getMessage() for r in caplog.records)
 
@@ -168,7 +172,7 @@ def test_dtype_speedup_counts_attention_once_per_layer(tmp_path, monkeypatch) ->
     bf16 = Selection(torch.bfloat16, {}, source="off")
     matmul = 1e-6  # per call, either dtype: sum over shapes x counts x 3 buckets
     attn = {torch.float32: 4e-6, torch.bfloat16: 2e-6}
-    speedup = kernel_setup.dtype_speedup(
+    speedup = measure_dtype.dtype_speedup(
         ARCH,
         fp32,
         bf16,
@@ -207,10 +211,11 @@ def test_quantized_shapes_are_timed_as_they_run(tmp_path, monkeypatch) -> None:
     fp32 = Selection(torch.float32, {}, source="off")
     bf16 = Selection(torch.bfloat16, {}, source="off")
     kw = {"device": torch.device("cpu"), "timer": timer, "attention_timer": lambda d, b: 1e-6}
-    kernel_setup.dtype_speedup(arch, fp32, bf16, quantized={gate_up: ("q8_0", "plain")}, **kw)
+    quantized = projections_for({gate_up: ("q8_0", "plain")}, {gate_up: 2})
+    measure_dtype.dtype_speedup(arch, fp32, bf16, quantized=quantized, **kw)
     assert sources[gate_up] == {"q8_0 torch.float32", "q8_0 torch.bfloat16"}
     assert sources[(32, 64)] == {"dense torch.float32", "dense torch.bfloat16"}
-    kernel_setup.dtype_speedup(arch, fp32, bf16, **kw)  # dense: another cache entry
+    measure_dtype.dtype_speedup(arch, fp32, bf16, **kw)  # dense: another cache entry
     assert len(list(tmp_path.rglob("dtype_*.json"))) == 2
 
 
@@ -221,14 +226,14 @@ def test_a_model_loaded_quantized_is_weighed_once_on_its_quantized_projections(
     the model's quantized ones (in float32, cast after), and the engine runs that decision."""
     from kvserve.engine.llm_engine import LLMEngine
 
-    monkeypatch.setattr(kernel_setup, "native_bf16", lambda: True)
+    monkeypatch.setattr(tune, "native_bf16", lambda: True)
     seen: list[object] = []
 
     def speedup(arch, fp32, bf16, *, quantized=None, **kw):  # type: ignore[no-untyped-def]
-        seen.append(dict(quantized or {}))
+        seen.append(dict(quantized.formats) if quantized is not None else {})
         return 2.0 if quantized else 0.5  # dense: fp32 faster; quantized: bf16 faster
 
-    monkeypatch.setattr(kernel_setup, "dtype_speedup", speedup)
+    monkeypatch.setattr(tune, "dtype_speedup", speedup)
     engine = LLMEngine(dtype="auto", kernel_selection="off", num_kv_blocks=16)
     assert len(seen) == 1, seen  # the model's formats, nothing dense before the load
     assert {q for q, _ in seen[0].values()} >= {"q4_1", "q8_0"}  # type: ignore[union-attr]
@@ -253,8 +258,6 @@ def test_phase_zero_waits_for_the_weights_only_when_they_load_quantized() -> Non
 def test_the_dense_selection_skips_quantized_shapes(monkeypatch) -> None:
     """Only the shapes that stay dense are measured; the choice holds the quantized
     projections' own selection beside them."""
-    from kvserve.models import quant_select
-
     measured: list[list[tuple[int, int]]] = []
 
     def select_kernels(shapes, **kw):  # type: ignore[no-untyped-def]
@@ -263,20 +266,22 @@ def test_the_dense_selection_skips_quantized_shapes(monkeypatch) -> None:
         return _selection(kw["act_dtype"], 1.0, "auto")
 
     quant_plan = {(48, 16): [(M_MAX, "q8_0_kernel")]}
-    monkeypatch.setattr(kernel_setup, "select_kernels", select_kernels)
+    monkeypatch.setattr(tune, "select_kernels", select_kernels)
     monkeypatch.setattr(
-        quant_select,
+        tune,
         "quantized_selection",
-        lambda formats, **kw: Selection(kw["act_dtype"], quant_plan, source="cache"),
+        lambda quantized, **kw: Selection(kw["act_dtype"], quant_plan, source="cache"),
     )
-    config = EngineConfig(dtype="float32")
-    choice = choose_dtype_and_kernels(config, ARCH, {(48, 16): ("q8_0", "x16")})
+    settings = TuneSettings(dtype="float32")
+    steps = projection_shapes(ARCH)
+    one = projections_for({(48, 16): ("q8_0", "x16")}, steps)
+    choice = choose_kernels(settings, ARCH, one)
     assert measured == [sorted(s for s in projection_shapes(ARCH) if s != (48, 16))]
     assert choice.selection.plan[(48, 16)] == [(M_MAX, "q8_0_kernel")]
     assert choice.selection.plan[(16, 16)] == [(b, "k") for b in (1, 8, 32, 128, M_MAX)]
     every = {s: ("q8_0", "x16") for s in projection_shapes(ARCH)}
     measured.clear()
-    choice = choose_dtype_and_kernels(config, ARCH, every)
+    choice = choose_kernels(settings, ARCH, projections_for(every, steps))
     assert measured == [] and choice.selection.plan == quant_plan
 
 
@@ -288,12 +293,12 @@ def test_the_engine_runs_the_quantized_selection_it_chose_with_once(monkeypatch)
 
     calls: list[dict[tuple[int, int], int] | None] = []
 
-    def quantized_selection(formats, **kw):  # type: ignore[no-untyped-def]
-        calls.append(kw["counts"])
-        plan = {s: [(M_MAX, f"{q}_kernel")] for s, (q, _) in formats.items()}
+    def quantized_selection(quantized, **kw):  # type: ignore[no-untyped-def]
+        calls.append(quantized.counts)
+        plan = {s: [(M_MAX, f"{q}_kernel")] for s, (q, _) in quantized.formats.items()}
         return Selection(kw["act_dtype"], plan, source="cache")
 
-    monkeypatch.setattr(quant_select, "quantized_selection", quantized_selection)
+    monkeypatch.setattr(tune, "quantized_selection", quantized_selection)
     engine = LLMEngine(dtype="float32", num_kv_blocks=16)
     model = engine.runner.model
     assert calls == [quant_select.quantized_counts(model)]

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from kvserve.cache_dir import cache_root
 from kvserve.runtime.autotune.candidates import cpu_identity
 from kvserve.runtime.autotune.choose import Selection
 from kvserve.runtime.autotune.measure import Timing
@@ -37,7 +38,6 @@ log = logging.getLogger(__name__)
 # The ``kvserve`` package directory whose records these are (see ``checkout_tag``).
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
-CACHE_ENV = "KVSERVE_CACHE_DIR"
 # Bumped when the measurement changes: older choices are redone (8: the step check; 9: the
 # copies made before the timing; 10: slow candidates sit out).
 CACHE_VERSION = 10
@@ -103,8 +103,7 @@ def checkout_tag(package_root: Path | None = None) -> str:
 
 def cache_dir(package_root: Path | None = None) -> Path:
     """Where selections are cached: ``$KVSERVE_CACHE_DIR/kernel_select/<checkout_tag>``."""
-    base = os.environ.get(CACHE_ENV) or os.path.join(Path.home(), ".cache", "kvserve")
-    return Path(base) / "kernel_select" / checkout_tag(package_root)
+    return cache_root() / "kernel_select" / checkout_tag(package_root)
 
 
 def cache_path(key: Mapping[str, object], directory: Path | None = None) -> Path:

@@ -211,13 +211,12 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DETAIL_LOGGERS = (
     "kvserve.runtime",  # runtime/ (kernel selection, linear, native, huge pages, ...)
     "kvserve.models",  # models/ (loading, quantized kernel choice)
-    "kvserve.kernel_setup",
     "kvserve.tokenizer",
     "kvserve.huge_pages",
 )
 # Modules that log detail on the bare "kvserve" logger (which also carries the start-up
 # line): filtered by source file at INFO.
-_DETAIL_SOURCES = ("/runtime/", "/models/", "kernel_setup.py")
+_DETAIL_SOURCES = ("/runtime/", "/models/")
 
 
 def add_log_level_arg(p: argparse.ArgumentParser, default: object = argparse.SUPPRESS) -> None:

@@ -99,8 +99,8 @@ class LinearMethod(abc.ABC):
 class DenseMmMethod(LinearMethod):
     """``torch.mm`` on the weight's ``[in, out]`` view: MKL sgemm in fp32 (the original path).
 
-    NOTE: the model stores its linear weights transposed (see ``_linear_param`` in
-    models/llama.py), so ``weight.t()`` is a contiguous ``[in, out]`` operand; for an
+    NOTE: the model stores its linear weights transposed (see ``linear_param`` in
+    models/decoder_layer.py), so ``weight.t()`` is a contiguous ``[in, out]`` operand; for an
     ``[out, in]``-contiguous weight (the tied lm_head) this is exactly ``F.linear``.
     """
 
@@ -383,8 +383,8 @@ def gather_into_huge_pages(linears: Iterable[Linear]) -> int:
     NOTE: why. A decode step streams every weight once; in 4 KiB pages that is a TLB miss
     every 4 KiB. The embedded model's projection sequence (30 layers x 4, AMX, 2 threads)
     ran 13-23 % faster at M = 1-64 with its weights in one huge-page buffer
-    (``bench/probes/amx_model_ab.py --huge-pages``, session 10); README, "Memory", has the
-    quantized model's figures.
+    (the AMX Xeon, 2026-12-02, 6778ddc: ``bench/probes/amx_model_ab.py --huge-pages`` at
+    25ace60); docs/memory.md has the quantized model's figures.
     """
     seen: dict[int, torch.Tensor] = {}
     for lin in linears:

@@ -73,7 +73,7 @@ def cache_key(
         "candidates": sorted(f"{f.__module__}.{f.__qualname__}" for f in factories),
         "onednn": bool(torch.backends.mkldnn.is_available()),
         # NOTE: the native kernels' build target decides which of them can run (an older
-        # kind's build caps the quantized kernels' instruction set: kvserve_quant_ops.cpp).
+        # kind's build caps the quantized kernels' instruction set: target_has).
         "native_march": _native_march(),
         "step_counts": sorted([*s, n] for s, n in counts.items()) if counts else None,
     }

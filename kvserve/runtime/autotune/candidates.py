@@ -40,7 +40,8 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 # NOTE: 9-16 apart from 17-32: probed at 32 rows only, the 9-32 bucket took AMX bf16 for
 # every projection on the AMX Xeon, slower than the VNNI kernel at 12-16 rows on the gate/up
 # and qkv; with the bucket, bare decode at B = 12 / 16 ran 3-14 % / 3-10 % faster
-# (bench/results/session20/bucket16_ab.sh; B = 8, 24, 32 level).
+# (2026-12-04, 545a8d6; git show 25ace60:bench/results/session20/bucket16_ab.txt; B = 8, 24,
+# 32 level).
 DECODE_BOUNDS = (1, 8, 16, 32, 128)
 PREFILL_BOUNDS = (256,)  # prefill chunks up to 256 rows, probed at 256 (then PREFILL_PROBE)
 PREFILL_PROBE = 512

@@ -8,10 +8,10 @@ keeps partly warm, and the ranking can flip. NOTE: measured on the AMX Xeon (300
 embedded GGUF in bf16, a layer's four projections at 32 rows: a start-up's selection timed
 ``q4_1_x16_amx_bf16`` (the Q4_1 blocks, 0.6 bytes a weight) at 223 us against ``int8_amx``'s
 250 (an int8 copy, 1.06 bytes a weight) and took the blocks; with only those two candidates'
-copies in rotation the int8 copy won, 175 against 232 us (``bench/probes/two_candidates.py``,
-``bench/results/session30/two_candidates.txt``); whole decode steps alternated ran
-12.2-12.7 ms on the blocks against 11.0-11.3 on the int8 copies
-(``bench/results/session30/plan_ab.txt``).
+copies in rotation the int8 copy won, 175 against 232 us; whole decode steps alternated ran
+12.2-12.7 ms on the blocks against 11.0-11.3 on the int8 copies (2026-12-06, ce25f16; at
+25ace60: ``bench/probes/two_candidates.py``, ``bench/results/session30/two_candidates.txt``
+and ``plan_ab.txt``).
 
 So, for each decode bucket where a shape has a candidate within ``tolerance`` of its fastest,
 the plans compared are the chosen one and, per such candidate, the plan in which every shape
@@ -196,7 +196,8 @@ def check_plan(
             # read more: a pass has no K/V traffic beside its weights, and a plan reading
             # more bytes ran ahead on passes while behind on whole steps (the dense copies
             # in tiles for three shapes against the int8 copies, 2-12 % ahead on passes,
-            # 3-7 % behind on B=32 steps: bench/results/session30/plan_ab_final.txt).
+            # 3-7 % behind on B=32 steps; 2026-12-06, a7aa0fa: git show
+            # 25ace60:bench/results/session30/plan_ab_final.txt).
             cost = [(held(bound, k, new), read(bound, k)) for k in range(len(best))]
             by_bytes = sorted(range(len(best)), key=cost.__getitem__)
             k_best = by_bytes[0]

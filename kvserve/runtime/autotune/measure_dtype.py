@@ -62,11 +62,11 @@ def dtype_speedup(
     NOTE: the two dtypes are timed in alternation in one run, never taken from two selections
     measured at different times: on a shared machine those can be minutes and loads apart.
     NOTE: why attention counts, and quantized shapes as they run. On a Xeon without AMX
-    (AVX512_BF16, session 14) dense bf16 matmuls ran 0.96x fp32, so the matmul-only rule
+    (AVX512_BF16; 2026-12-03, e081805) dense bf16 matmuls ran 0.96x fp32, so the matmul-only rule
     chose fp32 for a GGUF whose int8-dot kernels run bf16 activations at least as fast (Q4_1
     sequence at M=32: 15.1 ms fp32, 10.6 bf16) and whose B=32 decode attention at 256 tokens
     took 19-20 ms a step in fp32 against 12-14 in bf16 (a bf16 cache halves the bytes read;
-    docs/KERNELS_HISTORY.md, session 14).
+    docs/kernels-rationale.md, section 3).
     """
     if attention_timer is None and device.type == "cpu":
         attention_timer = DecodeAttentionProbe.if_available(arch)

@@ -9,9 +9,9 @@ int8-dot kernel, and ``dequant_{dtype}``: a dense copy, which must beat the kern
 ``margin`` to pay for its memory); the timings do not depend on the weights' values. Its
 record sits beside the dense one, keyed as the dense one is plus each shape's block format
 and layout and the quantized kernels' build (source hash): 10.8-11.3 s of measurement on the
-embedded model's five shapes at the first start-up on the AMX Xeon
-(``bench/results/session30/step_check_runs_final.txt``, the step check included), nothing
-after.
+embedded model's five shapes at the first start-up on the AMX Xeon (2026-12-06, 8cf973a; git
+show 25ace60:bench/results/session30/step_check_runs_final.txt; the step check included),
+nothing after.
 
 Modes: ``off`` (no measurement: ``torch.mm`` everywhere, the original path), ``auto`` (the
 cache, else measure) and ``measure`` (always measure, then refresh the cache); a choice
@@ -112,7 +112,7 @@ def select_kernels(
     weights = {
         s: (torch.randn(s[1], s[0], generator=gen).t() * 0.02).to(device=device, dtype=act_dtype)
         for s in shapes
-    }  # [out, in] views of [in, out] storage: the model's layout (see models/llama.py)
+    }  # [out, in] views of [in, out] storage: the model's layout (models/decoder_layer.py)
     skipped: dict[str, str] = {}
     timings = measure(
         weights,
@@ -157,7 +157,7 @@ def quantized_cache_key(
     )
     key["quantized"] = sorted([o, i, q, lay] for (o, i), (q, lay) in formats.items())
     key["quant_kernels"] = quant_ops.build_name() if quant_ops.available() else None
-    # NOTE: int8_amx runs in the `kvserve` op library (kvserve_amx_int8.cpp), not this one.
+    # NOTE: int8_amx runs in the `kvserve` op library (native/csrc/amx_int8.cpp), not this one.
     key["native_kernels"] = native.build_name() if native.available() else None
     key["quant_candidates"] = QUANT_CANDIDATES_VERSION
     return key

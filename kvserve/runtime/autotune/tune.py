@@ -107,7 +107,7 @@ def choose_kernels(
     dense. Measured before the load, it timed every projection shape densely in both dtypes
     (and checked each plan on passes holding up to 768 MB of copies), for a model whose
     projections all run quantized: 12 s of a 41 s first start-up of the embedded model on the
-    AMX Xeon (``bench/results/session31/cold_start.txt``).
+    AMX Xeon (2026-12-06, 23deba4; git show 25ace60:bench/results/session31/cold_start.txt).
     """
     if arch is None:
         return _pending(settings)

@@ -33,7 +33,7 @@
 // a 17.8 ms B=32 step). Here the weight goes from memory into the tiles as it is held: the
 // call costs the weight's bytes (1.06 per weight, 1.7x Q4_1's 0.625) over the memory
 // bandwidth. The price: a second copy of each weight it serves, held beside the blocks. The
-// kernel selection takes it only where it measures faster (kvserve/runtime/kernel_select.py).
+// kernel selection takes it only where it measures faster (kvserve/runtime/autotune/).
 //
 // Blocking as amx_linear.cpp: per group, rows in pairs of 16-row blocks: C tiles 0-3
 // (2 row blocks x 2 column blocks, int32), A tiles 4-5 (quantized x rows), B tiles 6-7; the

@@ -19,7 +19,7 @@
 // torch.mm read the embedded model's weights at 5.8-19 GB/s for M 1-32; this kernel, one pass
 // per call and no primitive lookup, at 9.8-22 GB/s: 1.15-2.4x the better of the two per call at
 // M 1-32, 1.0-1.7x at 128, 0.98-1.24x at 512. The kernel selection measures it against them per
-// M bucket (kvserve/runtime/kernel_select.py).
+// M bucket (kvserve/runtime/autotune/).
 //
 // Blocking: per group, rows in pairs of 16-row blocks: C tiles 0-3 (2 row blocks x 2
 // column blocks, fp32), A tiles 4-5 (x rows, read from x in place), B tiles 6-7 (weight).

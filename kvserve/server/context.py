@@ -63,7 +63,7 @@ class ServingContext:
         return cls(
             engine=async_engine,
             model_name=served_model_name
-            or default_model_name(engine.model_path, getattr(engine, "quantization", None)),
+            or default_model_name(engine.model_path, engine.quantization),
             max_model_len=max_model_len,
             vocab_size=int(engine.arch.vocab_size),
             tokenizer=engine.tokenizer,

@@ -12,6 +12,7 @@ widest kind (AMX).
 from __future__ import annotations
 
 import platform
+import re
 import shutil
 import subprocess
 import sysconfig
@@ -27,7 +28,13 @@ from kvserve.runtime.native import quant_ops
 # x86-64-v3: AVX2 + FMA + F16C (the AVX2-only EPYC); icelake-server: AVX-512 without BF16
 # (the kernels' non-BF16 AVX-512 branches); sapphirerapids: AVX-512 VNNI/BF16 + AMX.
 MARCHES = ("x86-64-v3", "icelake-server", "sapphirerapids")
-SOURCES = (*native.SOURCES, *quant_ops.SOURCES)
+# NOTE: only the sources with instruction-set code of their own (intrinsics, target
+# attributes, the arch/ and attention/ headers, the quantized kernels' common header): a file
+# without any (the bindings, rope, write_kv, the layer loop) compiles alike for every kind.
+ISA_CODE = re.compile(
+    r"target\(|__m(?:256|512)|_mm\d*_|#include \"(?:\.\./)?(?:arch|attention)/|quant_common\.h"
+)
+SOURCES = tuple(s for s in (*native.SOURCES, *quant_ops.SOURCES) if ISA_CODE.search(s.read_text()))
 
 pytestmark = pytest.mark.skipif(
     platform.machine() not in ("x86_64", "AMD64") or shutil.which("c++") is None,

@@ -234,7 +234,12 @@ def test_a_model_loaded_quantized_is_weighed_once_on_its_quantized_projections(
         return 2.0 if quantized else 0.5  # dense: fp32 faster; quantized: bf16 faster
 
     monkeypatch.setattr(tune, "dtype_speedup", speedup)
-    engine = LLMEngine(dtype="auto", kernel_selection="off", num_kv_blocks=16)
+    # NOTE: small step limits: on a CPU without native bf16 every bf16 GEMM the start-up runs
+    # (scratch measurement, row-bucket warm-up) is emulated, minutes at the default 512 rows.
+    engine = LLMEngine(
+        dtype="auto", kernel_selection="off", num_kv_blocks=16, max_num_batched_tokens=32,
+        max_num_seqs=2, max_model_len=128,
+    )  # fmt: skip
     assert len(seen) == 1, seen  # the model's formats, nothing dense before the load
     assert {q for q, _ in seen[0].values()} >= {"q4_1", "q8_0"}  # type: ignore[union-attr]
     assert engine.kernels.dtype == torch.bfloat16 and engine.config.dtype == "bfloat16"

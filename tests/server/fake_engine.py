@@ -90,6 +90,7 @@ class FakeEngine:
         self.arch = SimpleNamespace(vocab_size=VOCAB_SIZE)
         self.tokenizer = FakeTokenizer()
         self.model_path = "/models/fake-model.gguf"
+        self.quantization: dict[str, object] | None = None  # no quantized weights
         self.step_seconds = step_seconds
         self.requests: dict[str, _Req] = {}
         self.kv_cache_manager = FakeKVCacheManager(self, num_blocks)

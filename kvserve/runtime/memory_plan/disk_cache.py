@@ -15,31 +15,18 @@ import os
 import pickle
 import tempfile
 from collections.abc import Callable
-from functools import cache
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
 from kvserve.cache_dir import cache_root, source_digest
+from kvserve.runtime.autotune.candidates import cpu_flags
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 CACHE_VERSION = 1
 DISABLE_ENV = "KVSERVE_PLAN_CACHE"
-
-
-@cache
-def cpu_flags() -> str:
-    """The CPU's feature flags (``/proc/cpuinfo``), or "" where there is no such file."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 def plan_key(args: tuple[Any, ...]) -> str:
@@ -66,7 +53,7 @@ def cached_on_disk(key: str, compute: Callable[[], T]) -> T:
     """
     if os.environ.get(DISABLE_ENV) == "0":
         return compute()
-    path = cache_root() / "activation_plans" / f"{key}.pkl"
+    path = plan_cache_dir() / f"{key}.pkl"
     try:
         with open(path, "rb") as f:
             # NOTE: a file this package wrote into the user's own cache folder, as trusted as

@@ -37,9 +37,11 @@ lint: install
 test: install lint
 	$(PY) -m pytest -q -p no:cacheprovider
 
-# Longer fuzzing of the HTTP API (schemathesis, 300 examples per route; the suite runs 15).
+# Deeper property runs: the HTTP API fuzzed with 300 examples per route (the suite runs 15),
+# and the core's and runtime's hypothesis properties at 4x the suite's example counts.
 fuzz: install
 	KVSERVE_FUZZ_EXAMPLES=300 $(PY) -m pytest -q -p no:cacheprovider tests/server/test_server_fuzz.py
+	KVSERVE_EXAMPLES_SCALE=4 $(PY) -m pytest -q -p no:cacheprovider tests/core tests/runtime
 
 format: install
 	$(VENV)/bin/ruff format kvserve tests

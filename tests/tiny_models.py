@@ -106,13 +106,48 @@ def tiny_tokenizer_dir() -> str:
     if (target / "tokenizer.json").is_file():
         return str(target)
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=_EMBEDDED_GGUF)
+    return _publish(tokenizer, target)
+
+
+def _publish(pretrained: object, target: Path) -> str:
+    """``pretrained.save_pretrained`` into ``target``, atomically (parallel runs may race)."""
     staging = Path(tempfile.mkdtemp(dir=_cache_root(), prefix="staging-"))
-    tokenizer.save_pretrained(staging)
+    pretrained.save_pretrained(staging)  # type: ignore[attr-defined]
     try:
         staging.rename(target)  # atomic; another process may have won the race
     except OSError:
         shutil.rmtree(staging, ignore_errors=True)
     return str(target)
+
+
+def embedded_reference_dir() -> str:
+    """transformers' own fp32 load of the embedded GGUF, saved as an HF directory (cached).
+
+    transformers dequantises a GGUF with numpy (~20 s for the embedded model); its saved
+    safetensors load in about a second and hold the same fp32 values. The key names the
+    file and the transformers version, so either changing makes a new reference.
+    """
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    gguf = embedded_gguf_path()
+    if gguf is None:
+        raise FileNotFoundError("the embedded model is missing: see tiny_tokenizer_dir()")
+    stat = os.stat(gguf)
+    key = f"hf-reference-{stat.st_size}-{stat.st_mtime_ns}-tf{transformers.__version__}"
+    target = _cache_root() / key
+    if (target / "config.json").is_file():
+        return str(target)
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(gguf), gguf_file=_EMBEDDED_GGUF, dtype=torch.float32
+    )
+    # NOTE: the weights are plain fp32 tensors by now; transformers refuses to save a model
+    # it still marks as GGUF-quantized, so the marks go (the values do not change).
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return _publish(model, target)
 
 
 def _hf_config(arch: str, overrides: dict[str, Any]) -> Any:

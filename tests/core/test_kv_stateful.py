@@ -25,6 +25,7 @@ from hypothesis.stateful import (
 from kvserve.core.kv.kv_cache_manager import KVCacheManager
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
+from tests.examples import examples
 
 PARAMS = SamplingParams(max_tokens=None)
 # Fixed prompt heads so that requests often share prefixes (a system prompt, a template).
@@ -357,7 +358,7 @@ class KVCacheMachine(RuleBasedStateMachine):
 
 
 KVCacheMachine.TestCase.settings = settings(
-    max_examples=2000, stateful_step_count=30, deadline=None
+    max_examples=examples(500), stateful_step_count=30, deadline=None
 )
 TestKVCacheMachine = KVCacheMachine.TestCase
 
@@ -376,6 +377,6 @@ class HostTierMachine(KVCacheMachine):
 
 
 HostTierMachine.TestCase.settings = settings(
-    max_examples=600, stateful_step_count=30, deadline=None
+    max_examples=examples(150), stateful_step_count=30, deadline=None
 )
 TestHostTierMachine = HostTierMachine.TestCase

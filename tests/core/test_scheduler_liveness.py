@@ -27,8 +27,9 @@ from tests.core.fake_runner import (
     expected_output,
     make_request,
 )
+from tests.examples import examples
 
-NUM_WORKLOADS = 300
+NUM_WORKLOADS = examples(100)
 VOCAB = 50
 MAX_MODEL_LEN = 64
 

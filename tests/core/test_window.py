@@ -18,6 +18,7 @@ from kvserve.core.kv.window import (
 from kvserve.core.sched.scheduler import Scheduler
 from kvserve.request import RequestStatus
 from tests.core.fake_runner import make_request, runner_output
+from tests.examples import examples
 
 
 def _dead_by_brute_force(num_computed: int, sinks: int, window: int, bs: int) -> list[int]:
@@ -212,7 +213,7 @@ def test_scheduler_frees_out_of_window_blocks_and_bounds_live_blocks() -> None:
     prompts=st.lists(st.integers(1, 80), min_size=1, max_size=3),
     max_tokens=st.integers(1, 60),
 )
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 def test_windowed_requests_longer_than_the_pool_run_within_their_live_bound(
     bs: int, window: int, sinks: int, chunk: int, prompts: list[int], max_tokens: int
 ) -> None:

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from kvserve.sampling_params import SamplingParams
+from tests.tiny_models import embedded_gguf_path, embedded_reference_dir
 
 ATOL_LOGPROB = 2e-3
 LENGTHS = [5, 17, 40, 64, 130, 257, 400, 600]
@@ -42,8 +43,9 @@ TEXT = (
 def hf_model(model_path: str):
     from transformers import AutoModelForCausalLM
 
-    d, f = os.path.split(model_path)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    assert os.path.samefile(model_path, embedded_gguf_path())
+    # NOTE: transformers' own load of this GGUF, saved as safetensors (same fp32 values).
+    model = AutoModelForCausalLM.from_pretrained(embedded_reference_dir(), dtype=torch.float32)
     return model.eval()
 
 

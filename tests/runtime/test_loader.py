@@ -25,6 +25,7 @@ from kvserve.models.gguf_loader import unpermute_rope
 from tests.tiny_models import (
     _permute_for_gguf,
     embedded_gguf_path,
+    embedded_reference_dir,
     make_tiny_gguf,
     make_tiny_model,
     tiny_state_dict,
@@ -62,9 +63,9 @@ def _assert_same_weights(ours: dict[str, torch.Tensor], ref: torch.nn.Module, ti
 
 @pytest.fixture(scope="session")
 def embedded_reference() -> torch.nn.Module:
-    """transformers' own GGUF load of the embedded model (~20 s): loaded once per session."""
+    """transformers' own GGUF load of the embedded model (saved once, see tiny_models)."""
     assert EMBEDDED is not None
-    return _hf_reference(os.path.dirname(EMBEDDED), os.path.basename(EMBEDDED))
+    return _hf_reference(embedded_reference_dir())
 
 
 @pytest.fixture(scope="module")

@@ -42,21 +42,45 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _compile(source: Path, march: str, out_dir: Path) -> tuple[str, int, str]:
-    flags = [f"-isystem{p}" for p in (*include_paths(), sysconfig.get_paths()["include"])]
-    cmd = [
-        "c++", "-std=c++20", "-O0", f"-march={march}", "-fopenmp", *flags,
+# NOTE: parsing the ATen headers is ~70 % of each -O0 compile; one precompiled header per
+# kind (same flags, so gcc accepts it) cuts the test from ~80 s to well under half.
+PCH_HEADERS = ("ATen/Dispatch.h", "ATen/Parallel.h", "ATen/core/Tensor.h", "immintrin.h")
+
+
+def _flags(march: str) -> list[str]:
+    includes = [f"-isystem{p}" for p in (*include_paths(), sysconfig.get_paths()["include"])]
+    return [
+        "-std=c++20", "-O0", f"-march={march}", "-fopenmp", *includes,
         "-DTORCH_EXTENSION_NAME=portable_check", "-DTORCH_API_INCLUDE_EXTENSION_H",
-        "-c", str(source), "-o", str(out_dir / f"{source.stem}-{march}.o"),
     ]  # fmt: skip
+
+
+def _run(cmd: list[str], what: str) -> tuple[str, int, str]:
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     errors = [line for line in done.stderr.splitlines() if "error" in line]
-    return f"{source.name} -march={march}", done.returncode, "\n".join(errors[:5])
+    return what, done.returncode, "\n".join(errors[:5])
+
+
+def _precompile(march: str, out_dir: Path) -> tuple[str, int, str]:
+    header = out_dir / march / "pch.h"
+    header.parent.mkdir()
+    header.write_text("".join(f"#include <{h}>\n" for h in PCH_HEADERS))
+    cmd = [*_flags(march), "-x", "c++-header", str(header), "-o", f"{header}.gch"]
+    return _run(["c++", *cmd], f"precompiled ATen headers -march={march}")
+
+
+def _compile(source: Path, march: str, out_dir: Path) -> tuple[str, int, str]:
+    pch = ["-include", str(out_dir / march / "pch.h"), "-Winvalid-pch"]
+    out = out_dir / f"{source.stem}-{march}.o"
+    cmd = ["c++", *_flags(march), *pch, "-c", str(source), "-o", str(out)]
+    return _run(cmd, f"{source.name} -march={march}")
 
 
 def test_native_sources_compile_for_every_cpu_kind(tmp_path: Path) -> None:
-    jobs = [(src, march) for src in SOURCES for march in MARCHES]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(lambda job: _compile(*job, tmp_path), jobs))
+        results = list(pool.map(lambda march: _precompile(march, tmp_path), MARCHES))
+        if all(rc == 0 for _, rc, _ in results):
+            jobs = [(src, march) for src in SOURCES for march in MARCHES]
+            results += pool.map(lambda job: _compile(*job, tmp_path), jobs)
     failed = [f"{what}:\n{errors}" for what, rc, errors in results if rc != 0]
     assert not failed, "\n".join(failed)

@@ -43,6 +43,7 @@ from kvserve.models.loader import load_arch, load_model
 from kvserve.models.quant_model import quantization_summary, quantized_nbytes, summary_line
 from kvserve.models.quant_select import quantized_projections
 from kvserve.runtime import autotune
+from kvserve.runtime.attention import get_attention_backend
 from kvserve.runtime.autotune import KernelChoice, TuneSettings
 from kvserve.runtime.linear import gather_into_huge_pages, warm_row_buckets
 from kvserve.runtime.memory_plan.planner import ActivationPlan
@@ -105,7 +106,10 @@ def choose_kernels(config: EngineConfig) -> KernelChoice:
 
 
 def load_engine_model(config: EngineConfig, kernels: KernelChoice) -> EngineModel:
-    """Phase 1: load the weights and tokenizer, build the model with ``kernels``' plan."""
+    """Phase 1: load the weights and tokenizer, build the model with ``kernels``' plan and
+    the attention backend ``config.attention_backend`` names (ValueError naming why where it
+    cannot run on ``config.device``, before any weight is read)."""
+    attn_backend = get_attention_backend(config.attention_backend, config.device)
     quantization = loads_quantized(config)
     loaded = load_model(config.model, dtype=kernels.dtype, quantization=quantization)
     tokenizer = Tokenizer.from_loaded(loaded.tokenizer_dir, loaded.gguf_file)
@@ -119,7 +123,7 @@ def load_engine_model(config: EngineConfig, kernels: KernelChoice) -> EngineMode
         runner_arch = tp.runner_arch()
         dtype = kernels.dtype
     else:
-        model = LlamaForCausalLM(loaded.arch)
+        model = LlamaForCausalLM(loaded.arch, attn_backend=attn_backend)
         model.load_weights(loaded.state_dict)
         if kernels.pending is not None:
             # NOTE: the quantized projections run their own kernels, which may favour the

@@ -55,8 +55,9 @@ class LlamaForCausalLM(nn.Module):
         native_ops: bool | None = None,
     ) -> None:
         """``attn_backend``: a backend or its name (see ``get_attention_backend``; 'auto'
-        takes the native CPU kernels where they load). ``native_ops``: run norms, RoPE and
-        SiLU with the native CPU kernels (on CPU tensors); None = where they load.
+        takes the native CPU kernels where they load on CPU, triton on CUDA). ``native_ops``:
+        run norms, RoPE and SiLU with the native CPU kernels (on CPU tensors); None = where
+        they load.
         """
         super().__init__()
         if arch.num_attention_heads % arch.num_key_value_heads:
@@ -67,7 +68,7 @@ class LlamaForCausalLM(nn.Module):
         device = torch.device(device)
         self.arch = arch
         if isinstance(attn_backend, str):
-            attn_backend = get_attention_backend(attn_backend)
+            attn_backend = get_attention_backend(attn_backend, device)
         self.attn_backend = attn_backend
         kw = {"dtype": dtype, "device": device}
         self.embed_tokens = empty_param(arch.vocab_size, arch.hidden_size, **kw)

@@ -17,83 +17,17 @@ from hypothesis import strategies as st
 from kvserve.engine.config import ATTENTION_BACKEND_CHOICES
 from kvserve.runtime.attention import ATTENTION_BACKENDS
 from kvserve.runtime.attention.metadata import NULL_BLOCK_ID, SeqSpec, build_attention_metadata
-from kvserve.runtime.attention.torch_ref import TorchReferenceBackend
 from kvserve.runtime.attention.triton.plan import build_step_plan, choose_num_splits
 from kvserve.runtime.kv_cache import KVCache, quantize_kv
 
 # NOTE: TRITON_INTERPRET=1 is set by tests/conftest.py before anything imports triton.
 pytest.importorskip("triton")
 
-from kvserve.runtime.attention.triton.backend import TritonBackend  # noqa: E402
 from kvserve.runtime.attention.triton.kv_write import write_kv  # noqa: E402
+from tests.runtime.triton_cases import make_seqs, run_both  # noqa: E402
 
 CPU = torch.device("cpu")
 FEW = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-def _cache(kind: str, num_blocks: int, bs: int, kvh: int, d: int, seed: int) -> KVCache:
-    """A one-layer cache filled with random (quantized) K/V, as earlier steps would leave it."""
-    cache = KVCache(
-        num_layers=1,
-        num_blocks=num_blocks,
-        block_size=bs,
-        num_kv_heads=kvh,
-        head_dim=d,
-        kv_cache_dtype=kind,
-    )
-    gen = torch.Generator().manual_seed(seed)
-    values = torch.randn(2, num_blocks, bs, kvh, d, generator=gen)
-    layer = cache.layer_caches[0]
-    if kind == "auto":
-        layer.copy_(values)
-    else:
-        data, scales = quantize_kv(values, kind)
-        layer.data.copy_(data)
-        layer.scales.copy_(scales)
-    return cache
-
-
-def _seqs(specs: list[tuple[int, int]], bs: int, window: int | None, sinks: int, seed: int):
-    """SeqSpecs of (new tokens, tokens already cached) over shuffled distinct blocks; with a
-    window, blocks no query of the step can see are freed (``NULL_BLOCK_ID``)."""
-    counts = [-(-(start + n) // bs) for n, start in specs]
-    ids = torch.randperm(sum(counts), generator=torch.Generator().manual_seed(seed)).tolist()
-    seqs, offset = [], 0
-    for (n, start), count in zip(specs, counts, strict=True):
-        table, ids = ids[:count], ids[count:]
-        if window is not None:
-            for j in range(count):
-                if j * bs >= sinks and (j + 1) * bs - 1 <= start - window:
-                    table[j] = NULL_BLOCK_ID
-        seqs.append(SeqSpec(offset, n, start, table))
-        offset += n
-    return seqs, sum(counts)
-
-
-def _both(case: dict) -> tuple[torch.Tensor, torch.Tensor, KVCache, KVCache]:
-    """Run torch_ref and triton on the same step and cache; return outputs and caches."""
-    bs, kvh, group, d, kind = case["bs"], case["kvh"], case["group"], case["d"], case["kind"]
-    window, sinks = case["window"], case["sinks"]
-    seqs, num_blocks = _seqs(case["specs"], bs, window, sinks, case["seed"])
-    num_tokens = sum(n for n, _ in case["specs"])
-    gen = torch.Generator().manual_seed(case["seed"] + 1)
-    q = torch.randn(num_tokens, kvh * group, d, generator=gen)
-    k = torch.randn(num_tokens, kvh, d, generator=gen)
-    v = torch.randn(num_tokens, kvh, d, generator=gen)
-    results = []
-    for backend in (TorchReferenceBackend(), TritonBackend(**case["launch"])):
-        cache = _cache(kind, num_blocks, bs, kvh, d, case["seed"])
-        meta = build_attention_metadata(
-            seqs,
-            block_size=bs,
-            device=CPU,
-            dtype=torch.float32,
-            sliding_window=window,
-            num_sink_tokens=sinks,
-        )
-        results.append((backend.forward(q, k, v, cache.layer_caches[0], meta), cache))
-    (want, ref_cache), (got, tri_cache) = results
-    return want, got, ref_cache, tri_cache
 
 
 @st.composite
@@ -123,7 +57,7 @@ def attention_cases(draw: st.DrawFn) -> dict:
 @FEW
 @given(case=attention_cases())
 def test_triton_attention_matches_torch_ref(case: dict) -> None:
-    want, got, ref_cache, tri_cache = _both(case)
+    want, got, ref_cache, tri_cache = run_both(case, CPU)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
     # the K/V write: the same bytes (and scales) as the reference wrote
     assert torch.equal(tri_cache.device_cache, ref_cache.device_cache)
@@ -170,10 +104,10 @@ def test_long_decode_splits_its_keys_and_matches() -> None:
         "launch": {},
         "seed": 3,
     }
-    seqs, _ = _seqs(case["specs"], 16, None, 0, 3)
+    seqs, _ = make_seqs(case["specs"], 16, None, 0, 3)
     meta = build_attention_metadata(seqs, block_size=16, device=CPU, dtype=torch.float32)
     assert build_step_plan(meta, 2, 1, CPU).num_splits > 1
-    want, got, _, _ = _both(case)
+    want, got, _, _ = run_both(case, CPU)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 

@@ -39,6 +39,7 @@ from kvserve.runtime.attention.metadata import AttentionMetadata
 from kvserve.runtime.autotune.candidates import build_linear
 from kvserve.runtime.layer_ops import TORCH_OPS, layer_ops
 from kvserve.runtime.linear import Linear, LinearPlan
+from kvserve.runtime.triton_ops import cuda_layer_ops
 from kvserve.runtime.workspace import Workspace
 
 
@@ -110,6 +111,9 @@ class LlamaForCausalLM(nn.Module):
         """
         self._want_native = enabled
         self.ops = layer_ops(native_kernels=enabled, device=self.norm.device)
+        if self.ops is TORCH_OPS:
+            # NOTE: on CUDA the Triton kernels where triton runs there (one launch an op).
+            self.ops = cuda_layer_ops(self.norm.device) or TORCH_OPS
         for layer in self.layers:
             layer.ops = self.ops
 

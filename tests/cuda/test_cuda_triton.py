@@ -73,6 +73,27 @@ def test_auto_takes_triton_and_matches_sdpa_on_the_gpu(model_dir: str) -> None:
         )
         want = "triton" if backend == "auto" else backend
         assert llm.engine.runner.model.attn_backend.name == want
+        assert llm.engine.runner.model.ops.name == "triton"  # the layer ops on CUDA
         outs = llm.generate(prompts, params, use_tqdm=False)
         out[backend] = [list(o.outputs[0].token_ids) for o in outs]
     assert out["auto"] == out["torch_sdpa"]
+
+
+def test_triton_layer_ops_match_torch_on_the_gpu() -> None:
+    from kvserve.runtime.layer_ops import TORCH_OPS
+    from kvserve.runtime.triton_ops.ops import TRITON_OPS
+    from kvserve.runtime.workspace import Workspace
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        hidden = torch.randn(33, 576, generator=gen, device="cuda").to(dtype)
+        residual = torch.randn(33, 576, generator=gen, device="cuda").to(dtype)
+        weight = torch.rand(576, generator=gen, device="cuda").to(dtype)
+        outs = []
+        for ops in (TORCH_OPS, TRITON_OPS):
+            h = hidden.clone()
+            out = ops.add_rms_norm(h, residual, weight, 1e-5, torch.empty_like(h), Workspace())
+            outs.append((out, h))
+        assert torch.equal(outs[0][1], outs[1][1])  # the same rounded residual stream
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(outs[1][0], outs[0][0], atol=tol, rtol=tol)

@@ -97,3 +97,26 @@ def test_triton_layer_ops_match_torch_on_the_gpu() -> None:
         assert torch.equal(outs[0][1], outs[1][1])  # the same rounded residual stream
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(outs[1][0], outs[0][0], atol=tol, rtol=tol)
+
+
+def test_greedy_sampling_crosses_to_the_host_once() -> None:
+    """An all-greedy batch on the GPU: one host sync (the ids and finite flags together)."""
+    import warnings
+
+    from kvserve.runtime.sampler import Sampler
+    from tests.runtime.sampler_helpers import make_req
+
+    sampler = Sampler(1000, 0)
+    logits = torch.randn(32, 1000, device="cuda")
+    reqs = [make_req(f"r{i}", SamplingParams(temperature=0.0)) for i in range(32)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = sampler.sample_greedy_checked(logits, reqs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out is not None and out[0] == logits.argmax(dim=-1).tolist() and out[2] == []
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]

@@ -94,7 +94,8 @@ def paged_attention(
     if q.stride(2) != 1:
         q = q.contiguous()
     splits = plan.num_splits
-    d_pad = triton.next_power_of_2(head_dim)
+    # NOTE: tl.dot needs every dimension >= 16 when compiled (the interpreter does not).
+    d_pad = max(16, triton.next_power_of_2(head_dim))
     if splits > 1:
         part_out = torch.empty(
             splits, num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device

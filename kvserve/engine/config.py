@@ -101,8 +101,9 @@ _HELP: dict[str, str] = {
     "else torch_sdpa; native on CPU where the C++ kernels build, else torch_sdpa), native (C++ "
     "CPU kernels), torch_sdpa, torch_ref (exact, slow) or triton (CUDA, or CPU under "
     "TRITON_INTERPRET=1)",
-    "enforce_eager": "run every step eagerly (no captured CUDA graphs); on CPU there are none "
-    "and it changes nothing",
+    "enforce_eager": "run every step eagerly: no CUDA graphs (by default, on CUDA with the "
+    "triton attention backend, pure-decode steps are captured per batch-size bucket at "
+    "start-up and replayed); on CPU there are none and it changes nothing",
     "kernel_selection": "projection kernels: auto (measured at start-up, cached under "
     "~/.cache/kvserve), measure (measure again) or off (torch.mm everywhere)",
 }

@@ -229,9 +229,16 @@ def size_kv_pool(
 
 
 def build_runner(
-    config: EngineConfig, loaded: EngineModel, report: MemoryReport
+    config: EngineConfig,
+    loaded: EngineModel,
+    report: MemoryReport,
+    max_model_len: int | None = None,
 ) -> tuple[ModelRunner | TPRunner, MemoryReport]:
     """Phase 6: the model runner; it allocates the KV cache of ``report``'s size once.
+
+    On CUDA with the Triton attention backend, unless ``config.enforce_eager``, it captures
+    the pure-decode steps as CUDA graphs per batch-size bucket (``runtime/cuda_graphs.py``,
+    ``max_model_len`` wide block tables).
 
     Under tensor parallelism every rank builds its runner over its own heads and the driver
     steps them through a ``TPRunner``; the report becomes the per-rank one.
@@ -250,6 +257,14 @@ def build_runner(
     runner = ModelRunner(loaded.model, loaded.runner_arch, **runner_kwargs)
     if loaded.tp is None:
         warm_kernel_primitives(config, runner)
+        if (
+            runner.device.type == "cuda"
+            and not config.enforce_eager
+            and loaded.model.attn_backend.name == "triton"
+        ):
+            runner.capture_decode_graphs(
+                config.max_num_seqs, max_model_len or loaded.arch.max_position_embeddings
+            )
         return runner, report
     from kvserve.distributed.executor import TPRunner
 

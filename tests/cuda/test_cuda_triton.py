@@ -120,3 +120,29 @@ def test_greedy_sampling_crosses_to_the_host_once() -> None:
     assert out is not None and out[0] == logits.argmax(dim=-1).tolist() and out[2] == []
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) == 1, [str(w.message) for w in syncs]
+
+
+def test_decode_graphs_replay_what_eager_steps_compute(model_dir: str) -> None:
+    """Captured decode steps (the default on CUDA with triton) give the eager tokens;
+    ``enforce_eager`` captures none."""
+    prompts = [[300 + 5 * j for j in range(n)] for n in (3, 20, 41, 9, 33)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    out = {}
+    for eager in (False, True):
+        llm = LLM(
+            model_dir,
+            device="cuda",
+            dtype="float32",
+            attention_backend="triton",
+            enforce_eager=eager,
+            num_kv_blocks=64,
+            max_model_len=256,
+            max_num_seqs=8,
+        )
+        graphs = llm.engine.runner.graphs
+        assert (graphs is None) == eager
+        if graphs is not None:
+            assert sorted(graphs.graphs) == [1, 2, 4, 8]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        out[eager] = [list(o.outputs[0].token_ids) for o in outs]
+    assert out[False] == out[True]

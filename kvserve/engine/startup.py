@@ -214,18 +214,53 @@ def size_kv_pool(
     activation_plan: ActivationPlan | None,
     kernel_scratch_bytes: int | None,
 ) -> MemoryReport:
-    """Phase 5: the budget left after weights, activations, scratch and headroom -> blocks."""
+    """Phase 5: the budget left after weights, activations, scratch and headroom -> blocks.
+
+    The activations are the largest step's plus, where decode steps will be captured as CUDA
+    graphs (``captures_decode_graphs``), the graphs' own arena (``graph_reserve_bytes``).
+    """
+    activation_bytes = None
+    if activation_plan is not None:
+        activation_bytes = activation_plan.reserve_bytes + graph_reserve_bytes(
+            config, loaded, activation_plan
+        )
     return plan_kv_blocks(
         config,
         loaded.arch,
         weights_bytes=loaded.weights_bytes,
         kv_bytes_per_token=kv_bytes_per_token,
         max_model_len=max_model_len,
+        activation_bytes=activation_bytes,
         activation_plan=activation_plan,
         device_free_bytes=device_free_bytes(config.device),
         kernel_scratch_bytes=kernel_scratch_bytes,
         packed_weights_bytes=loaded.packed_weights_bytes,
     )
+
+
+def captures_decode_graphs(config: EngineConfig, loaded: EngineModel) -> bool:
+    """Whether the runner captures pure-decode steps as CUDA graphs (``runtime/cuda_graphs``):
+    on CUDA, in one process, with the Triton attention backend, unless ``enforce_eager``."""
+    return (
+        torch.device(config.device).type == "cuda"
+        and not config.enforce_eager
+        and loaded.tp is None
+        and loaded.model.attn_backend.name == "triton"
+    )
+
+
+def graph_reserve_bytes(
+    config: EngineConfig, loaded: EngineModel, activation_plan: ActivationPlan
+) -> int:
+    """Bytes the decode graphs hold besides the eager steps' activations (0 without graphs).
+
+    NOTE: they run on their own activation buffers (an eager step must never free memory a
+    graph replays into), sized by the largest bucket: a decode step of ``max_num_seqs``
+    rows, whose planned peak the activation plan traced (``peaks_by_step["decode"]``).
+    """
+    if not captures_decode_graphs(config, loaded):
+        return 0
+    return activation_plan.peaks_by_step.get("decode", activation_plan.reserve_bytes)
 
 
 def build_runner(
@@ -257,11 +292,7 @@ def build_runner(
     runner = ModelRunner(loaded.model, loaded.runner_arch, **runner_kwargs)
     if loaded.tp is None:
         warm_kernel_primitives(config, runner)
-        if (
-            runner.device.type == "cuda"
-            and not config.enforce_eager
-            and loaded.model.attn_backend.name == "triton"
-        ):
+        if captures_decode_graphs(config, loaded):
             runner.capture_decode_graphs(
                 config.max_num_seqs, max_model_len or loaded.arch.max_position_embeddings
             )

@@ -127,7 +127,7 @@ def test_decode_graphs_replay_what_eager_steps_compute(model_dir: str) -> None:
     ``enforce_eager`` captures none."""
     prompts = [[300 + 5 * j for j in range(n)] for n in (3, 20, 41, 9, 33)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    out = {}
+    out, activations = {}, {}
     for eager in (False, True):
         llm = LLM(
             model_dir,
@@ -141,8 +141,16 @@ def test_decode_graphs_replay_what_eager_steps_compute(model_dir: str) -> None:
         )
         graphs = llm.engine.runner.graphs
         assert (graphs is None) == eager
+        report = llm.engine.memory_report
+        activations[eager] = report.activation_bytes
         if graphs is not None:
             assert sorted(graphs.graphs) == [1, 2, 4, 8]
+            plan = report.activation_plan
+            assert plan is not None
+            # the graphs' arena is reserved before the KV pool is sized
+            assert report.activation_bytes == plan.reserve_bytes + plan.peaks_by_step["decode"]
+            print(f"decode graphs: {graphs.pool_bytes} bytes captured")
         outs = llm.generate(prompts, params, use_tqdm=False)
         out[eager] = [list(o.outputs[0].token_ids) for o in outs]
     assert out[False] == out[True]
+    assert activations[False] > activations[True]

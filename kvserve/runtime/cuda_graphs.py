@@ -119,7 +119,10 @@ class DecodeGraphInputs:
         num = meta.num_tokens
         if num > bucket or bucket > self.max_rows:
             raise ValueError(f"{num} rows do not fit bucket {bucket} (max {self.max_rows})")
-        width = self.max_blocks
+        # NOTE: only the step's widest table is copied: a row's kernel reads no column past
+        # its own length, and a padding row (length 1) reads column 0, which is zeroed.
+        bs = self.block_size
+        width = min(self.max_blocks, max(-(-s.seq_len // bs) for s in meta.seqs))
         rows: list[int] = []
         lens: list[int] = []
         for s in meta.seqs:
@@ -129,8 +132,8 @@ class DecodeGraphInputs:
         rows.extend([0] * (width * (bucket - num)))
         lens.extend([1] * (bucket - num))
         host = torch.tensor(rows + lens, dtype=torch.int32)  # one host tensor, two copies
-        self.tables[:bucket].view(-1).copy_(host[: bucket * width], non_blocking=True)
-        self.seq_lens[:bucket].copy_(host[bucket * width :], non_blocking=True)
+        self.tables[:bucket, :width].copy_(host[: bucket * width].view(bucket, width))
+        self.seq_lens[:bucket].copy_(host[bucket * width :])
         self.input_ids[:num].copy_(batch.input_ids)
         self.positions[:num].copy_(batch.positions)
         self.slots[:num].copy_(meta.slot_mapping)

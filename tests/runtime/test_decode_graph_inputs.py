@@ -95,3 +95,4 @@ def test_padded_decode_step_matches_the_eager_step(window: int | None, sinks: in
     with torch.inference_mode():
         inputs.fill(runner.prepare_inputs(SchedulerOutput(scheduled=decode[:1])), 2)
     assert inputs.slots[1].item() == -1 and inputs.seq_lens[1].item() == 1
+    assert inputs.tables[1, 0].item() == 0  # the one column a padding row reads

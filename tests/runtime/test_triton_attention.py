@@ -27,7 +27,7 @@ from kvserve.runtime.attention.triton.kv_write import write_kv  # noqa: E402
 from tests.runtime.triton_cases import make_seqs, run_both  # noqa: E402
 
 CPU = torch.device("cpu")
-FEW = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FEW = settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @st.composite

@@ -22,3 +22,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # NOTE: every test traces its activation plans (a plan read back from an earlier run's disk
 # cache would hide a change to a test's own model); test_plan_disk_cache turns it back on.
 os.environ["KVSERVE_PLAN_CACHE"] = "0"
+# NOTE: the Triton kernels are tested on CPU tensors under triton's interpreter, which triton
+# picks at its import: set before anything imports it. A GPU run sets TRITON_INTERPRET=0 to
+# compile them (bench/cuda/check.sh).
+os.environ.setdefault("TRITON_INTERPRET", "1")

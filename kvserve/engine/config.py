@@ -20,6 +20,8 @@ GiB = 1 << 30
 # NOTE: kept here (torch-free) and checked against runtime/autotune by a test.
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 KERNEL_SELECTION_MODES = ("auto", "measure", "off")
+# NOTE: kept here (torch-free) and checked against runtime/attention by a test.
+ATTENTION_BACKEND_CHOICES = ("auto", "native", "torch_sdpa", "torch_ref", "triton")
 
 # NOTE: help texts live beside the fields so `kvserve --help` documents the same names as
 # the Python API.
@@ -95,6 +97,13 @@ _HELP: dict[str, str] = {
     "priority value preempts running ones with larger values when it cannot be admitted",
     "max_seats_per_request": "seats the samples of one n > 1 request take "
     "at once while others wait; the rest wait in the queue (default: half the seats)",
+    "attention_backend": "paged attention kernels: auto (triton on CUDA where it is installed, "
+    "else torch_sdpa; native on CPU where the C++ kernels build, else torch_sdpa), native (C++ "
+    "CPU kernels), torch_sdpa, torch_ref (exact, slow) or triton (CUDA, or CPU under "
+    "TRITON_INTERPRET=1)",
+    "enforce_eager": "run every step eagerly: no CUDA graphs (by default, on CUDA with the "
+    "triton attention backend, pure-decode steps are captured per batch-size bucket at "
+    "start-up and replayed); on CPU there are none and it changes nothing",
     "kernel_selection": "projection kernels: auto (measured at start-up, cached under "
     "~/.cache/kvserve), measure (measure again) or off (torch.mm everywhere)",
 }
@@ -143,6 +152,8 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     max_seats_per_request: int | None = None
     kernel_selection: str = "auto"
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         _check_field_types(self)
@@ -170,6 +181,17 @@ class EngineConfig:
             raise ValueError(
                 f"unknown kernel_selection {self.kernel_selection!r}; choose one of "
                 f"{', '.join(KERNEL_SELECTION_MODES)}"
+            )
+        if self.attention_backend not in ATTENTION_BACKEND_CHOICES:
+            raise ValueError(
+                f"unknown attention_backend {self.attention_backend!r}; choose one of "
+                f"{', '.join(ATTENTION_BACKEND_CHOICES)}"
+            )
+        if self.attention_backend != "auto" and self.tensor_parallel_size > 1:
+            # NOTE: tensor-parallel workers build their own models with the default backend.
+            raise ValueError(
+                f"attention_backend={self.attention_backend!r} needs tensor_parallel_size 1 "
+                "(tensor-parallel workers run the default backend)"
             )
         if not 0 < self.kv_cache_memory_fraction < 1:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1)")
@@ -290,6 +312,8 @@ class EngineConfig:
                 kwargs["choices"] = list(QUANTIZATION_CHOICES)
             if f.name == "kernel_selection":
                 kwargs["choices"] = list(KERNEL_SELECTION_MODES)
+            if f.name == "attention_backend":
+                kwargs["choices"] = list(ATTENTION_BACKEND_CHOICES)
             group.add_argument(flag, **kwargs)
 
     @classmethod

@@ -91,7 +91,9 @@ class LLMEngine:
             kernel_scratch_bytes=kernel_scratch,
         )
         # NOTE: under tensor parallelism the report becomes the per-rank one.
-        self.runner, self.memory_report = build_runner(config, loaded, self.memory_report)
+        self.runner, self.memory_report = build_runner(
+            config, loaded, self.memory_report, self.max_model_len
+        )
         rep = self.memory_report
         del loaded  # NOTE: the runner holds the model; nothing else of the load stays alive
         self.kv_cache_manager = build_kv_cache_manager(config, rep, self.max_model_len)

@@ -43,6 +43,7 @@ from kvserve.models.loader import load_arch, load_model
 from kvserve.models.quant_model import quantization_summary, quantized_nbytes, summary_line
 from kvserve.models.quant_select import quantized_projections
 from kvserve.runtime import autotune
+from kvserve.runtime.attention import get_attention_backend
 from kvserve.runtime.autotune import KernelChoice, TuneSettings
 from kvserve.runtime.linear import gather_into_huge_pages, warm_row_buckets
 from kvserve.runtime.memory_plan.planner import ActivationPlan
@@ -105,7 +106,10 @@ def choose_kernels(config: EngineConfig) -> KernelChoice:
 
 
 def load_engine_model(config: EngineConfig, kernels: KernelChoice) -> EngineModel:
-    """Phase 1: load the weights and tokenizer, build the model with ``kernels``' plan."""
+    """Phase 1: load the weights and tokenizer, build the model with ``kernels``' plan and
+    the attention backend ``config.attention_backend`` names (ValueError naming why where it
+    cannot run on ``config.device``, before any weight is read)."""
+    attn_backend = get_attention_backend(config.attention_backend, config.device)
     quantization = loads_quantized(config)
     loaded = load_model(config.model, dtype=kernels.dtype, quantization=quantization)
     tokenizer = Tokenizer.from_loaded(loaded.tokenizer_dir, loaded.gguf_file)
@@ -119,7 +123,7 @@ def load_engine_model(config: EngineConfig, kernels: KernelChoice) -> EngineMode
         runner_arch = tp.runner_arch()
         dtype = kernels.dtype
     else:
-        model = LlamaForCausalLM(loaded.arch)
+        model = LlamaForCausalLM(loaded.arch, attn_backend=attn_backend)
         model.load_weights(loaded.state_dict)
         if kernels.pending is not None:
             # NOTE: the quantized projections run their own kernels, which may favour the
@@ -210,13 +214,23 @@ def size_kv_pool(
     activation_plan: ActivationPlan | None,
     kernel_scratch_bytes: int | None,
 ) -> MemoryReport:
-    """Phase 5: the budget left after weights, activations, scratch and headroom -> blocks."""
+    """Phase 5: the budget left after weights, activations, scratch and headroom -> blocks.
+
+    The activations are the largest step's plus, where decode steps will be captured as CUDA
+    graphs (``captures_decode_graphs``), the graphs' own arena (``graph_reserve_bytes``).
+    """
+    activation_bytes = None
+    if activation_plan is not None:
+        activation_bytes = activation_plan.reserve_bytes + graph_reserve_bytes(
+            config, loaded, activation_plan
+        )
     return plan_kv_blocks(
         config,
         loaded.arch,
         weights_bytes=loaded.weights_bytes,
         kv_bytes_per_token=kv_bytes_per_token,
         max_model_len=max_model_len,
+        activation_bytes=activation_bytes,
         activation_plan=activation_plan,
         device_free_bytes=device_free_bytes(config.device),
         kernel_scratch_bytes=kernel_scratch_bytes,
@@ -224,10 +238,42 @@ def size_kv_pool(
     )
 
 
+def captures_decode_graphs(config: EngineConfig, loaded: EngineModel) -> bool:
+    """Whether the runner captures pure-decode steps as CUDA graphs (``runtime/cuda_graphs``):
+    on CUDA, in one process, with the Triton attention backend, unless ``enforce_eager``."""
+    return (
+        torch.device(config.device).type == "cuda"
+        and not config.enforce_eager
+        and loaded.tp is None
+        and loaded.model.attn_backend.name == "triton"
+    )
+
+
+def graph_reserve_bytes(
+    config: EngineConfig, loaded: EngineModel, activation_plan: ActivationPlan
+) -> int:
+    """Bytes the decode graphs hold besides the eager steps' activations (0 without graphs).
+
+    NOTE: they run on their own activation buffers (an eager step must never free memory a
+    graph replays into), sized by the largest bucket: a decode step of ``max_num_seqs``
+    rows, whose planned peak the activation plan traced (``peaks_by_step["decode"]``).
+    """
+    if not captures_decode_graphs(config, loaded):
+        return 0
+    return activation_plan.peaks_by_step.get("decode", activation_plan.reserve_bytes)
+
+
 def build_runner(
-    config: EngineConfig, loaded: EngineModel, report: MemoryReport
+    config: EngineConfig,
+    loaded: EngineModel,
+    report: MemoryReport,
+    max_model_len: int | None = None,
 ) -> tuple[ModelRunner | TPRunner, MemoryReport]:
     """Phase 6: the model runner; it allocates the KV cache of ``report``'s size once.
+
+    On CUDA with the Triton attention backend, unless ``config.enforce_eager``, it captures
+    the pure-decode steps as CUDA graphs per batch-size bucket (``runtime/cuda_graphs.py``,
+    ``max_model_len`` wide block tables).
 
     Under tensor parallelism every rank builds its runner over its own heads and the driver
     steps them through a ``TPRunner``; the report becomes the per-rank one.
@@ -246,6 +292,10 @@ def build_runner(
     runner = ModelRunner(loaded.model, loaded.runner_arch, **runner_kwargs)
     if loaded.tp is None:
         warm_kernel_primitives(config, runner)
+        if captures_decode_graphs(config, loaded):
+            runner.capture_decode_graphs(
+                config.max_num_seqs, max_model_len or loaded.arch.max_position_embeddings
+            )
         return runner, report
     from kvserve.distributed.executor import TPRunner
 

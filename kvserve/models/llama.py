@@ -39,6 +39,7 @@ from kvserve.runtime.attention.metadata import AttentionMetadata
 from kvserve.runtime.autotune.candidates import build_linear
 from kvserve.runtime.layer_ops import TORCH_OPS, layer_ops
 from kvserve.runtime.linear import Linear, LinearPlan
+from kvserve.runtime.triton_ops import cuda_layer_ops
 from kvserve.runtime.workspace import Workspace
 
 
@@ -55,8 +56,9 @@ class LlamaForCausalLM(nn.Module):
         native_ops: bool | None = None,
     ) -> None:
         """``attn_backend``: a backend or its name (see ``get_attention_backend``; 'auto'
-        takes the native CPU kernels where they load). ``native_ops``: run norms, RoPE and
-        SiLU with the native CPU kernels (on CPU tensors); None = where they load.
+        takes the native CPU kernels where they load on CPU, triton on CUDA). ``native_ops``:
+        run norms, RoPE and SiLU with the native CPU kernels (on CPU tensors); None = where
+        they load.
         """
         super().__init__()
         if arch.num_attention_heads % arch.num_key_value_heads:
@@ -67,7 +69,7 @@ class LlamaForCausalLM(nn.Module):
         device = torch.device(device)
         self.arch = arch
         if isinstance(attn_backend, str):
-            attn_backend = get_attention_backend(attn_backend)
+            attn_backend = get_attention_backend(attn_backend, device)
         self.attn_backend = attn_backend
         kw = {"dtype": dtype, "device": device}
         self.embed_tokens = empty_param(arch.vocab_size, arch.hidden_size, **kw)
@@ -109,6 +111,9 @@ class LlamaForCausalLM(nn.Module):
         """
         self._want_native = enabled
         self.ops = layer_ops(native_kernels=enabled, device=self.norm.device)
+        if self.ops is TORCH_OPS:
+            # NOTE: on CUDA the Triton kernels where triton runs there (one launch an op).
+            self.ops = cuda_layer_ops(self.norm.device) or TORCH_OPS
         for layer in self.layers:
             layer.ops = self.ops
 

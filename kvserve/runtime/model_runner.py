@@ -10,6 +10,12 @@ from torch import nn
 
 from kvserve.config import ModelArchConfig
 from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput
+from kvserve.runtime.cuda_graphs import (
+    DecodeGraphInputs,
+    DecodeGraphs,
+    graph_buckets,
+    is_pure_decode,
+)
 from kvserve.runtime.guard import sample_guarded
 from kvserve.runtime.input_batch import InputBatch, build_input_batch
 from kvserve.runtime.kv_cache import KVCache
@@ -73,6 +79,35 @@ class ModelRunner:
         # NOTE: activations live in these buffers across steps: once the largest step has run,
         # the forward pass allocates nothing but its output (see kvserve.bench.hotpath).
         self.workspace = Workspace()
+        self.graphs: DecodeGraphs | None = None  # captured decode steps (CUDA, triton)
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture pure-decode steps as CUDA graphs per batch-size bucket (``cuda_graphs``).
+
+        Only on CUDA with the Triton attention backend (the other backends plan on the host
+        per step); ValueError elsewhere.
+        """
+        if self.device.type != "cuda" or getattr(self.model, "attn_backend", None) is None:
+            raise ValueError("decode graphs need a CUDA device")
+        if self.model.attn_backend.name != "triton":
+            raise ValueError("decode graphs need attention_backend 'triton'")
+        arch = self.arch
+        inputs = DecodeGraphInputs(
+            max_rows=max_num_seqs,
+            max_blocks=-(-max_model_len // self.block_size),
+            block_size=self.block_size,
+            num_heads=arch.num_attention_heads,
+            num_kv_heads=arch.num_key_value_heads,
+            max_model_len=max_model_len,
+            device=self.device,
+            sliding_window=self.sliding_window,
+            num_sink_tokens=self.num_sink_tokens,
+        )
+        graphs = DecodeGraphs(inputs, graph_buckets(max_num_seqs))
+        caches = self.kv_cache.layer_caches
+        with torch.inference_mode():
+            graphs.capture(lambda ids, pos, meta, ws: self.model(ids, pos, caches, meta, ws))
+        self.graphs = graphs
 
     def prepare_inputs(self, sched: SchedulerOutput) -> InputBatch:
         """Build the flat batch tensors for ``sched`` (no cache side effects)."""
@@ -110,13 +145,17 @@ class ModelRunner:
         self.kv_cache.copy_blocks(sched.blocks_to_copy)
         if sched.scheduled:
             batch = self.prepare_inputs(sched)
-            hidden = self.model(
-                batch.input_ids,
-                batch.positions,
-                self.kv_cache.layer_caches,
-                batch.attn_meta,
-                self.workspace,
-            )  # [T, hidden]
+            hidden = None
+            if self.graphs is not None and is_pure_decode(batch):
+                hidden = self.graphs.run(batch)  # [T, hidden] or None (no bucket)
+            if hidden is None:
+                hidden = self.model(
+                    batch.input_ids,
+                    batch.positions,
+                    self.kv_cache.layer_caches,
+                    batch.attn_meta,
+                    self.workspace,
+                )  # [T, hidden]
             if batch.sample_requests:
                 logits = self.model.compute_logits(
                     hidden.index_select(0, batch.logits_indices), keep_dtype=True

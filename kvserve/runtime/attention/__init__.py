@@ -1,4 +1,4 @@
-"""Paged attention over the block-structured KV cache: one interface, three backends.
+"""Paged attention over the block-structured KV cache: one interface, four backends.
 
 Cache layout (one tensor per layer): ``[2, num_blocks, block_size, num_kv_heads, head_dim]``;
 index 0 holds K, index 1 holds V. A token at position ``p`` of a sequence lives in block
@@ -23,6 +23,9 @@ The backends share one call, ``forward(q, k, v, kv_cache, meta)`` (``interface.p
   Multi-token chunks run one SDPA call each: a chunk starting at position 0 attends its own
   fresh K/V with ``is_causal``; a chunk starting mid-sequence gathers its context from the
   cache and uses an offset causal mask.
+- ``TritonBackend`` (``triton/``): Triton kernels, the CUDA path: the K/V write and one
+  attention launch per layer for all decodes and chunks of the step, reading K/V in place
+  through the block tables (see ``triton/__init__.py``).
 - ``NativeCPUBackend`` (``native_cpu.py``): the C++ CPU kernels of ``kvserve.runtime.native``
   (decodes and short chunks straight from the cache blocks), ``TorchSDPABackend``'s path
   where they cannot serve.
@@ -47,11 +50,14 @@ torch backends see exactly what later steps will read from the cache.
 
 from __future__ import annotations
 
+import torch
+
 from kvserve.runtime import native
 from kvserve.runtime.attention.interface import AttentionBackend
 from kvserve.runtime.attention.native_cpu import NativeCPUBackend
 from kvserve.runtime.attention.sdpa import TorchSDPABackend
 from kvserve.runtime.attention.torch_ref import TorchReferenceBackend
+from kvserve.runtime.attention.triton import unavailable_reason as triton_unavailable_reason
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {
     TorchReferenceBackend.name: TorchReferenceBackend,
@@ -59,13 +65,30 @@ _BACKENDS: dict[str, type[AttentionBackend]] = {
 }
 
 
-def get_attention_backend(name: str = "auto") -> AttentionBackend:
-    """Instantiate an attention backend by name.
+ATTENTION_BACKENDS = ("auto", "native", "torch_sdpa", "torch_ref", "triton")
+
+
+def get_attention_backend(
+    name: str = "auto", device: str | torch.device = "cpu"
+) -> AttentionBackend:
+    """Instantiate an attention backend by name, for a model on ``device``.
 
     'torch_sdpa', 'torch_ref', 'native' (the C++ CPU kernels, see ``kvserve.runtime.native``;
-    ValueError if they cannot be built) or 'auto': 'native' where the kernels load, else
-    'torch_sdpa'.
+    ValueError if they cannot be built), 'triton' (the Triton kernels of ``attention/triton``:
+    CUDA, or CPU under ``TRITON_INTERPRET=1``; ValueError naming why where they cannot run) or
+    'auto': on CUDA 'triton' where it runs, else 'torch_sdpa'; on CPU 'native' where the
+    kernels load, else 'torch_sdpa'.
     """
+    on_cuda = torch.device(device).type == "cuda"
+    if name == "triton" or (name == "auto" and on_cuda):
+        reason = triton_unavailable_reason(device)
+        if reason is None:
+            from kvserve.runtime.attention.triton.backend import TritonBackend
+
+            return TritonBackend()
+        if name == "triton":
+            raise ValueError(f"attention backend 'triton' cannot run on {str(device)!r}: {reason}")
+        return TorchSDPABackend()
     if name in ("native", "auto"):
         if native.available():
             return NativeCPUBackend()
@@ -76,6 +99,5 @@ def get_attention_backend(name: str = "auto") -> AttentionBackend:
         return _BACKENDS[name]()
     except KeyError:
         raise ValueError(
-            f"unknown attention backend {name!r}; choose one of "
-            f"{sorted([*_BACKENDS, 'native', 'auto'])}"
+            f"unknown attention backend {name!r}; choose one of {', '.join(ATTENTION_BACKENDS)}"
         ) from None

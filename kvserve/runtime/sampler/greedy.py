@@ -23,8 +23,11 @@ def _native_rows(logits: torch.Tensor) -> bool:
 
 
 def argmax_checked(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``argmax`` and, from the same pass, whether each row is finite: ([M] long, [M] bool);
-    None where the native kernel cannot take ``logits``."""
+    """``argmax`` and, from the same pass, whether each row is finite: ([M] long, [M] bool),
+    on the host; on an accelerator ``device_argmax_checked``; None on a CPU where the native
+    kernel cannot take ``logits``."""
+    if logits.device.type != "cpu" and logits.dim() == 2 and logits.shape[1] > 0:
+        return device_argmax_checked(logits)
     if not _native_rows(logits):
         return None
     out = torch.empty(logits.shape[0], dtype=torch.long)  # [M]
@@ -47,3 +50,17 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
         native.ops().argmax_rows(out, logits)
         return out
     return logits.max(dim=-1).indices
+
+
+def device_argmax_checked(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``argmax_checked`` where ``logits`` [M, V] live (a GPU): the ids and the finite flags
+    are computed there and cross to the host together, in one transfer.
+
+    NOTE: on CUDA the guard's finiteness check (``.item()``) and the argmax's ``.tolist()``
+    were two host syncs a step; this is one. A NaN counts as maximal, as in ``torch.argmax``;
+    a row's sum is finite exactly when every entry is (see ``guard.nonfinite_rows``).
+    """
+    ids = logits.max(dim=-1).indices  # [M]
+    finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))  # [M]
+    both = torch.stack((ids, finite.to(torch.long))).cpu()  # [2, M]: the one transfer
+    return both[0], both[1].to(torch.bool)

@@ -36,3 +36,19 @@ def make_llm() -> Iterator[Callable[..., object]]:
         return LLM(**kwargs)  # type: ignore[arg-type]
 
     yield factory
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_path: str) -> object:
+    """transformers' fp32 model of the embedded GGUF: the reference the e2e checks compare to.
+
+    NOTE: transformers' own load of this GGUF, saved once as safetensors (the same values;
+    ``tests.tiny_models.embedded_reference_dir``), so the ~20 s numpy dequantisation runs once.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from tests.tiny_models import embedded_gguf_path, embedded_reference_dir
+
+    assert os.path.samefile(model_path, embedded_gguf_path())
+    model = AutoModelForCausalLM.from_pretrained(embedded_reference_dir(), dtype=torch.float32)
+    return model.eval()

@@ -14,13 +14,10 @@ position or a KV slot mix-up shifts logits by whole units).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from kvserve.sampling_params import SamplingParams
-from tests.tiny_models import embedded_gguf_path, embedded_reference_dir
 
 ATOL_LOGPROB = 2e-3
 LENGTHS = [5, 17, 40, 64, 130, 257, 400, 600]
@@ -38,16 +35,6 @@ TEXT = (
     "these changes and how much it merely accelerated trends already under way, but few "
     "doubt that it was one of the most consequential inventions of the millennium. "
 )
-
-
-@pytest.fixture(scope="module")
-def hf_model(model_path: str):
-    from transformers import AutoModelForCausalLM
-
-    assert os.path.samefile(model_path, embedded_gguf_path())
-    # NOTE: transformers' own load of this GGUF, saved as safetensors (same fp32 values).
-    model = AutoModelForCausalLM.from_pretrained(embedded_reference_dir(), dtype=torch.float32)
-    return model.eval()
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ grammar, and prompt logprobs equal a full forward's log-softmax."""
 from __future__ import annotations
 
 import json
-import os
 
 import jsonschema
 import pytest
@@ -143,14 +142,6 @@ def test_logit_bias_forces_a_token(make_llm) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=3, logit_bias={target: 100.0})
     out = llm.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == [target] * 3
-
-
-@pytest.fixture(scope="module")
-def hf_model(model_path: str):
-    from transformers import AutoModelForCausalLM
-
-    d, f = os.path.split(model_path)
-    return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
 
 
 def test_prompt_logprobs_equal_full_forward(make_llm, hf_model) -> None:

@@ -22,7 +22,7 @@ from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.failures import RequestFailures, fail_group
 from kvserve.engine.inputs import check_constraints, tokenize_prompt
-from kvserve.engine.memory_budget import MemoryReport, plan_step_activations
+from kvserve.engine.memory_budget import MemoryReport, measure_growth, plan_step_activations
 from kvserve.engine.metrics import LatencyStats
 from kvserve.engine.request_state import RequestGroup, SampleState, make_output
 from kvserve.engine.startup import (
@@ -75,11 +75,12 @@ class LLMEngine:
             kv_cache_dtype=config.kv_cache_dtype,
             dtype=loaded.dtype,
         )
-        activation_plan = plan_step_activations(
-            config,
-            arch,
-            max_model_len=self.max_model_len,
-            chunk_attention=ChunkAttention.of(getattr(loaded.model, "attn_backend", None)),
+        chunk_attention = ChunkAttention.of(getattr(loaded.model, "attn_backend", None))
+        activation_plan, tracing_bytes = measure_growth(
+            config.device,
+            lambda: plan_step_activations(
+                config, arch, max_model_len=self.max_model_len, chunk_attention=chunk_attention
+            ),
         )
         kernel_scratch = measure_gemm_scratch(config, activation_plan, loaded.model)
         self.memory_report: MemoryReport = size_kv_pool(
@@ -89,6 +90,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             activation_plan=activation_plan,
             kernel_scratch_bytes=kernel_scratch,
+            tracing_bytes=tracing_bytes,
         )
         # NOTE: under tensor parallelism the report becomes the per-rank one.
         self.runner, self.memory_report = build_runner(

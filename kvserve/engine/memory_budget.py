@@ -14,24 +14,30 @@ planned steps' GEMM shapes once, and are their own term of the budget.
 
 The budget is for the whole process, as the OS counts it (peak RSS on CPU), so the headroom
 covers what is not a tensor of ours: the Python interpreter, torch's libraries, the tokenizer,
-allocator slack. Loading briefly holds the weights twice (the loader's state dict and the
-model's fused parameters), so a budget must also cover a load headroom + 2 x weights.
+allocator slack. Tracing the activation plan imports ``torch._dynamo`` (and, where triton is
+installed, triton's ~100 MiB library): on the CPU that growth is measured around the trace
+and added to the headroom (0 when the plan is read back from disk). Loading briefly holds
+the weights twice (the loader's state dict and the model's fused parameters), so a budget
+must also cover a load headroom + 2 x weights.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from kvserve.config import ModelArchConfig
 from kvserve.engine.config import EngineConfig, GiB, available_memory_bytes
-from kvserve.runtime.kernel_scratch import GemmShape, measure_gemm_scratch
+from kvserve.runtime.kernel_scratch import GemmShape, measure_gemm_scratch, resident_bytes
 from kvserve.runtime.kv_cache import kv_bytes_per_token
 from kvserve.runtime.memory_plan.planner import ActivationPlan, plan_activations
 from kvserve.runtime.native.chunk_limit import ChunkAttention
 
 MiB = 1 << 20
+T = TypeVar("T")
 
 # NOTE: measured, not guessed (`kvserve bench memory --measure`): peak RSS while generating
 # minus weights, KV pool and the planned activation reserve, plus ~20% slack. The figures:
@@ -70,6 +76,8 @@ class MemoryReport:
     kernel_scratch_bytes: int | None = None
     # Of ``weights_bytes``: the projection kernels' own weight copies (prepacked layouts).
     packed_weights_bytes: int = 0
+    # Of ``headroom_bytes``: what tracing the activation plan left resident (its imports).
+    tracing_bytes: int = 0
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -117,6 +125,11 @@ class MemoryReport:
             "kernel scratch (GEMM library buffers, measured at start-up): "
             + (_fmt(scratch) if scratch is not None else "not measured (no memory budget)"),
             f"headroom: {_fmt(self.headroom_bytes)}",
+            *(
+                [f"  of which the plan's trace (its imports, measured): {_fmt(self.tracing_bytes)}"]
+                if self.tracing_bytes
+                else []
+            ),
             f"KV cache: {_fmt(self.kv_cache_bytes)} = {self.num_kv_blocks} blocks x "
             f"{self.block_size} tokens x {self.kv_bytes_per_token} bytes/token",
             f"max tokens in cache: {self.max_tokens_in_cache}",
@@ -160,6 +173,19 @@ def model_weights_bytes(arch: ModelArchConfig, dtype: torch.dtype = torch.float3
         qkv = (arch.num_attention_heads + 2 * arch.num_key_value_heads) * arch.head_dim
         total += arch.num_hidden_layers * qkv * torch.tensor([], dtype=dtype).element_size()
     return total
+
+
+def measure_growth(device: str, compute: Callable[[], T]) -> tuple[T, int]:
+    """``compute()``'s result and the resident bytes it left behind on the CPU.
+
+    0 on an accelerator (its budget is its own memory) or where the OS tells no resident
+    size. NOTE: for the plan's trace, whose fake tensors allocate nothing: what stays is
+    ``torch._dynamo``'s imports, paid once per process (0 on a plan read back from disk).
+    """
+    before = resident_bytes() if torch.device(device).type == "cpu" else None
+    value = compute()
+    after = resident_bytes() if before is not None else None
+    return value, max(0, after - before) if before is not None and after is not None else 0
 
 
 def plan_step_activations(
@@ -261,6 +287,7 @@ def plan_kv_blocks(
     device_free_bytes: int | None = None,
     kernel_scratch_bytes: int | None = None,
     packed_weights_bytes: int = 0,
+    tracing_bytes: int = 0,
 ) -> MemoryReport:
     """Decide the number of KV blocks from the options, in this order of precedence:
 
@@ -269,6 +296,8 @@ def plan_kv_blocks(
     ``kernel_scratch_bytes`` is the measured GEMM scratch (``measure_kernel_scratch``; None:
     not measured, counted as 0). ``packed_weights_bytes``: the part of ``weights_bytes`` held
     as prepacked kernel copies (reported, already counted in ``weights_bytes``).
+    ``tracing_bytes``: what the activation plan's trace left resident (``measure_growth``),
+    added to the headroom.
     With a budget, raises MemoryBudgetError (saying how many bytes are missing) when the
     weights, activations, kernel scratch, headroom and one max-length request's KV (or the
     load-time double copy of the weights) do not fit, or when explicit KV sizes overflow it.
@@ -279,13 +308,13 @@ def plan_kv_blocks(
         activation_bytes = activation_plan.reserve_bytes
     scratch_bytes = kernel_scratch_bytes or 0
     if (
-        min(weights_bytes, activation_bytes, scratch_bytes) < 0
+        min(weights_bytes, activation_bytes, scratch_bytes, tracing_bytes) < 0
         or kv_bytes_per_token < 1
         or max_model_len < 1
     ):
         raise ValueError(
             f"invalid sizes: weights_bytes={weights_bytes}, activation_bytes={activation_bytes}, "
-            f"kernel_scratch_bytes={kernel_scratch_bytes}, "
+            f"kernel_scratch_bytes={kernel_scratch_bytes}, tracing_bytes={tracing_bytes}, "
             f"kv_bytes_per_token={kv_bytes_per_token}, max_model_len={max_model_len}"
         )
     block_bytes = config.block_size * kv_bytes_per_token
@@ -294,7 +323,8 @@ def plan_kv_blocks(
     host_in_budget = torch.device(config.device).type == "cpu"
     # What running a step takes beyond weights and KV (one figure in the messages below).
     step_bytes = activation_bytes + scratch_bytes
-    fixed = weights_bytes + step_bytes + HEADROOM_BYTES
+    headroom = HEADROOM_BYTES + tracing_bytes
+    fixed = weights_bytes + step_bytes + headroom
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
     elif config.kv_cache_memory is not None:
@@ -308,7 +338,14 @@ def plan_kv_blocks(
             num_shares = 2  # the pool and an equal host tier split what is left
         need = -(-max_model_len // config.block_size) * block_bytes * num_shares
         _check_fits(
-            budget, weights_bytes, step_bytes, max_model_len, need, free, packed_weights_bytes
+            budget,
+            weights_bytes,
+            step_bytes,
+            max_model_len,
+            need,
+            free,
+            packed_weights_bytes,
+            headroom,
         )
         num_blocks = free // num_shares // block_bytes
     else:
@@ -338,7 +375,7 @@ def plan_kv_blocks(
     report = MemoryReport(
         weights_bytes=weights_bytes,
         activation_bytes=activation_bytes,
-        headroom_bytes=HEADROOM_BYTES,
+        headroom_bytes=headroom,
         kv_bytes_per_token=kv_bytes_per_token,
         block_size=config.block_size,
         num_kv_blocks=num_blocks,
@@ -348,6 +385,7 @@ def plan_kv_blocks(
         activation_plan=activation_plan,
         kernel_scratch_bytes=kernel_scratch_bytes,
         packed_weights_bytes=packed_weights_bytes,
+        tracing_bytes=tracing_bytes,
     )
     if budget is not None:
         total = fixed + report.kv_cache_bytes + (report.host_cache_bytes if host_in_budget else 0)
@@ -355,8 +393,7 @@ def plan_kv_blocks(
             raise MemoryBudgetError(
                 f"memory_budget of {_fmt(budget)} is too small for the requested KV cache: "
                 f"weights {weights_bytes} + activations and kernel scratch {step_bytes} + "
-                "headroom "
-                f"{HEADROOM_BYTES} + KV {report.kv_cache_bytes}"
+                f"headroom {headroom} + KV {report.kv_cache_bytes}"
                 + (f" + host tier {report.host_cache_bytes}" if host_in_budget else "")
                 + f" = {total} bytes; {total - budget} bytes ({(total - budget) / MiB:.1f} MiB) "
                 "are missing"
@@ -372,20 +409,21 @@ def _check_fits(
     need: int,
     free: int,
     packed_weights_bytes: int = 0,
+    headroom_bytes: int = HEADROOM_BYTES,
 ) -> None:
     """Raise MemoryBudgetError unless ``need`` bytes of KV (one max-length request, and its
     host-tier twin in swap mode) fit in ``free``, and loading fits in the budget.
     ``step_bytes``: activations + kernel scratch.
     NOTE: the prepacked copies are made after the loader's state dict is freed, so the load
     peak holds the unpacked weights twice."""
-    steady = weights_bytes + step_bytes + HEADROOM_BYTES + need
+    steady = weights_bytes + step_bytes + headroom_bytes + need
     load_peak = load_peak_bytes(weights_bytes - packed_weights_bytes)
     missing = max(need - free, load_peak - budget)
     if missing <= 0:
         return
     raise MemoryBudgetError(
         f"memory_budget of {_fmt(budget)} is too small: weights {weights_bytes} + activations "
-        f"and kernel scratch {step_bytes} + headroom {HEADROOM_BYTES} + one "
+        f"and kernel scratch {step_bytes} + headroom {headroom_bytes} + one "
         f"max_model_len={max_model_len} "
         f"request's KV ({need}) need {steady} bytes, and loading needs "
         f"{load_peak} (load headroom + the weights twice); "

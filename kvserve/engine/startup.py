@@ -213,6 +213,7 @@ def size_kv_pool(
     max_model_len: int,
     activation_plan: ActivationPlan | None,
     kernel_scratch_bytes: int | None,
+    tracing_bytes: int = 0,
 ) -> MemoryReport:
     """Phase 5: the budget left after weights, activations, scratch and headroom -> blocks.
 
@@ -235,6 +236,7 @@ def size_kv_pool(
         device_free_bytes=device_free_bytes(config.device),
         kernel_scratch_bytes=kernel_scratch_bytes,
         packed_weights_bytes=loaded.packed_weights_bytes,
+        tracing_bytes=tracing_bytes,
     )
 
 

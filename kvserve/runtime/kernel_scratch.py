@@ -177,7 +177,7 @@ def gemm_shape(a: torch.Tensor, b: torch.Tensor) -> GemmShape | None:
     return GemmShape(int(a.shape[0]), k, n, dtype, column_major)
 
 
-def _resident_bytes() -> int | None:
+def resident_bytes() -> int | None:
     """The process's resident set size, from /proc (None where there is none)."""
     try:
         with open("/proc/self/statm") as fh:
@@ -225,7 +225,7 @@ def measure_gemm_scratch(
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
     else:
-        before = _resident_bytes()
+        before = resident_bytes()
         if before is None:
             return None
     with torch.inference_mode():
@@ -235,7 +235,7 @@ def measure_gemm_scratch(
         torch.cuda.synchronize(device)
         after = torch.cuda.memory_allocated(device)
     else:
-        after = _resident_bytes()
+        after = resident_bytes()
         assert after is not None
     return max(after - before, 0)
 
@@ -243,6 +243,7 @@ def measure_gemm_scratch(
 __all__ = [
     "GemmShape",
     "gemm_shape",
+    "resident_bytes",
     "measure_gemm_scratch",
     "native_decode_scratch_bytes",
     "sdpa_cpu_flash_scratch_bytes",

@@ -19,6 +19,7 @@ from kvserve.engine.memory_budget import (
     HEADROOM_BYTES,
     MemoryBudgetError,
     load_peak_bytes,
+    measure_growth,
     plan_kv_blocks,
 )
 
@@ -41,7 +42,14 @@ KV_PER_TOKEN = ARCH.kv_bytes_per_token(4)  # 46080 bytes: fp32 SmolLM2-135M
 WEIGHTS = 538_060_032  # fp32 SmolLM2-135M parameters
 
 
-def _plan(budget: int, *, activation_bytes: int = 50 * MiB, max_model_len: int = 2048, **kw):  # type: ignore[no-untyped-def]
+def _plan(  # type: ignore[no-untyped-def]
+    budget: int,
+    *,
+    activation_bytes: int = 50 * MiB,
+    max_model_len: int = 2048,
+    tracing_bytes: int = 0,
+    **kw,
+):
     return plan_kv_blocks(
         EngineConfig(memory_budget=budget, **kw),
         ARCH,
@@ -49,6 +57,7 @@ def _plan(budget: int, *, activation_bytes: int = 50 * MiB, max_model_len: int =
         kv_bytes_per_token=KV_PER_TOKEN,
         max_model_len=max_model_len,
         activation_bytes=activation_bytes,
+        tracing_bytes=tracing_bytes,
     )
 
 
@@ -125,6 +134,20 @@ def test_kernel_scratch_is_its_own_term_carved_from_the_pool() -> None:
     assert "not measured" in "\n".join(unmeasured.lines())
     with pytest.raises(ValueError, match="kernel_scratch_bytes=-1"):
         plan(-1)
+
+
+def test_the_traces_imports_are_added_to_the_headroom() -> None:
+    # Tracing the plan imports torch._dynamo (and triton, where installed): what it left
+    # resident is measured at start-up and comes out of the pool, not out of the budget.
+    plain, traced = _plan(2 * GiB), _plan(2 * GiB, tracing_bytes=100 * MiB)
+    assert traced.headroom_bytes == plain.headroom_bytes + 100 * MiB
+    assert abs(plain.kv_cache_bytes - traced.kv_cache_bytes - 100 * MiB) < 16 * KV_PER_TOKEN
+    assert "of which the plan's trace (its imports, measured): 100.0 MiB" in "\n".join(
+        traced.lines()
+    )
+    grown, added = measure_growth("cpu", lambda: bytearray(64 * MiB).replace(b"\0", b"\1"))
+    assert len(grown) == 64 * MiB and added >= 32 * MiB
+    assert measure_growth("meta", lambda: 7) == (7, 0)  # an accelerator's budget is its own
 
 
 def test_report_lines_show_the_breakdown() -> None:

@@ -5,6 +5,7 @@ start-up saying how many bytes are missing."""
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
 import subprocess
@@ -145,8 +146,16 @@ def test_the_traces_imports_are_added_to_the_headroom() -> None:
     assert "of which the plan's trace (its imports, measured): 100.0 MiB" in "\n".join(
         traced.lines()
     )
-    grown, added = measure_growth("cpu", lambda: bytearray(64 * MiB).replace(b"\0", b"\1"))
-    assert len(grown) == 64 * MiB and added >= 32 * MiB
+
+    # NOTE: fresh anonymous pages, written: a heap allocation may reuse pages an earlier test
+    # freed (resident already), which is the point of measuring, but not testable.
+    def touch() -> mmap.mmap:
+        pages = mmap.mmap(-1, 64 * MiB)
+        pages.write(b"\1" * (64 * MiB))
+        return pages
+
+    grown, added = measure_growth("cpu", touch)
+    assert len(grown) == 64 * MiB and added >= 48 * MiB
     assert measure_growth("meta", lambda: 7) == (7, 0)  # an accelerator's budget is its own
 
 

@@ -47,7 +47,7 @@ def _generate(model_dir: Path, *extra: str) -> list[str]:
     return [
         "generate", "hi", "--raw", "--model", str(model_dir), "--num-kv-blocks", "64",
         "--max-model-len", "128", "--num-threads", "1", "--max-tokens", "2", "--ignore-eos",
-        "--dtype", "float32", *extra,
+        "--dtype", "float32", "--temperature", "0", *extra,
     ]  # fmt: skip
 
 

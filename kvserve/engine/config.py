@@ -26,7 +26,9 @@ ATTENTION_BACKEND_CHOICES = ("auto", "native", "torch_sdpa", "torch_ref", "trito
 # NOTE: help texts live beside the fields so `kvserve --help` documents the same names as
 # the Python API.
 _HELP: dict[str, str] = {
-    "model": "GGUF file or HF directory; default: the embedded SmolLM2-135M-Instruct GGUF",
+    "model": "GGUF file, HF directory, or Hugging Face Hub id (org/name; org/name:Q4_K_M for one "
+    "GGUF of a GGUF repository), fetched into the Hugging Face cache ($HF_HOME; "
+    "HF_HUB_OFFLINE=1: the cache only); default: the embedded SmolLM2-135M-Instruct GGUF",
     "dtype": "weight and activation dtype; auto: bfloat16 on a CPU with native bf16 (AMX or "
     "AVX512_BF16) where the kernel measurement finds it faster, else float32; on CUDA "
     "bfloat16 (float16 without bf16)",

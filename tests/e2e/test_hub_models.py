@@ -6,6 +6,7 @@ while offline is an error saying how to get it, at once."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import shutil
@@ -13,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from kvserve.engine.llm import LLM
@@ -20,6 +22,7 @@ from kvserve.models.errors import ModelFileNotFoundError, ModelLoadError
 from kvserve.models.hub import hub_id_of_path, parse_hub_id
 from kvserve.models.loader import resolve_model
 from kvserve.models.quant_model import model_id
+from kvserve.server.app import build_app
 from tests.tiny_models import make_tiny_gguf, make_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -182,3 +185,23 @@ def test_generation_config_vllm_ignores_the_model_defaults(hf_home: Path, offlin
     folder = shutil.copytree(snapshot, hf_home.parent / "gen", symlinks=False)
     Path(folder, "generation_config.json").write_text('{"temperature": 0.3}')
     assert dict(load_generation_defaults(str(folder), snapshot).values) == {"temperature": 0.3}
+
+
+def test_serve_names_the_hub_model_and_applies_its_defaults(hub_llm: LLM) -> None:
+    """What ``kvserve serve --model kvserve-test/tiny-llama`` serves: the Hub id as the model
+    id, and the model's max_new_tokens (6) capping OpenAI's default 16."""
+
+    async def main() -> None:
+        app = build_app(hub_llm.engine)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            models = (await c.get("/v1/models")).json()
+            assert [m["id"] for m in models["data"]] == [HF_REPO]
+            body = {"model": HF_REPO, "prompt": "hello", "ignore_eos": True}
+            r = await c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == HF_REPO
+            assert r.json()["usage"]["completion_tokens"] == 6
+        await app.state.async_engine.shutdown()
+
+    asyncio.run(asyncio.wait_for(main(), timeout=120))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import logging
 import sys
@@ -12,64 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 import kvserve
+from kvserve.cli_sampling import add_sampling_args, sampling_params_from_args
 from kvserve.engine.config import EngineConfig
-
-
-def _sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument(
-        "--max-tokens",
-        type=int,
-        default=max_tokens,
-        help=f"tokens to generate (default {max_tokens})",
-    )
-    g.add_argument(
-        "--temperature",
-        type=float,
-        default=0.0,
-        help="0 (the default here, unlike the API's 1.0) is greedy: the same text every run",
-    )
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
-    g.add_argument("--top-k", type=int, default=-1, help="keep the k most likely (-1: all)")
-    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top one")
-    g.add_argument(
-        "--presence-penalty", type=float, default=0.0, help="-2..2, on tokens already generated"
-    )
-    g.add_argument(
-        "--frequency-penalty", type=float, default=0.0, help="-2..2, by how often they were"
-    )
-    g.add_argument(
-        "--repetition-penalty", type=float, default=1.0, help=">1 discourages repeats (default 1)"
-    )
-    g.add_argument(
-        "--sampling-seed",
-        dest="sample_seed",
-        type=int,
-        default=None,
-        help="per-request sampling seed",
-    )
-    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-text")
-
-
-def _sampling_params(args: argparse.Namespace, **overrides: object):  # noqa: ANN202 - SamplingParams
-    from kvserve.sampling_params import SamplingParams
-
-    values: dict[str, object] = dict(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        repetition_penalty=args.repetition_penalty,
-        seed=args.sample_seed,
-        stop=args.stop,
-        ignore_eos=args.ignore_eos,
-    )
-    values.update(overrides)
-    return SamplingParams(**values)
 
 
 def _build_llm(args: argparse.Namespace):  # noqa: ANN202 - LLM
@@ -83,7 +28,7 @@ def _build_llm(args: argparse.Namespace):  # noqa: ANN202 - LLM
 def cmd_generate(args: argparse.Namespace) -> int:
     """Generate a completion for one or more prompts and print it with its speed."""
     llm = _build_llm(args)
-    params = _sampling_params(args, n=args.n)
+    params = sampling_params_from_args(args, llm.engine.generation_defaults.values, n=args.n)
     prompts = args.prompt
     t0 = time.perf_counter()
     if args.raw:
@@ -112,8 +57,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     """Interactive multi-turn chat on stdin/stdout, streamed token by token; the prefix
     cache reuses the history. ``/exit``, ``/quit``, an empty line or Ctrl-D quit."""
     llm = _build_llm(args)
-    params = _sampling_params(args)
+    params = sampling_params_from_args(args, llm.engine.generation_defaults.values)
     history: list[dict[str, str]] = []
+    turn = 0
     if args.system:
         history.append({"role": "system", "content": args.system})
     print("kvserve chat: /exit, /quit, an empty line or Ctrl-D to quit", file=sys.stderr)
@@ -133,9 +79,19 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         if dropped:
             print(f"[{dropped} oldest messages dropped to fit --max-model-len]", file=sys.stderr)
-        reply = stream_chat_reply(llm, history, params, sys.stdout)
+        reply = stream_chat_reply(llm, history, _turn_params(params, turn), sys.stdout)
         history.append({"role": "assistant", "content": reply})
+        turn += 1
     return 0
+
+
+def _turn_params(params, turn: int):  # noqa: ANN001, ANN202 - SamplingParams
+    """``params`` for the chat's turn number ``turn`` (0 first). NOTE: a seeded request draws
+    its random numbers by output position, so each turn takes the printed seed plus its
+    number: the same seed every turn would draw the same numbers each time."""
+    if params.seed is None or turn == 0:
+        return params
+    return dataclasses.replace(params, seed=params.seed + turn)
 
 
 def fit_history(llm, history: list[dict[str, str]], max_tokens: int | None) -> int:  # noqa: ANN001 - LLM
@@ -285,12 +241,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("prompt", nargs="+", help="prompt text (one or more)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("-n", "--n", type=int, default=1, help="samples per prompt (default 1)")
-    _sampling_args(p)
+    add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
 
     p = _engine_parser(sub, "chat", "interactive chat")
     p.add_argument("--system", default=None, help="system prompt")
-    _sampling_args(p, max_tokens=256)
+    add_sampling_args(p, max_tokens=256)
     p.set_defaults(func=cmd_chat)
 
     for register in _optional_commands(command):

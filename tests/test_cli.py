@@ -47,7 +47,7 @@ def _generate(model_dir: Path, *extra: str) -> list[str]:
     return [
         "generate", "hi", "--raw", "--model", str(model_dir), "--num-kv-blocks", "64",
         "--max-model-len", "128", "--num-threads", "1", "--max-tokens", "2", "--ignore-eos",
-        "--dtype", "float32", *extra,
+        "--dtype", "float32", "--temperature", "0", *extra,
     ]  # fmt: skip
 
 
@@ -58,6 +58,20 @@ def test_generate_prints_one_start_up_line_then_the_answer(model_dir: Path, caps
     assert STARTUP_LINE.match(err[0]), err[0]
     assert STARTUP_LINE.match(err[0])["model"] == Path(model_dir).name
     assert err[1].startswith("[kvserve] 2 tokens in ")
+
+
+def test_generate_samples_by_default_and_prints_its_seed(model_dir: Path, capsys) -> None:
+    """No --temperature: llama.cpp's sampling (the tiny model has no sampling defaults), the
+    seed on one stderr line between the start-up and speed lines."""
+    argv = _generate(model_dir)
+    at = argv.index("--temperature")
+    del argv[at : at + 2]
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 3, err
+    assert STARTUP_LINE.match(err[0]), err[0]
+    assert re.fullmatch(r"\[kvserve\] sampling seed \d+ \(--sampling-seed \d+ .*\)", err[1])
+    assert err[2].startswith("[kvserve] 2 tokens in ")
 
 
 def test_log_level_debug_shows_the_planner_detail(model_dir: Path, capsys) -> None:

@@ -16,11 +16,14 @@ import logging
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from kvserve.outputs import RequestOutput, merge_outputs
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured.spec import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from kvserve.models.generation_config import GenerationDefaults
 
 logger = logging.getLogger("kvserve.engine.async_engine")
 
@@ -88,6 +91,7 @@ class EngineLike(Protocol):
 
     model_path: str
     max_model_len: int
+    generation_defaults: GenerationDefaults  # the model's sampling defaults
 
     @property
     def arch(self) -> ArchLike: ...

@@ -26,10 +26,16 @@ ATTENTION_BACKEND_CHOICES = ("auto", "native", "torch_sdpa", "torch_ref", "trito
 # NOTE: help texts live beside the fields so `kvserve --help` documents the same names as
 # the Python API.
 _HELP: dict[str, str] = {
-    "model": "GGUF file or HF directory; default: the embedded SmolLM2-135M-Instruct GGUF",
+    "model": "GGUF file, HF directory, or Hugging Face Hub id (org/name; org/name:Q4_K_M for one "
+    "GGUF of a GGUF repository), fetched into the Hugging Face cache ($HF_HOME; "
+    "HF_HUB_OFFLINE=1: the cache only); default: the embedded SmolLM2-135M-Instruct GGUF",
     "dtype": "weight and activation dtype; auto: bfloat16 on a CPU with native bf16 (AMX or "
     "AVX512_BF16) where the kernel measurement finds it faster, else float32; on CUDA "
     "bfloat16 (float16 without bf16)",
+    "generation_config": "the model's sampling defaults (vLLM's flag): auto = its "
+    "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+    "max_new_tokens) or a GGUF's general.sampling.* keys; vllm = none; or a folder holding a "
+    "generation_config.json. A request's own values override them",
     "device": "torch device, e.g. cpu or cuda",
     "seed": "engine seed for unseeded sampling",
     "block_size": "tokens per KV block",
@@ -115,6 +121,7 @@ class EngineConfig:
 
     model: str | None = None
     dtype: str = "auto"
+    generation_config: str = "auto"
     device: str = "cpu"
     seed: int | None = 0  # None: a random seed (unseeded sampling not reproducible)
     block_size: int = 16
@@ -172,6 +179,13 @@ class EngineConfig:
             raise ValueError(
                 f"quantization={self.quantization!r} runs on CPU only (the int8-dot kernels); "
                 f"use quantization='none' or 'auto' (dense there) on {self.device!r}"
+            )
+        if self.generation_config not in ("auto", "vllm") and not os.path.isdir(
+            os.path.expanduser(self.generation_config)
+        ):
+            raise ValueError(
+                "generation_config must be 'auto', 'vllm' or a folder holding a "
+                f"generation_config.json, got {self.generation_config!r} (no such folder)"
             )
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(

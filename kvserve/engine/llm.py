@@ -46,7 +46,7 @@ class LLM:
         """
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params_list = _broadcast(sampling_params, len(prompt_list), "params")
         prio = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(prio) != len(prompt_list):
@@ -109,6 +109,12 @@ class LLM:
         for out, text in zip(outputs, texts, strict=True):
             out.prompt = text
         return outputs
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the model's sampling defaults (``--generation-config``:
+        its generation_config.json by default), what ``generate`` and ``chat`` use when given
+        none (vLLM's ``LLM.get_default_sampling_params``)."""
+        return SamplingParams(**self.engine.generation_defaults.values)
 
     def get_tokenizer(self) -> Tokenizer:
         """The engine's tokenizer (vLLM's ``LLM.get_tokenizer``)."""

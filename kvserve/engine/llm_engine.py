@@ -33,10 +33,12 @@ from kvserve.engine.startup import (
     load_engine_model,
     measure_gemm_scratch,
     resolve_max_model_len,
+    resolve_model_source,
     size_kv_pool,
     startup_line,
 )
 from kvserve.engine.step_guard import execute_isolated
+from kvserve.models.generation_config import load_generation_defaults
 from kvserve.outputs import RequestOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.runtime.kv_cache import kv_bytes_per_token
@@ -52,16 +54,19 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
         config = config.replace(**kwargs) if config else EngineConfig(**kwargs)
-        self.config = config
         t0 = time.perf_counter()
         # Start-up phases (kvserve/engine/startup.py), in order; each takes what the earlier
         # ones produced.
+        self.config = config = resolve_model_source(config)
         self.kernels = choose_kernels(config)
         self.config = config = config.replace(dtype=self.kernels.dtype_name)
         loaded = load_engine_model(config, self.kernels)
         self.kernels = loaded.kernels  # NOTE: quantized projections may revise an auto dtype
         self.config = config = config.replace(dtype=self.kernels.dtype_name)
         self.model_path, self.arch, self.tokenizer = loaded.path, loaded.arch, loaded.tokenizer
+        # The model's sampling defaults (--generation-config), for requests that leave a
+        # field out: the server, LLM.get_default_sampling_params and the CLI apply them.
+        self.generation_defaults = load_generation_defaults(config.generation_config, loaded.path)
         self.packed_weights_bytes = loaded.packed_weights_bytes
         self.quantization = loaded.quantization
         self.tp = loaded.tp  # the tensor-parallel executor (kvserve/distributed) or None
@@ -117,6 +122,8 @@ class LLMEngine:
         for line in rep.lines():
             logger.debug(line)
         logger.info(startup_line(self))
+        if self.generation_defaults.values:
+            logger.info(self.generation_defaults.describe())
 
     # ---- requests -------------------------------------------------------------------------
 

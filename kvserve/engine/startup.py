@@ -39,7 +39,7 @@ from kvserve.core.sched.step_budget import StepTimeBudget
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.memory_budget import MemoryReport, measure_kernel_scratch, plan_kv_blocks
 from kvserve.models.llama import LlamaForCausalLM
-from kvserve.models.loader import load_arch, load_model
+from kvserve.models.loader import load_arch, load_model, resolve_model
 from kvserve.models.quant_model import quantization_summary, quantized_nbytes, summary_line
 from kvserve.models.quant_select import quantized_projections
 from kvserve.runtime import autotune
@@ -91,6 +91,14 @@ def loads_quantized(config: EngineConfig) -> str:
 def tune_settings(config: EngineConfig) -> TuneSettings:
     """What kernel selection takes of the engine's options."""
     return TuneSettings(config.dtype, config.device, config.kernel_selection)
+
+
+def resolve_model_source(config: EngineConfig) -> EngineConfig:
+    """Before phase 0: ``config`` with its model as a local path (None: the embedded GGUF; a
+    Hugging Face Hub id: its snapshot in the Hugging Face cache, downloaded unless
+    ``HF_HUB_OFFLINE`` is set). NOTE: resolved once, so the later phases and the
+    tensor-parallel workers read local files and the Hub is asked once."""
+    return config.replace(model=resolve_model(config.model))
 
 
 def choose_kernels(config: EngineConfig) -> KernelChoice:

@@ -13,6 +13,7 @@ from kvserve.models.errors import ModelFileNotFoundError, ModelLoadError
 from kvserve.models.gguf_loader import gguf_arch_config, load_gguf
 from kvserve.models.gguf_reader import GGUF_MAGIC, read_gguf
 from kvserve.models.hf_loader import hf_arch_config, load_hf_dir, read_hf_config
+from kvserve.models.hub import hub_id_of_path, parse_hub_id, resolve_hub_model
 from kvserve.models.quant import (
     KERNEL_QTYPES,
     QUANTIZATION_CHOICES,
@@ -64,13 +65,24 @@ def resolve_model(path: str | None) -> str:
     """Turn a user's model argument into a GGUF file path or an HF directory path.
 
     None means the embedded model. A directory with config.json is an HF directory; a
-    directory without one must hold exactly one ``.gguf`` file, which is returned.
+    directory without one must hold exactly one ``.gguf`` file, which is returned. A name
+    that is no existing path but is spelled ``org/name`` (or ``org/name:QUANT``) is a Hugging
+    Face Hub id, resolved through the Hugging Face cache (``kvserve.models.hub``).
     """
     if path is None:
         return default_model_path()
-    path = os.path.abspath(os.path.expanduser(os.fspath(path)))
+    text = os.fspath(path)
+    path = os.path.abspath(os.path.expanduser(text))
     if not os.path.exists(path):
+        if parse_hub_id(text) is not None:
+            return _resolve_local(resolve_hub_model(text), text)
         raise ModelFileNotFoundError(f"{path}: no such model file or directory")
+    return _resolve_local(path, text)
+
+
+def _resolve_local(path: str, text: str) -> str:
+    """An existing file, an HF directory, or the one ``.gguf`` of a directory (``text``: the
+    name the user gave, for the errors)."""
     if os.path.isfile(path):
         return path
     if os.path.isfile(os.path.join(path, "config.json")):
@@ -78,12 +90,15 @@ def resolve_model(path: str | None) -> str:
     ggufs = sorted(n for n in os.listdir(path) if n.endswith(".gguf"))
     if len(ggufs) == 1:
         return os.path.join(path, ggufs[0])
+    hub_id = hub_id_of_path(path)
     if not ggufs:
+        hint = f"; for a GGUF repository name the quantization: {hub_id}:Q4_K_M" if hub_id else ""
         raise ModelFileNotFoundError(
-            f"{path}: neither config.json (an HF model directory) nor a .gguf file"
+            f"{path}: neither config.json (an HF model directory) nor a .gguf file{hint}"
         )
+    one = f"{hub_id}:QUANT, its quantization tag (e.g. Q4_K_M)" if hub_id else "one of them"
     raise ModelLoadError(
-        f"{path}: holds {len(ggufs)} .gguf files ({', '.join(ggufs)}); pass one of them"
+        f"{text}: {path} holds {len(ggufs)} .gguf files ({', '.join(ggufs)}); pass {one}"
     )
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvserve.models.hub import hub_id_of_path
 from kvserve.models.quant import QuantizedWeight
 
 # Projection name -> its HF weight names (rows stacked in this order).
@@ -171,9 +172,12 @@ def model_id(model_path: str | None, summary: Mapping[str, Any] | None = None) -
 
     A GGUF's own tag (``SmolLM2-135M-Instruct.Q4_1``) stays while its tensors run as stored
     (``auto``); weights dequantized at load (``none``) drop it, weights quantized at load to
-    a format (``q8_0``) carry that format's: ``SmolLM2-135M-Instruct.Q8_0``.
+    a format (``q8_0``) carry that format's: ``SmolLM2-135M-Instruct.Q8_0``. A snapshot
+    folder of the Hugging Face cache is named by its Hub id (``Qwen/Qwen2.5-0.5B-Instruct``),
+    as vLLM serves a model named by its Hub id.
     """
-    name = os.path.basename(str(model_path or "kvserve-model").rstrip("/\\"))
+    hub_id = hub_id_of_path(str(model_path)) if model_path else None
+    name = hub_id or os.path.basename(str(model_path or "kvserve-model").rstrip("/\\"))
     name = name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
     if summary is None:
         return name

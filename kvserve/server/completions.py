@@ -50,6 +50,11 @@ async def create_completion(
             param="max_tokens",
         )
     scoring = req.max_tokens == 0  # echo only: the prompt and its logprobs, nothing generated
+    max_tokens = req.max_tokens
+    model_max = ctx.sampling_defaults.get("max_tokens")
+    if "max_tokens" not in req.model_fields_set and model_max is not None:
+        # NOTE: OpenAI's default 16, capped by the model's max_new_tokens, as vLLM does.
+        max_tokens = min(max_tokens or model_max, model_max)
     texts, prompts = await off_engine(ctx, lambda: _completion_prompts(ctx, req))
     constraint, constraint_param = _completion_constraint(req)
     await check_constraint(ctx, constraint, constraint_param)
@@ -63,7 +68,7 @@ async def create_completion(
             req,
             # NOTE: echo with max_tokens 0 scores the prompt: one token is generated (the
             # engine samples after every prefill) and left out of the answer, as vLLM does.
-            resolve_max_tokens(ctx, len(ids), 1 if scoring else req.max_tokens, "max_tokens"),
+            resolve_max_tokens(ctx, len(ids), 1 if scoring else max_tokens, "max_tokens"),
             req.logprobs,
             constraint,
             prompt_lps,

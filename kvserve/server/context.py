@@ -7,7 +7,7 @@ import asyncio
 import functools
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends, Request
@@ -34,6 +34,9 @@ class ServingContext:
     vocab_size: int
     tokenizer: TokenizerLike
     max_total_tokens: int  # the longest request the KV pool runs, at most max_model_len
+    # The model's sampling defaults (--generation-config): SamplingParams field -> value, for
+    # the fields a request leaves out (else OpenAI's defaults).
+    sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
     chat_template: str | None = None  # --chat-template: replaces the model's template
     tool_call_parser: str = "hermes"  # --tool-call-parser
     # Compiles a structured-output constraint (ValueError if invalid); runs on a tokenizer
@@ -68,6 +71,7 @@ class ServingContext:
             vocab_size=int(engine.arch.vocab_size),
             tokenizer=engine.tokenizer,
             max_total_tokens=longest_request(max_model_len, kv),
+            sampling_defaults=dict(engine.generation_defaults.values),
             chat_template=chat_template,
             tool_call_parser=tool_call_parser,
             validate_constraint=structured.validate if structured is not None else None,

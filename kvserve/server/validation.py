@@ -41,9 +41,11 @@ def resolve_max_tokens(
     ctx: ServingContext, num_prompt_tokens: int, max_tokens: int | None, param: str
 ) -> int:
     """``max_tokens`` checked against the context (None: as many as the context and the KV
-    pool leave)."""
+    pool leave, at most the model's ``max_new_tokens`` default, as vLLM caps it)."""
     if max_tokens is None:
-        return max(1, ctx.max_total_tokens - num_prompt_tokens)
+        room = max(1, ctx.max_total_tokens - num_prompt_tokens)
+        default = ctx.sampling_defaults.get("max_tokens")
+        return room if default is None else min(room, default)
     if num_prompt_tokens + max_tokens > ctx.max_model_len:
         raise APIError(
             f"{param}={max_tokens} plus the prompt's {num_prompt_tokens} tokens exceeds this "
@@ -106,13 +108,19 @@ def sampling_params(
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
     if stop is not None and any(not s for s in stop):
         raise APIError("stop strings must be non-empty", param="stop")
+
+    def pick(name: str, openai_default: float) -> float:
+        """The request's value, else the model's default, else OpenAI's (vLLM's order)."""
+        value = getattr(req, name) if name in req.model_fields_set else None
+        return value if value is not None else ctx.sampling_defaults.get(name, openai_default)
+
     try:
         return SamplingParams(
             n=req.n,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=-1 if req.top_k is None else req.top_k,
-            min_p=0.0 if req.min_p is None else req.min_p,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=int(pick("top_k", -1)),
+            min_p=pick("min_p", 0.0),
             seed=req.seed,
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
@@ -120,7 +128,7 @@ def sampling_params(
             stop_token_ids=req.stop_token_ids,
             include_stop_str_in_output=req.include_stop_str_in_output,
             ignore_eos=req.ignore_eos,
-            repetition_penalty=req.repetition_penalty,
+            repetition_penalty=pick("repetition_penalty", 1.0),
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
             logprobs=logprobs,

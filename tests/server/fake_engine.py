@@ -12,6 +12,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from kvserve.core.outputs import Logprob
+from kvserve.models.generation_config import GenerationDefaults
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -90,6 +91,7 @@ class FakeEngine:
         self.arch = SimpleNamespace(vocab_size=VOCAB_SIZE)
         self.tokenizer = FakeTokenizer()
         self.model_path = "/models/fake-model.gguf"
+        self.generation_defaults = GenerationDefaults()  # no generation_config.json
         self.quantization: dict[str, object] | None = None  # no quantized weights
         self.step_seconds = step_seconds
         self.requests: dict[str, _Req] = {}

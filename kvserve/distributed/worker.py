@@ -47,6 +47,17 @@ class NoSampler:
         """Placeholders, never read (the driver uses rank 0's tokens)."""
         return [0] * len(reqs), [None] * len(reqs)
 
+    def sample_greedy_checked(
+        self, logits: torch.Tensor, reqs: list[ScheduledRequest], token_bitmask: object = None
+    ) -> tuple[list[int], list[LogprobsEntry | None], list[int]]:
+        """The guard's fast path (``Sampler.sample_greedy_checked``): placeholders, no bad row.
+
+        NOTE: without it the sampling guard caught an AttributeError on every step of every
+        worker and logged "the greedy fast path raised" each time. ``logits`` is [N, 0] here
+        (rank 0 alone gathers the vocabulary): there is nothing to check.
+        """
+        return [0] * len(reqs), [None] * len(reqs), []
+
 
 def build_rank_model(
     config: EngineConfig, spec: ShardSpec, group: TPGroup, state_dict: dict[str, Any]

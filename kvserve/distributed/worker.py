@@ -142,9 +142,20 @@ def _td(seconds: float):  # noqa: ANN202 - datetime.timedelta
 
 
 def mp_worker_main(
-    rank: int, world_size: int, init_method: str, config: EngineConfig, timeout_s: float
+    rank: int,
+    world_size: int,
+    init_method: str,
+    config: EngineConfig,
+    timeout_s: float,
+    started: Any = None,
 ) -> None:
-    """torch.multiprocessing entry point (dies with the driver: SIGTERM on parent exit)."""
+    """torch.multiprocessing entry point (dies with the driver: SIGTERM on parent exit).
+
+    ``started``: the pipe end on which it tells the driver that it got past importing the
+    main module (``spawn_check.wait_workers_started``)."""
+    if started is not None:
+        started.send(rank)
+        started.close()
     if sys.platform.startswith("linux"):
         import ctypes
         import signal

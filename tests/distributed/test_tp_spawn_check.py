@@ -4,13 +4,21 @@ wait out the 600 s rendezvous: "1/3 clients joined")."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvserve.distributed.sharding import OVERSUBSCRIBE_ENV
-from kvserve.distributed.spawn_check import importing_main_in_spawned_process
+from kvserve.distributed.spawn_check import (
+    UNGUARDED_MAIN_EXIT,
+    importing_main_in_spawned_process,
+    wait_workers_started,
+)
 from tests.tiny_models import make_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -19,6 +27,20 @@ GUARD = 'under `if __name__ == "__main__":`'
 
 def test_not_importing_main_here() -> None:
     assert not importing_main_in_spawned_process()
+
+
+@pytest.mark.parametrize(
+    ("code", "message"),
+    [(3, "worker w exited with code 3 before it started"), (UNGUARDED_MAIN_EXIT, GUARD)],
+)
+def test_worker_exit_before_start_raises_at_once(code: int, message: str) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=os._exit, args=(code,), name="w")  # never signals
+    proc.start()
+    writer.close()
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        wait_workers_started([proc], [reader], timeout_s=300)
 
 
 def test_unguarded_script_fails_at_once_naming_the_guard(tmp_path: Path) -> None:

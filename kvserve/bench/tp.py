@@ -34,14 +34,31 @@ class RecordingSampler:
         self.inner = inner
         self.vocab_size: int = inner.vocab_size
         self.logits: dict[tuple[str, int], torch.Tensor] = {}
+        self.fast_path_rows = 0  # rows the greedy fast path sampled
+
+    def _record(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> None:
+        for row, req in zip(logits, reqs, strict=True):
+            self.logits[(req.request_id, len(req.output_token_ids))] = row.detach().clone()
 
     def sample(
         self, logits: torch.Tensor, reqs: list[ScheduledRequest], token_bitmask: Any = None
     ) -> Any:
         """Record each row, then sample as the wrapped sampler does."""
-        for row, req in zip(logits, reqs, strict=True):
-            self.logits[(req.request_id, len(req.output_token_ids))] = row.detach().clone()
+        self._record(logits, reqs)
         return self.inner.sample(logits, reqs, token_bitmask)
+
+    def sample_greedy_checked(
+        self, logits: torch.Tensor, reqs: list[ScheduledRequest], token_bitmask: Any = None
+    ) -> Any:
+        """The wrapped sampler's greedy fast path; records the rows it sampled.
+
+        NOTE: without it the guard fell back to ``sample`` on every step (an AttributeError),
+        so the runs compared and timed here were not the engine's own path."""
+        out = self.inner.sample_greedy_checked(logits, reqs, token_bitmask)
+        if out is not None:
+            self._record(logits, reqs)
+            self.fast_path_rows += len(reqs)
+        return out
 
 
 @dataclass
@@ -55,6 +72,7 @@ class RunResult:
     decode_step_s: float = 0.0  # median execute time of pure-decode steps
     all_reduce_share: float = 0.0  # rank 0: collective seconds / execute seconds
     startup_s: float = 0.0
+    fast_path_rows: int = 0  # rank 0: rows sampled by the greedy fast path
 
 
 def prompts_5_to_600(seed: int, vocab: int, num: int = 6, num_short: int = 0) -> list[list[int]]:
@@ -103,6 +121,7 @@ def run_engine(
             decode_step_s=statistics.median(decode) if decode else float("nan"),
             all_reduce_share=coll / total_exec if total_exec else 0.0,
             startup_s=startup,
+            fast_path_rows=rec.fast_path_rows,
         )
     finally:
         if engine.tp is not None:

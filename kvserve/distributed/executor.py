@@ -29,6 +29,7 @@ from kvserve.config import ModelArchConfig
 from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvserve.distributed.comm import TPCollectiveError, TPGroup, tp_timeout_s
 from kvserve.distributed.sharding import ShardSpec, validate_tp
+from kvserve.distributed.spawn_check import wait_workers_started
 from kvserve.distributed.worker import (
     STARTUP_TIMEOUT_S,
     build_rank_model,
@@ -106,15 +107,26 @@ class TensorParallelExecutor:
         else:
             init_method = f"tcp://127.0.0.1:{_free_port()}"
             ctx = torch.multiprocessing.get_context("spawn")
+            readers = []
             for rank in range(1, n):
+                reader, writer = ctx.Pipe(duplex=False)
                 p = ctx.Process(
                     target=mp_worker_main,
-                    args=(rank, n, init_method, config, timeout),
+                    args=(rank, n, init_method, config, timeout, writer),
                     daemon=True,
                     name=f"kvserve-tp-{rank}",
                 )
                 p.start()
+                writer.close()  # NOTE: the worker's copy alone: its exit closes the pipe
                 procs.append(p)
+                readers.append(reader)
+            try:
+                # NOTE: a worker that dies while importing the main module (a script without
+                # the __main__ guard) fails here at once, not after the 600 s rendezvous.
+                wait_workers_started(procs, readers, STARTUP_TIMEOUT_S)
+            except BaseException:
+                _stop(procs, actors)
+                raise
         try:
             group = TPGroup.init(0, n, init_method, config.device, STARTUP_TIMEOUT_S)
         except BaseException:

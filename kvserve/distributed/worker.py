@@ -47,6 +47,17 @@ class NoSampler:
         """Placeholders, never read (the driver uses rank 0's tokens)."""
         return [0] * len(reqs), [None] * len(reqs)
 
+    def sample_greedy_checked(
+        self, logits: torch.Tensor, reqs: list[ScheduledRequest], token_bitmask: object = None
+    ) -> tuple[list[int], list[LogprobsEntry | None], list[int]]:
+        """The guard's fast path (``Sampler.sample_greedy_checked``): placeholders, no bad row.
+
+        NOTE: without it the sampling guard caught an AttributeError on every step of every
+        worker and logged "the greedy fast path raised" each time. ``logits`` is [N, 0] here
+        (rank 0 alone gathers the vocabulary): there is nothing to check.
+        """
+        return [0] * len(reqs), [None] * len(reqs), []
+
 
 def build_rank_model(
     config: EngineConfig, spec: ShardSpec, group: TPGroup, state_dict: dict[str, Any]
@@ -131,9 +142,20 @@ def _td(seconds: float):  # noqa: ANN202 - datetime.timedelta
 
 
 def mp_worker_main(
-    rank: int, world_size: int, init_method: str, config: EngineConfig, timeout_s: float
+    rank: int,
+    world_size: int,
+    init_method: str,
+    config: EngineConfig,
+    timeout_s: float,
+    started: Any = None,
 ) -> None:
-    """torch.multiprocessing entry point (dies with the driver: SIGTERM on parent exit)."""
+    """torch.multiprocessing entry point (dies with the driver: SIGTERM on parent exit).
+
+    ``started``: the pipe end on which it tells the driver that it got past importing the
+    main module (``spawn_check.wait_workers_started``)."""
+    if started is not None:
+        started.send(rank)
+        started.close()
     if sys.platform.startswith("linux"):
         import ctypes
         import signal

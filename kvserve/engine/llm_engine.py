@@ -19,6 +19,7 @@ from kvserve.core.outputs import LogprobsEntry
 from kvserve.core.sched.step_cost import chunk_pairs
 from kvserve.core.sched.stop_checks import is_stop_token
 from kvserve.detokenizer import IncrementalDetokenizer
+from kvserve.distributed.spawn_check import refuse_tp_engine_while_importing_main
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.failures import RequestFailures, fail_group
 from kvserve.engine.inputs import check_constraints, tokenize_prompt
@@ -54,6 +55,9 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
         config = config.replace(**kwargs) if config else EngineConfig(**kwargs)
+        # NOTE: a spawned TP worker re-importing a script that builds the engine at top level
+        # exits here, before any weight is read; the driver then names the fix.
+        refuse_tp_engine_while_importing_main(config.tensor_parallel_size)
         t0 = time.perf_counter()
         # Start-up phases (kvserve/engine/startup.py), in order; each takes what the earlier
         # ones produced.

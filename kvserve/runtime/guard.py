@@ -59,8 +59,12 @@ def sample_guarded(
         # NOTE: the common all-greedy batch: the argmax finds the non-finite rows in its own
         # pass over the logits (one cold read of them instead of two).
         greedy = sampler.sample_greedy_checked(logits, reqs, bitmask)
-    except Exception:  # noqa: BLE001 - the general path below checks and isolates
-        logger.warning("the greedy fast path raised on %d rows; sampling them in turn", len(reqs))
+    except Exception as e:  # noqa: BLE001 - the general path below checks and isolates
+        # NOTE: the exception is named: a fast path that raises on every step (a sampler
+        # without the method, as tensor-parallel workers had) must not pass for a bad row.
+        logger.warning(
+            "the greedy fast path raised %r on %d rows; sampling them in turn", e, len(reqs)
+        )
         greedy = None
     bad = set(greedy[2] if greedy is not None else nonfinite_rows(logits, vocab))
     rows = [i for i in range(len(reqs)) if i not in bad]

@@ -4,10 +4,18 @@ tokens identical except near-ties; prefix cache and preemption on (the driver's 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvserve.distributed.sharding import OVERSUBSCRIBE_ENV
+from kvserve.distributed.worker import NoSampler
+from kvserve.runtime import native
+from kvserve.runtime.guard import sample_guarded
+from kvserve.sampling_params import SamplingParams
 from tests.distributed.tp_testutil import compare, prompts_5_to_600, run_engine
+from tests.runtime.sampler_helpers import make_req
 from tests.tiny_models import embedded_gguf_path, make_tiny_model
+
+FALLBACK = "greedy fast path raised"  # runtime/guard.py's warning when the fast path raises
 
 # NOTE: fp32 both ways; the row-parallel all-reduce and the vocab-parallel embedding only
 # change summation order. Tiny model (2 layers, logits ~1e-1): observed ~1e-7.
@@ -22,12 +30,32 @@ def _oversubscribe(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(OVERSUBSCRIBE_ENV, "1")  # 2- and 3-rank groups on a 2-core CI box
 
 
-def test_tp2_tiny_qwen2_matches_one_process(tmp_path) -> None:  # noqa: ANN001
+def test_worker_sampler_takes_the_greedy_fast_path(caplog: pytest.LogCaptureFixture) -> None:
+    # A worker's logits are [N, 0] (rank 0 alone gathers the vocabulary).
+    reqs = [make_req(f"r{i}", SamplingParams(temperature=0.0)) for i in range(3)]
+    with caplog.at_level("WARNING", logger="kvserve.guard"):
+        ids, logprobs, failed = sample_guarded(NoSampler(64), torch.empty(3, 0), reqs)
+    assert FALLBACK not in caplog.text
+    assert (sorted(ids), logprobs, failed) == (["r0", "r1", "r2"], {}, {})
+
+
+def test_tp2_tiny_qwen2_matches_one_process(
+    tmp_path,  # noqa: ANN001
+    capfd: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     model = str(make_tiny_model(tmp_path, "qwen2", num_hidden_layers=2))  # q/k/v biases
     prompts = prompts_5_to_600(0, 49152, num_short=10)
     kw = {"num_kv_blocks": 56, "max_num_batched_tokens": 256, "block_size": 16}
     one = run_engine(model, 1, prompts, 48, **kw)
     two = run_engine(model, 2, prompts, 48, **kw)
+    # The greedy fast path ran on every rank: no fallback warning from rank 0 (caplog) or
+    # from the worker (its warnings reach the inherited stderr: capfd), and on rank 0 it
+    # sampled every row (where the native argmax loads; else the guard's general path).
+    assert FALLBACK not in caplog.text + capfd.readouterr().err
+    if native.available():
+        generated = sum(len(t) for t in two.tokens.values())
+        assert two.fast_path_rows == one.fast_path_rows == generated > 0
     assert one.num_preemptions > 0 and one.prefix_hit_rate > 0  # the paths under test ran
     assert (two.num_preemptions, two.prefix_hit_rate) == (one.num_preemptions, one.prefix_hit_rate)
     c = compare(one, two, TINY_TOL)

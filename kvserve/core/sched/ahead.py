@@ -23,8 +23,8 @@ Rules that keep the outputs those of synchronous scheduling:
   the step ahead, and a step that preempts admits nobody; guarded anyway).
 - A preempted (or swapped-out) request still gets the token its in-flight step sampled, as
   it would have before the preemption in a synchronous run.
-- A request whose in-flight token surely ends it (``max_tokens``, ``max_model_len``) is
-  not scheduled ahead.
+- A request whose in-flight token surely ends it (``max_tokens``, ``max_model_len``, the
+  pool) is not scheduled ahead.
 - A step in which a request forks its n > 1 samples is not scheduled ahead of
   (``can_schedule_ahead``): the forks take the parent's table as it is after that step.
 
@@ -35,9 +35,13 @@ The engine side (the forward on its own thread, structured output, faults) is in
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from kvserve.core.outputs import PLACEHOLDER_TOKEN_ID, SchedulerOutput
 from kvserve.request import Request
+
+if TYPE_CHECKING:
+    from kvserve.core.kv.kv_cache_manager import KVCacheManager
 
 
 def remaining_tokens(request: Request) -> int:
@@ -55,16 +59,18 @@ def commit_scheduled(requests: Mapping[str, Request], sched: SchedulerOutput) ->
             request.num_output_placeholders += 1
 
 
-def ends_with_placeholder(request: Request, max_model_len: int) -> bool:
-    """Whether the token the request is waiting for surely ends it by length (``max_tokens``
-    or ``max_model_len``): then nothing is scheduled for it ahead."""
+def ends_with_placeholder(request: Request, max_model_len: int, kv: KVCacheManager) -> bool:
+    """Whether the token the request is waiting for surely ends it by length (``max_tokens``,
+    ``max_model_len``, or a next token that needs more blocks than the pool: the length
+    rules of ``stop_checks.check_stop``): then nothing is scheduled for it ahead."""
     if not request.num_output_placeholders:
         return False
     max_tokens = request.sampling_params.max_tokens
     num_output = request.num_output_tokens + request.num_output_placeholders
     if max_tokens is not None and num_output >= max_tokens:
         return True
-    return request.num_tokens + request.num_output_placeholders >= max_model_len
+    num_tokens = request.num_tokens + request.num_output_placeholders
+    return num_tokens >= max_model_len or kv.max_live_blocks(num_tokens) > kv.num_blocks
 
 
 def take_sampled(request: Request) -> None:

@@ -221,7 +221,7 @@ class Scheduler:
             remaining = ahead.remaining_tokens(request)
             if (remaining == 1) != decodes:
                 continue
-            if ahead.ends_with_placeholder(request, self.config.max_model_len):
+            if ahead.ends_with_placeholder(request, self.config.max_model_len, self.kv):
                 continue  # async scheduling: its in-flight token ends it
             num_new = step.chunk(request, remaining)
             if num_new and self._allocate_or_preempt(request, num_new, step):

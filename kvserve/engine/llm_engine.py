@@ -261,9 +261,11 @@ class LLMEngine:
         if self._inflight is None:
             self._launch(self._plan())
         current = self._inflight
-        assert current is not None and current.future is not None
+        if current is None or current.future is None:
+            raise RuntimeError("async scheduling: no step was launched")
         ahead = None
-        if can_schedule_ahead(self.scheduler.requests, current.sched):
+        requests = self.scheduler.requests
+        if requests and can_schedule_ahead(requests, current.sched):
             # NOTE: pure Python while the forward thread runs torch (which drops the GIL).
             ahead = self._plan()
         runner_out = current.future.result()
@@ -274,7 +276,8 @@ class LLMEngine:
 
     def _launch(self, planned: PlannedStep) -> None:
         """Prepare ``planned``'s grammar bitmask and start its forward on the forward thread."""
-        assert self.forward_thread is not None
+        if self.forward_thread is None:
+            raise RuntimeError("_launch needs async_scheduling")
         sched = planned.sched
         sched.finished_req_ids |= self._carried_finished
         self._carried_finished = set()

@@ -106,8 +106,8 @@ _HELP: dict[str, str] = {
     "start-up and replayed); on CPU there are none and it changes nothing",
     "async_scheduling": "schedule step N+1 while step N's forward runs on a thread of its "
     "own, assuming one new token per running request (vLLM's --async-scheduling); outputs "
-    "are those of synchronous scheduling; off by default: on the 2-core CPU it was measured "
-    "on it did not pay (docs/scheduling.md)",
+    "are those of synchronous scheduling; off by default: no gain was measured on a 2-core "
+    "CPU (docs/scheduling.md)",
     "kernel_selection": "projection kernels: auto (measured at start-up, cached under "
     "~/.cache/kvserve), measure (measure again) or off (torch.mm everywhere)",
 }

@@ -5,7 +5,8 @@ overlaps a step's forward pass with the engine's own work: the forward of step N
 the ``ForwardThread`` while the calling thread schedules step N+1 (``core/sched/ahead.py``:
 one placeholder token per sampling request), then, once step N's tokens are in, applies
 them, resolves step N+1's placeholders, launches it, and detokenizes step N's tokens and
-builds its outputs while step N+1 runs.
+builds its outputs while step N+1 runs. A step's input tensors are built on the forward
+thread, as the first part of its ``execute``.
 
 NOTE: every torch call of such an engine runs on the forward thread, its start-up included.
 libgomp keeps one pool of helper threads per thread that starts a parallel region, and once

@@ -15,6 +15,7 @@ import pytest
 
 from kvserve.engine.fault_injection import REQUEST_FAULT_MARKER, install
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured.spec import StructuredOutputsParams
 from tests.e2e.prompts import QUESTIONS, SYSTEM
 from tests.tiny_models import make_tiny_model
 
@@ -133,3 +134,22 @@ def test_a_request_failing_on_its_own_fault(llms) -> None:  # type: ignore[no-un
             llm.engine.runner.execute = execute
     assert results[0] == results[1]
     assert [ok for ok, _ in results[1]] == [True, False, True]
+
+
+def test_structured_outputs_match(llms) -> None:  # type: ignore[no-untyped-def]
+    """A constrained request's next bitmask needs its last token: it is computed once that
+    token is in, before the step scheduled ahead runs."""
+    sync, asyn = llms
+    prompts = _prompts(sync.tokenizer, QUESTIONS[:4])
+    constraints = [
+        StructuredOutputsParams(regex=r"[a-z]{3,8}( [0-9]{1,3}){2}"),
+        StructuredOutputsParams(choice=["yes", "no", "maybe not"]),
+        StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}}),
+        None,
+    ]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=c) for c in constraints
+    ]
+    expected = _run(sync, prompts, params)
+    assert _run(asyn, prompts, params) == expected
+    assert expected[1][1][0][1] in ("yes", "no", "maybe not")

@@ -94,6 +94,9 @@ class SchedulerConfig:
     scheduling_policy: SchedulingPolicy = "fcfs"
     # Seats one n > 1 request's samples take at once while others wait; None: max_running // 2.
     max_seats_per_request: int | None = None
+    # Async scheduling (vLLM's ``async_scheduling``): schedule() may run while the previous
+    # step's forward is in flight, counting one placeholder token per sampling request.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         _pos("max_num_seqs", self.max_num_seqs)

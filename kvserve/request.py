@@ -54,6 +54,11 @@ class Request:
     sample_index: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Async scheduling (``SchedulerConfig.async_scheduling``): tokens a scheduled step will
+    # sample that are not known yet. The scheduler counts them in ``num_computed_tokens``'s
+    # target (one token each, as vLLM's ``num_output_placeholders``); they are not in
+    # ``output_token_ids`` (nor in ``num_tokens``) until ``update_from_output`` brings them.
+    num_output_placeholders: int = 0
     # Of num_computed_tokens, those it got without computing them since it was last admitted:
     # a prefix-cache hit (device or host tier), or the prompt a forked sample shares with its
     # parent. A recompute preemption counts only the rest as wasted work.

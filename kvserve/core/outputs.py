@@ -10,6 +10,11 @@ from typing import Any
 
 from kvserve.sampling_params import SamplingParams
 
+# Async scheduling: the input token of a decode scheduled before the step that samples it has
+# run. ``Scheduler.resolve_ahead`` replaces it by the sampled token before the step runs; the
+# runner never sees it.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 @dataclass(slots=True)
 class ScheduledRequest:

@@ -110,6 +110,10 @@ _HELP: dict[str, str] = {
     "enforce_eager": "run every step eagerly: no CUDA graphs (by default, on CUDA with the "
     "triton attention backend, pure-decode steps are captured per batch-size bucket at "
     "start-up and replayed); on CPU there are none and it changes nothing",
+    "async_scheduling": "schedule step N+1 while step N's forward runs on a thread of its "
+    "own, assuming one new token per running request (vLLM's --async-scheduling); outputs "
+    "are those of synchronous scheduling; off by default: no gain was measured on a 2-core "
+    "CPU (docs/scheduling.md)",
     "kernel_selection": "projection kernels: auto (measured at start-up, cached under "
     "~/.cache/kvserve), measure (measure again) or off (torch.mm everywhere)",
 }
@@ -161,6 +165,7 @@ class EngineConfig:
     kernel_selection: str = "auto"
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         _check_field_types(self)
@@ -206,6 +211,11 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend={self.attention_backend!r} needs tensor_parallel_size 1 "
                 "(tensor-parallel workers run the default backend)"
+            )
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "async_scheduling needs tensor_parallel_size 1 (tensor-parallel steps are "
+                "broadcast to the workers from the engine thread)"
             )
         if not 0 < self.kv_cache_memory_fraction < 1:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1)")
@@ -281,6 +291,7 @@ class EngineConfig:
             resume_watermark=self.resume_watermark,
             scheduling_policy=self.scheduling_policy,  # type: ignore[arg-type]
             max_seats_per_request=self.max_seats_per_request,
+            async_scheduling=self.async_scheduling,
         )
 
     def replace(self, **changes: Any) -> EngineConfig:

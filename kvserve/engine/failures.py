@@ -55,13 +55,19 @@ class RequestFailures:
         self.num_blamed_steps = 0  # steps in a row in which every request failed
 
     def fail_faulted(
-        self, sched: SchedulerOutput, faults: dict[str, str]
+        self,
+        sched: SchedulerOutput,
+        faults: dict[str, str],
+        ahead: SchedulerOutput | None = None,
     ) -> dict[str, RequestGroup]:
         """Fail every request (all samples of its group) named in ``faults``; returns them.
 
         Their blocks that this step should have written leave the prefix cache, then every
         block they hold is freed. MAX_ALL_FAILED_STEPS steps in a row in which every request
-        failed mean the fault is not theirs: StepFault.
+        failed mean the fault is not theirs: StepFault. ``ahead`` (async scheduling): the
+        step already scheduled after this one; its requests that read the unwritten KV fail
+        too, and the failed requests' work in it is dropped (``resolve_ahead``), so their
+        blocks from it leave the prefix cache as well.
         """
         if not faults:
             self.num_blamed_steps = 0
@@ -75,16 +81,22 @@ class RequestFailures:
                 )
         else:
             self.num_blamed_steps = 0
-        start = {sr.request_id: sr.start_pos for sr in sched.scheduled}
+        steps = [sched] if ahead is None else [sched, ahead]
+        unwritten = self._unwritten_blocks(sched, faults)
         # NOTE: after the blame count: they fail for the faulted ones, not on their own.
-        faults = {**faults, **self.readers_of_unwritten_kv(start, faults)}
+        for step in steps:
+            start = {sr.request_id: sr.start_pos for sr in step.scheduled}
+            faults = {**faults, **self._readers(start, unwritten, faults)}
         forget = getattr(self.kv_cache_manager, "forget_unwritten", None)
         out: dict[str, RequestGroup] = {}
         for rid, reason in faults.items():
             logger.warning("request %s failed: %s", rid, reason)
             req = self.scheduler.get_request(rid)
-            if req is not None and forget is not None and rid in start:
-                forget(req, start[rid])
+            first = next(
+                (sr for step in steps for sr in step.scheduled if sr.request_id == rid), None
+            )
+            if req is not None and forget is not None and first is not None:
+                forget(req, first.start_pos, first.block_ids)
             group = self.group_of(rid)
             if group is None:  # not the engine's own (a test's scheduler-level request)
                 self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
@@ -94,23 +106,32 @@ class RequestFailures:
         self.num_failed_requests += len(out)
         return out
 
-    def readers_of_unwritten_kv(
-        self, start: dict[str, int], faults: dict[str, str]
-    ) -> dict[str, str]:
-        """The step's other requests (``start``: each one's first position computed in the
-        step) whose prefix hit took blocks a faulted request was writing in this step: their
-        forward read KV that was never written, so they fail too.
+    def _unwritten_blocks(self, sched: SchedulerOutput, faults: dict[str, str]) -> dict[int, str]:
+        """Block id -> the faulted request that was writing it in ``sched``: its blocks from
+        its first position in the step on, in its table now and in the step's table."""
+        bs = self.kv_cache_manager.block_size
+        unwritten: dict[int, str] = {}
+        for sr in sched.scheduled:
+            if sr.request_id in faults:
+                first = sr.start_pos // bs
+                live = self.kv_cache_manager.get_block_ids(sr.request_id)[first:]
+                for bid in (*live, *sr.block_ids[first:]):
+                    unwritten.setdefault(bid, sr.request_id)
+        return unwritten
 
-        NOTE: failing them is the honest outcome the step allows: their sampled tokens came
+    def _readers(
+        self, start: dict[str, int], unwritten: dict[int, str], faults: dict[str, str]
+    ) -> dict[str, str]:
+        """The requests of a step (``start``: each one's first position computed in it) not
+        in ``faults`` whose table holds an ``unwritten`` block among the positions before it:
+        their prefix hit took blocks a faulted request was writing, so their forward reads
+        KV that was never written and they fail too.
+
+        NOTE: failing them is the honest outcome the step allows: their sampled tokens come
         from garbage, and the blocks they matched will never hold the right KV. (A prefix
         hit on blocks computed in an earlier step is unaffected.)
         """
         bs = self.kv_cache_manager.block_size
-        unwritten: dict[int, str] = {}
-        for rid in faults:
-            if rid in start:
-                for bid in self.kv_cache_manager.get_block_ids(rid)[start[rid] // bs :]:
-                    unwritten.setdefault(bid, rid)
         readers = {}
         for rid, first in start.items():
             if rid in faults:

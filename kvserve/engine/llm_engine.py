@@ -1,6 +1,8 @@
 """LLMEngine: ties the scheduler (core/) to the model runner (runtime/) and the tokenizer.
 
-One ``step()`` = schedule -> execute -> update -> detokenize; see docs/DESIGN.md.
+One ``step()`` = schedule -> execute -> update -> detokenize; see docs/DESIGN.md. With
+``async_scheduling`` the forward runs on a thread of its own while the next step is scheduled
+(``pipeline.py``, ``core/sched/ahead.py``).
 Start-up is a sequence of named phases: ``engine/startup.py``. Beside this file: the checks of
 what ``add_request`` is given (``inputs.py``), each request's samples and the outputs built
 from them (``request_state.py``), and failing requests for faults of their own
@@ -15,7 +17,8 @@ import time
 from typing import Any
 
 from kvserve.core.kv.metrics import HostTransferStats
-from kvserve.core.outputs import LogprobsEntry
+from kvserve.core.outputs import LogprobsEntry, ModelRunnerOutput
+from kvserve.core.sched.ahead import can_schedule_ahead, resolve_ahead
 from kvserve.core.sched.step_cost import chunk_pairs
 from kvserve.core.sched.stop_checks import is_stop_token
 from kvserve.detokenizer import IncrementalDetokenizer
@@ -25,6 +28,7 @@ from kvserve.engine.failures import RequestFailures, fail_group
 from kvserve.engine.inputs import check_constraints, tokenize_prompt
 from kvserve.engine.memory_budget import MemoryReport, measure_growth, plan_step_activations
 from kvserve.engine.metrics import LatencyStats
+from kvserve.engine.pipeline import ForwardThread, PlannedStep, has_work
 from kvserve.engine.request_state import RequestGroup, SampleState, make_output
 from kvserve.engine.startup import (
     build_kv_cache_manager,
@@ -58,6 +62,22 @@ class LLMEngine:
         # NOTE: a spawned TP worker re-importing a script that builds the engine at top level
         # exits here, before any weight is read; the driver then names the fix.
         refuse_tp_engine_while_importing_main(config.tensor_parallel_size)
+        self.config = config
+        self._inflight: PlannedStep | None = None  # async scheduling: the step running now
+        self._carried_finished: set[str] = set()  # finished ids of a step ahead left empty
+        # NOTE: async scheduling runs all torch work, start-up included, on one thread.
+        self.forward_thread = ForwardThread() if config.async_scheduling else None
+        if self.forward_thread is None:
+            self._start_up(config)
+            return
+        try:
+            self.forward_thread.call(lambda: self._start_up(config))
+        except BaseException:
+            self.forward_thread.close()
+            raise
+
+    def _start_up(self, config: EngineConfig) -> None:
+        """The start-up phases (``engine/startup.py``), in order."""
         t0 = time.perf_counter()
         # Start-up phases (kvserve/engine/startup.py), in order; each takes what the earlier
         # ones produced.
@@ -210,9 +230,11 @@ class LLMEngine:
         ids = [s.request.request_id for s in group.samples if not s.request.is_finished]
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         self._finish_group(group)
+        self._settle_if_idle()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """True while a request is unfinished (or, async scheduling, a step is running)."""
+        return self.scheduler.has_unfinished_requests() or self._inflight is not None
 
     @property
     def num_failed_requests(self) -> int:
@@ -229,20 +251,91 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler iteration; returns outputs of requests that changed."""
+        if self.forward_thread is not None:
+            return self._step_async()
         t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
-        grammar_faults = self.structured.prepare(sched, self.scheduler.get_request)
+        planned = self._plan()
+        planned.grammar_faults = self.structured.prepare(planned.sched, self.scheduler.get_request)
         # NOTE: requests whose own work fails (a raise isolated by bisection, non-finite
         # logits, a bad draw) come back in runner_out.failed; a fault no request can be
         # blamed for raises StepFault and stops the engine.
-        runner_out = execute_isolated(self.runner.execute, sched)
-        failed = self.failures.fail_faulted(sched, runner_out.failed)
+        runner_out = execute_isolated(self.runner.execute, planned.sched)
+        return self._apply_step(planned, runner_out, t0)
+
+    def _plan(self) -> PlannedStep:
+        sched = self.scheduler.schedule()
+        return PlannedStep(sched, self.scheduler.last_step.schedule_time_s)
+
+    def _step_async(self) -> list[RequestOutput]:
+        """One step under async scheduling (``pipeline.py``): schedule the next step while
+        this one's forward runs, apply this one, launch the next, then detokenize."""
+        t0 = time.perf_counter()
+        if self._inflight is None:
+            self._launch(self._plan())
+        current = self._inflight
+        if current is None or current.future is None:
+            raise RuntimeError("async scheduling: no step was launched")
+        ahead = None
+        requests = self.scheduler.requests
+        if requests and can_schedule_ahead(requests, current.sched):
+            # NOTE: pure Python while the forward thread runs torch (which drops the GIL).
+            ahead = self._plan()
+        runner_out = current.future.result()
+        self._inflight = None
+        outputs = self._apply_step(current, runner_out, t0, ahead)
+        self._settle_if_idle()
+        return outputs
+
+    def _launch(self, planned: PlannedStep) -> None:
+        """Prepare ``planned``'s grammar bitmask and start its forward on the forward thread."""
+        if self.forward_thread is None:
+            raise RuntimeError("_launch needs async_scheduling")
+        sched = planned.sched
+        sched.finished_req_ids |= self._carried_finished
+        self._carried_finished = set()
+        planned.grammar_faults = self.structured.prepare(sched, self.scheduler.get_request)
+        execute = self.runner.execute
+        planned.future = self.forward_thread.submit(lambda: execute_isolated(execute, sched))
+        self._inflight = planned
+
+    def _launch_ahead(self, ahead: PlannedStep) -> None:
+        """Once the step before it is applied: drop finished requests' work from the step
+        scheduled ahead, fill its placeholders in and launch it (if anything is left)."""
+        resolve_ahead(self.scheduler.requests, ahead.sched)
+        if has_work(ahead.sched):
+            self._launch(ahead)
+        else:
+            self._carried_finished |= ahead.sched.finished_req_ids
+
+    def _settle_if_idle(self) -> None:
+        """Async scheduling: with no request left, let the step in flight end now (its
+        requests have all finished; nothing it returns is used) so the engine is idle."""
+        current = self._inflight
+        if current is None or current.future is None or self.scheduler.has_unfinished_requests():
+            return
+        self._inflight = None
+        self._apply_step(current, current.future.result(), time.perf_counter())
+
+    def _apply_step(
+        self,
+        planned: PlannedStep,
+        runner_out: ModelRunnerOutput,
+        t0: float,
+        ahead: PlannedStep | None = None,
+    ) -> list[RequestOutput]:
+        """Apply an executed step: failures, tokens, stop checks, then (async scheduling)
+        launch the step scheduled ``ahead``, then detokenize and build the outputs."""
+        sched = planned.sched
+        ahead_sched = ahead.sched if ahead is not None else None
+        failed = self.failures.fail_faulted(sched, runner_out.failed, ahead_sched)
         # NOTE: a request the grammar engine failed still ran in the forward (its KV is
         # written, so readers of its blocks are unaffected); its sampled token is ignored.
-        failed.update(self.failures.fail_grammar_faults(grammar_faults))
+        failed.update(self.failures.fail_grammar_faults(planned.grammar_faults))
         self.host_transfers.record(sched, runner_out, self.kv_cache_manager.counters)
         changed = self.scheduler.update_from_output(sched, runner_out)
         failed.update(self._after_step_extras(runner_out, changed))
+        if ahead is not None:
+            self._launch_ahead(ahead)
         now = time.monotonic()
         touched: dict[str, RequestGroup] = {}
         for req in changed:
@@ -283,7 +376,7 @@ class LLMEngine:
                 "seconds": time.perf_counter() - t0,
                 # NOTE: seconds - schedule_seconds - execute_seconds is the engine's own
                 # per-step cost (token bookkeeping, stop checks, detokenization, outputs).
-                "schedule_seconds": self.scheduler.last_step.schedule_time_s,
+                "schedule_seconds": planned.schedule_seconds,
                 "execute_seconds": runner_out.execute_time,
             }
         )

@@ -17,15 +17,13 @@ lists (copy-on-write copies, swap plans). Life of a request:
 4. ``fork`` shares a whole table; ``swap_out`` / ``swap_in`` move it to and from the host
    tier; ``free`` drops it (tail first, so a request's tail is evicted before its head).
 
-Collaborators: ``block_tables.BlockTableManager`` (the layer below: tables, copy-on-write,
-fork, skipped blocks, free), ``host_prefix.HostPrefixTier`` (offload on eviction, loads of
-host hits, reported as ``-1 - host id``), ``swap_space.SwapSpace`` (swapped-out requests),
-``slot_plan`` (what an allocation needs, decided first), ``prefix_hits``, ``integrity``,
-``metrics``. Variants (``window.py``, ``contiguous.py``) change behaviour only through
-protected hooks (the layer below's, ``_allocate_slots``, ``_swap_out_blocks``,
-``_blocks_for_swap_in``, ``prefix_caching_conflict``), never by reaching into either layer.
-Invariants (``check_integrity`` raises ``IntegrityError`` naming the first broken one): in
-``integrity.py``, next to the checks; the host tier's in ``host_prefix.py``.
+Collaborators: ``block_tables.BlockTableManager`` (tables, copy-on-write, fork, skipped
+blocks, free), ``host_prefix.HostPrefixTier`` (offload on eviction, host hits reported as
+``-1 - host id``), ``swap_space.SwapSpace``, ``slot_plan`` (an allocation's needs, decided
+first), ``prefix_hits``, ``integrity`` (the invariants ``check_integrity`` raises
+``IntegrityError`` for), ``metrics``. Variants (``window.py``, ``contiguous.py``) change
+behaviour only through protected hooks (``_allocate_slots``, ``_swap_out_blocks``,
+``_blocks_for_swap_in``, ``prefix_caching_conflict``, the layer below's).
 
 Scheduler rules these rely on (CONTRACTS.md): a step computes the blocks allocated for it,
 so a request in a step is not freed, swapped out or forked from before it has run;
@@ -288,18 +286,20 @@ class KVCacheManager(BlockTableManager):
         super().free(request)
         self._swapped.free(request.request_id)
 
-    def forget_unwritten(self, request: Request, num_written_tokens: int) -> int:
+    def forget_unwritten(
+        self, request: Request, num_written_tokens: int, block_ids: list[int] | None = None
+    ) -> int:
         """Take the request's blocks from token ``num_written_tokens`` on out of the prefix cache.
 
         For a request whose step failed: its new blocks were offered to the prefix cache when
-        they were allocated, but their KV was never (or wrongly) written, so no later request
-        may match them. Call before ``free``. Returns the number of blocks forgotten.
+        allocated, but their KV was never (or wrongly) written. Call before ``free``; returns
+        the number forgotten. ``block_ids`` (the step's table) name the blocks of a request
+        with no device table (async scheduling: preempted since its step was scheduled).
         """
-        table = self._table(request.request_id)
-        if table is None:
-            return 0
-        first = num_written_tokens // self.block_size
-        return forget_blocks(self._cache, self._host, table.blocks[first:], self._all_tables())
+        table, first = self._table(request.request_id), num_written_tokens // self.block_size
+        ids = [i for i in (block_ids or [])[first:] if i >= 0]  # not the null block
+        blocks = table.blocks[first:] if table else [self.block_pool.blocks[i] for i in ids]
+        return forget_blocks(self._cache, self._host, blocks, self._all_tables())
 
     def fork(self, parent: Request, child: Request) -> None:
         """As ``BlockTableManager.fork``; a swapped-out child id is taken too."""

@@ -129,7 +129,7 @@ def cache_full_blocks(
     request out of the cache: of two chats that sent the same system prompt in one step,
     only one could ever hit on its conversation. A twin cached in this very step is as
     safe as a prefix hit on it (the step writes it before any attention reads it, and a
-    fault of its writer fails its readers: ``RequestFailures.readers_of_unwritten_kv``); the
+    fault of its writer fails its readers: ``RequestFailures.fail_faulted``); the
     table's own copy must not be, since this step would write its tokens into the twin.
     A host-resident twin is left alone (taking it needs a load).
     """

@@ -22,16 +22,14 @@ per-request prefill chunk caps that it plans right after step 1, so the step's p
 stays within its target (decodes are never capped; a step without decodes is not capped; see
 that module). ``observe_step`` feeds it the engine's step records.
 
-Admission rules of steps 3 and 4 (seats, headroom, hysteresis, no deadlock):
-``admission.py``. Preemption modes ("recompute", or "swap" with a fallback to recompute):
-``preemption.py`` (both beside this file in ``core/sched/``).
-
-Files: this one holds the queues and the order of a step; ``step_plan`` the step's token
-budget, chunk sizes and output; ``admission``, ``preemption`` and ``stop_checks`` the rules.
+Rules: ``admission.py`` (seats, headroom, hysteresis, no deadlock: steps 3 and 4),
+``preemption.py`` ("recompute", or "swap" with a fallback), ``stop_checks``; ``step_plan``
+holds the step's token budget, chunk sizes and output; this file the queues and the order.
 
 ``update_from_output`` advances the counters, forks pending n > 1 children once the parent's
 prompt is computed, appends sampled tokens, applies stop checks and frees finished requests'
-blocks in the same step, so new requests can use them in the very next step.
+blocks in the same step, so new requests can use them in the very next step. Async
+scheduling (vLLM's): the next schedule() may come before the step's tokens (``ahead.py``).
 """
 
 from __future__ import annotations
@@ -43,11 +41,12 @@ from typing import TYPE_CHECKING
 
 from kvserve.config import SchedulerConfig
 from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput
+from kvserve.core.sched import ahead
 from kvserve.core.sched.admission import AdmissionControl, validate_request, waiting_key
 from kvserve.core.sched.policy import PreemptionPolicy, PriorityPolicy
 from kvserve.core.sched.preemption import choose_victim, release_victim
 from kvserve.core.sched.sched_stats import SchedulerStats, StepStats
-from kvserve.core.sched.step_budget import PrefillCandidate, StepTimeBudget
+from kvserve.core.sched.step_budget import StepTimeBudget, prefill_candidates
 from kvserve.core.sched.step_plan import StepPlan
 from kvserve.core.sched.stop_checks import append_token, check_stop
 from kvserve.request import Request, RequestStatus
@@ -174,6 +173,7 @@ class Scheduler:
         For every ScheduledRequest, ``start_pos == request.num_computed_tokens`` and
         ``sample`` is True exactly when ``start_pos + len(token_ids) == request.num_tokens``.
         ``update_from_output`` must be called with the result before the next schedule().
+        Async scheduling: the step is committed before returning (``ahead.py``).
         """
         t0 = time.perf_counter()
         cfg = self.config
@@ -205,6 +205,8 @@ class Scheduler:
         step.out.blocks_to_swap_out.extend(offloads)
         step.out.blocks_to_swap_in.extend(loads)
         queues = (self.num_running, self.num_waiting, self.num_swapped)
+        if cfg.async_scheduling:
+            ahead.commit_scheduled(self.requests, step.out)
         self.last_step = step.record(queues, self.kv, time.perf_counter() - t0)
         self.totals.record_step(self.last_step)
         return step.out
@@ -216,39 +218,30 @@ class Scheduler:
                 return
             if request.status != RequestStatus.RUNNING or request.request_id in step.scheduled_ids:
                 continue  # preempted or finished earlier in this step
-            remaining = request.num_tokens - request.num_computed_tokens
+            remaining = ahead.remaining_tokens(request)
             if (remaining == 1) != decodes:
                 continue
+            if ahead.ends_with_placeholder(request, self.config.max_model_len, self.kv):
+                continue  # async scheduling: its in-flight token ends it
             num_new = step.chunk(request, remaining)
             if num_new and self._allocate_or_preempt(request, num_new, step):
                 self._emit(request, num_new, step)
 
     def _plan_prefill(self, step: StepPlan) -> dict[str, int] | None:
-        """Ask the step-time budget for prefill chunk caps once this step's decodes are in.
-
-        Candidates in FCFS order: running prefills, swapped requests, then the waiting queue
-        while seats last (no waiting ones while admission is closed or any is swapped).
-        """
+        """Ask the step-time budget for prefill chunk caps once this step's decodes are in
+        (candidates: ``step_budget.prefill_candidates``; waiting ones only while admission is
+        open and nobody is swapped out)."""
         if self.step_budget is None or not self.config.enable_chunked_prefill:
             return None
+        admit = not self.swapped and (not self.running or not self.admission_closed)
+        candidates = prefill_candidates(
+            (*self.running, *self.swapped),
+            self.waiting if admit else (),
+            step.scheduled_ids,
+            self.config.max_running - self._num_seats(),
+            self.clock(),
+        )
         decode_contexts = [sr.start_pos + 1 for sr in step.out.scheduled]
-        now = self.clock()
-        candidates = []
-        for r in (*self.running, *self.swapped):
-            remaining = r.num_tokens - r.num_computed_tokens
-            if remaining > 1 and r.request_id not in step.scheduled_ids:
-                wait = 0.0 if r.output_token_ids else now - r.arrival_time  # TTFT aging
-                candidates.append(
-                    PrefillCandidate(r.request_id, r.num_computed_tokens, remaining, waited_s=wait)
-                )
-        seats = self.config.max_running - self._num_seats()
-        if not self.swapped and (not self.running or not self.admission_closed):
-            for r in self.waiting:
-                seats -= 1 + len(r.pending_children)
-                if seats < 0:
-                    break
-                wait = 0.0 if r.output_token_ids else now - r.arrival_time
-                candidates.append(PrefillCandidate(r.request_id, 0, r.num_tokens, True, wait))
         return self.step_budget.plan(decode_contexts, candidates, step.budget)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, step: StepPlan) -> bool:
@@ -294,6 +287,8 @@ class Scheduler:
 
     def _may_start(self, request: Request) -> bool:
         """Seat and gate for the next swap-in or admission (the ``alone`` guard included)."""
+        if request.num_output_placeholders:
+            return False  # async scheduling: its in-flight token first (ahead.py)
         alone = not self.running  # deadlock guard: ignore headroom and hysteresis
         gate_open = alone or self.admission.is_open(self.kv.num_free_blocks)
         return gate_open and self.admission.has_seat(request, self.running)
@@ -372,28 +367,30 @@ class Scheduler:
 
         A scheduled request that was finished (or aborted) between schedule() and now is
         skipped, its sampled token ignored. Returns the requests that got a token or
-        finished in this step, in scheduling order.
+        finished in this step, in scheduling order. Async scheduling: a placeholder becomes
+        its token, for a request preempted or swapped out since too (``ahead.py``).
         """
+        committed = self.config.async_scheduling
         touched: list[Request] = []
         for sr in sched.scheduled:
             request = self.requests.get(sr.request_id)
-            if (
-                request is None
-                or request.status != RequestStatus.RUNNING
-                or request.num_computed_tokens != sr.start_pos
-            ):
+            if request is None:
                 continue
-            request.num_computed_tokens += sr.num_tokens
-            if (
-                request.pending_children
-                and request.num_computed_tokens >= request.num_prompt_tokens
-            ):
+            running = request.status == RequestStatus.RUNNING
+            if not committed:
+                if not running or request.num_computed_tokens != sr.start_pos:
+                    continue
+                request.num_computed_tokens += sr.num_tokens
+            done = request.num_computed_tokens >= request.num_prompt_tokens
+            if request.pending_children and running and done:
                 self._fork_children(request)
             if not sr.sample:
                 continue
             token_id = out.sampled_token_ids.get(sr.request_id)
             if token_id is None:
                 raise ValueError(f"ModelRunnerOutput lacks the sampled token of {sr.request_id!r}")
+            if committed:
+                ahead.take_sampled(request)
             self._append_token(request, token_id)
             touched.append(request)
         return touched

@@ -66,11 +66,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvserve.core.sched.ahead import remaining_tokens
 from kvserve.core.sched.step_cost import OnlineStepCostModel, StepLoad
+from kvserve.request import Request
 
 logger = logging.getLogger("kvserve")
 
@@ -179,6 +181,34 @@ class PrefillCandidate:
     remaining: int  # tokens left to compute
     waiting: bool = False  # in the waiting queue: admitted head of line only
     waited_s: float = 0.0  # since arrival, while no token was produced yet (else 0): aging
+
+
+def prefill_candidates(
+    started: Iterable[Request],
+    waiting: Iterable[Request],
+    scheduled_ids: Container[str],
+    free_seats: int,
+    now: float,
+) -> list[PrefillCandidate]:
+    """The step's prefill candidates in FCFS order: ``started`` requests (running, then
+    swapped) with more than one token left and nothing scheduled yet, then ``waiting`` ones
+    while ``free_seats`` last (a request takes one seat per sample). A prompt's wait since
+    arrival ages its TTFT guard until its first token."""
+    out = []
+    for r in started:
+        remaining = remaining_tokens(r)
+        if remaining > 1 and r.request_id not in scheduled_ids:
+            wait = 0.0 if r.output_token_ids else now - r.arrival_time
+            out.append(
+                PrefillCandidate(r.request_id, r.num_computed_tokens, remaining, waited_s=wait)
+            )
+    for r in waiting:
+        free_seats -= 1 + len(r.pending_children)
+        if free_seats < 0:
+            break
+        wait = 0.0 if r.output_token_ids else now - r.arrival_time
+        out.append(PrefillCandidate(r.request_id, 0, r.num_tokens, True, wait))
+    return out
 
 
 class StepTimeBudget:

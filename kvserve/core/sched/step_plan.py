@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
+from kvserve.core.outputs import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
 from kvserve.core.sched.sched_stats import StepStats
 from kvserve.request import Request, RequestStatus
 
@@ -64,13 +64,17 @@ class StepPlan:
         start = request.num_computed_tokens
         end = start + num_new
         params = request.sampling_params
+        token_ids = request.token_ids_slice(start, end)
+        if end > request.num_tokens:
+            # NOTE: async scheduling: the in-flight step samples this token (resolve_ahead).
+            token_ids.extend([PLACEHOLDER_TOKEN_ID] * (end - max(start, request.num_tokens)))
         self.out.scheduled.append(
             ScheduledRequest(
                 request_id=request.request_id,
-                token_ids=request.token_ids_slice(start, end),
+                token_ids=token_ids,
                 start_pos=start,
                 block_ids=block_ids,
-                sample=end == request.num_tokens,
+                sample=end == request.num_tokens + request.num_output_placeholders,
                 sampling_params=params,
                 prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=request.output_token_ids,

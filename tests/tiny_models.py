@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-ARCHS = ("llama", "smollm", "mistral", "qwen2")
+ARCHS = ("llama", "smollm", "mistral", "qwen2", "qwen3", "phi3")
 
 # Small enough to build and run in milliseconds; GQA (4 query heads share 2 KV heads).
 TINY_DEFAULTS: dict[str, Any] = {
@@ -58,6 +58,8 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "smollm": {"tie_word_embeddings": True},  # SmolLM = Llama with tied embeddings
     "mistral": {"sliding_window": None},
     "qwen2": {"use_sliding_window": False, "sliding_window": None},
+    "qwen3": {"use_sliding_window": False, "sliding_window": None},  # q/k norms, no bias
+    "phi3": {"sliding_window": None},  # fused qkv_proj / gate_up_proj
 }
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -151,12 +153,17 @@ def embedded_reference_dir() -> str:
 
 
 def _hf_config(arch: str, overrides: dict[str, Any]) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     kwargs = {**TINY_DEFAULTS, **_ARCH_DEFAULTS[arch], **overrides}
-    config_cls = {"qwen2": Qwen2Config, "mistral": MistralConfig}.get(arch, LlamaConfig)
+    config_cls = {
+        "qwen2": Qwen2Config,
+        "qwen3": Qwen3Config,
+        "mistral": MistralConfig,
+        "phi3": Phi3Config,
+    }.get(arch, LlamaConfig)
     return config_cls(**kwargs)
 
 
@@ -203,9 +210,10 @@ def make_tiny_model(
 ) -> str:
     """Write a tiny random-weight HF model directory under ``tmp_dir``; returns its path.
 
-    ``arch``: "llama", "smollm" (llama, tied embeddings), "mistral" or "qwen2" (q/k/v bias).
-    ``overrides``: any HF config field (num_hidden_layers, num_key_value_heads=1 for MQA,
-    tie_word_embeddings, rope_theta, initializer_range, ...). ``max_shard_size`` (e.g.
+    ``arch``: "llama", "smollm" (llama, tied embeddings), "mistral", "qwen2" (q/k/v bias),
+    "qwen3" (q/k norms) or "phi3" (fused qkv / gate-up). ``overrides``: any HF config field
+    (num_hidden_layers, num_key_value_heads=1 for MQA, tie_word_embeddings, rope_theta,
+    rope_scaling, initializer_range, ...). ``max_shard_size`` (e.g.
     "2MB") writes sharded safetensors with an index; ``dtype`` the stored dtype;
     ``tokenizer=False`` skips the tokenizer files (no embedded GGUF needed).
     """

@@ -1,5 +1,8 @@
 """One Llama-family decoder layer: pre-norm attention (fused qkv) + SwiGLU MLP (fused gate/up).
 
+The parts a family adds are taken where its ``ModelArchConfig`` asks: q/k/v biases (Qwen2),
+an RMSNorm over each q and k head before RoPE (Qwen3, ``head_rms_norm_``).
+
 ``LlamaDecoderLayer`` holds the layer's weights (linear weights stored transposed, see
 ``linear_param``) and builds one ``Linear`` per projection (``PROJECTIONS``) from them on first
 use; ``StepViews`` are the workspace views every layer of a step shares. The model
@@ -51,6 +54,19 @@ def linear_param(
 
 # The projections of a decoder layer: ``<name>_weight`` parameters, ``<name>_proj`` Linears.
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
+def head_rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each head of ``x`` [T, n, head_dim] (a strided view) in place, scaled by
+    ``weight`` [head_dim]: Qwen3's q / k norms; returns ``x``.
+
+    NOTE: the same ops in the same order as transformers' ``Qwen3RMSNorm`` (float32 mean of
+    squares, rsqrt, back to the dtype, times the weight), so fp32 results agree bit for bit.
+    """
+    xf = x.float()
+    variance = xf.pow(2).mean(-1, keepdim=True)
+    normed = (xf * torch.rsqrt(variance + eps)).to(x.dtype)
+    return x.copy_(weight * normed)
 
 
 def _released_param(like: torch.Tensor) -> nn.Parameter:
@@ -107,6 +123,12 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = empty_param(hidden, **kw)
         self.qkv_weight = linear_param(self.q_size + 2 * self.kv_size, hidden, **kw)
         self.register_parameter("qkv_bias", None)
+        if arch.qk_norm:
+            self.q_norm: nn.Parameter | None = empty_param(d, **kw)
+            self.k_norm: nn.Parameter | None = empty_param(d, **kw)
+        else:
+            self.register_parameter("q_norm", None)
+            self.register_parameter("k_norm", None)
         self.o_weight = linear_param(hidden, self.q_size, **kw)
         self.register_parameter("o_bias", None)
         self.post_attention_layernorm = empty_param(hidden, **kw)
@@ -253,6 +275,10 @@ class LlamaDecoderLayer(nn.Module):
         x = sv.norm  # [T, hidden]
         ops.add_rms_norm(hidden, residual, self.input_layernorm, self.eps, x, ws)
         self.qkv_proj(x, sv.qkv, out_rows_free=True)
+        if self.q_norm is not None:
+            assert self.k_norm is not None
+            head_rms_norm_(sv.q, self.q_norm, self.eps)
+            head_rms_norm_(sv.k, self.k_norm, self.eps)
         ops.rope_(sv.rope, cos, sin)  # q and k, in place
         attn = self.attn_backend.forward(sv.q, sv.k, sv.v, kv_cache, meta, sv.attn)  # [T, H, d]
         rows = sv.attn_rows if attn is sv.attn else attn.reshape(hidden.shape[0], self.q_size)

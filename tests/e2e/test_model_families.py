@@ -14,6 +14,7 @@ only (fused projections, paged attention); the observed worst is printed.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -116,7 +117,8 @@ def _hf_next_token_logprobs(model: Any, prompt: list[int], output: list[int]) ->
 def test_family_matches_transformers(tmp_path: Path, case: str) -> None:
     from transformers import AutoModelForCausalLM
 
-    family, overrides, save, max_model_len, lengths = CASES[case]
+    family, overrides, save, max_model_len, lengths = copy.deepcopy(CASES[case])
+    # NOTE: a copy: transformers writes into the rope dict it is given.
     if overrides.get("rope_scaling") == "longrope":
         overrides = {**overrides, "rope_scaling": longrope()}
     model_dir = make_tiny_model(tmp_path, family, **TINY, **overrides, **save)

@@ -92,7 +92,7 @@ def _prompts(lengths: list[int], vocab: int, seed: int) -> dict[str, list[int]]:
     }
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "qwen3", "phi3"])
 @pytest.mark.parametrize(
     ("backend", "native_ops"),
     [("torch_sdpa", False), ("torch_ref", False), ("native", True)],

@@ -48,6 +48,13 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any], int, tuple[int, ...]
         128,
         (3, 9, 20, 31),
     ),
+    "mistral-window-linear": (
+        "mistral",
+        {"sliding_window": 8, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+        {},
+        128,
+        (3, 9, 20, 31),
+    ),
     "qwen2-yarn": (
         "qwen2",
         {
@@ -135,6 +142,7 @@ def test_family_matches_transformers(tmp_path: Path, case: str) -> None:
         max_model_len=max_model_len,
     )
     assert llm.engine.arch.architecture == family
+    assert llm.engine.arch.sliding_window == overrides.get("sliding_window")
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompts = _prompts(lengths)
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, logprobs=5, ignore_eos=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kvserve.config import ModelArchConfig
@@ -133,27 +135,33 @@ def check_complete(
         raise ModelLoadError(f"{path}: {len(missing)} tensor(s) missing: {shown}")
 
 
-def split_fused(
-    state_dict: dict[str, torch.Tensor], arch: ModelArchConfig
-) -> dict[str, torch.Tensor]:
+def split_fused(state_dict: dict[str, Any], arch: ModelArchConfig) -> dict[str, Any]:
     """``state_dict`` with each fused ``qkv_proj`` / ``gate_up_proj`` tensor (Phi-3) split
-    into the q/k/v and gate/up tensors of the same rows (views, no copy); others kept.
+    into the q/k/v and gate/up tensors of the same rows (views, no copy; a quantized one by
+    whole rows of blocks); others kept.
 
     NOTE: the model fuses them again at load (``LlamaForCausalLM.load_weights``); the split
     keeps one naming for the model, the quantizer and the tensor-parallel sharding.
     """
     q_dim = arch.num_attention_heads * arch.head_dim
     kv_dim = arch.num_key_value_heads * arch.head_dim
-    out: dict[str, torch.Tensor] = {}
+    inter = arch.intermediate_size
+    out: dict[str, Any] = {}
     for name, tensor in state_dict.items():
         if name.endswith(".self_attn.qkv_proj.weight"):
             p = name.removesuffix("qkv_proj.weight")
-            q, k, v = torch.split(tensor, [q_dim, kv_dim, kv_dim])
+            q, k, v = _split_rows(tensor, [q_dim, kv_dim, kv_dim])
             out.update({p + "q_proj.weight": q, p + "k_proj.weight": k, p + "v_proj.weight": v})
         elif name.endswith(".mlp.gate_up_proj.weight"):
             p = name.removesuffix("gate_up_proj.weight")
-            gate, up = torch.split(tensor, arch.intermediate_size)
+            gate, up = _split_rows(tensor, [inter, inter])
             out.update({p + "gate_proj.weight": gate, p + "up_proj.weight": up})
         else:
             out[name] = tensor
     return out
+
+
+def _split_rows(tensor: Any, sizes: list[int]) -> list[Any]:
+    if isinstance(tensor, torch.Tensor):
+        return list(torch.split(tensor, sizes))
+    return tensor.split_rows(sizes)  # a QuantizedWeight

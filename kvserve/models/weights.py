@@ -165,3 +165,23 @@ def _split_rows(tensor: Any, sizes: list[int]) -> list[Any]:
     if isinstance(tensor, torch.Tensor):
         return list(torch.split(tensor, sizes))
     return tensor.split_rows(sizes)  # a QuantizedWeight
+
+
+def join_fused(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of ``split_fused`` on dense tensors: q/k/v rows as one ``qkv_proj`` and
+    gate/up rows as one ``gate_up_proj`` (a Phi-3 checkpoint's names)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state_dict.items():
+        if name.endswith(".self_attn.q_proj.weight"):
+            p = name.removesuffix("q_proj.weight")
+            parts = [state_dict[p + f"{x}_proj.weight"] for x in "qkv"]
+            out[p + "qkv_proj.weight"] = torch.cat(parts)
+        elif name.endswith(".mlp.gate_proj.weight"):
+            p = name.removesuffix("gate_proj.weight")
+            parts = [state_dict[p + "gate_proj.weight"], state_dict[p + "up_proj.weight"]]
+            out[p + "gate_up_proj.weight"] = torch.cat(parts)
+        elif not name.endswith(
+            (".self_attn.k_proj.weight", ".self_attn.v_proj.weight", ".mlp.up_proj.weight")
+        ):
+            out[name] = tensor
+    return out

@@ -107,3 +107,39 @@ def test_phi3_gguf_missing_rope_factor_is_named(tmp_path: Path) -> None:
     )
     with pytest.raises(ModelLoadError, match=r"'rope_factors_short\.weight' is missing"):
         load_model(path)
+
+
+@pytest.mark.parametrize("case", ["qwen3-tied", "phi3-longrope-window"])
+def test_written_hf_dir_loads_in_transformers(tmp_path: Path, case: str) -> None:
+    """``write_hf_dir`` (what ``export_hf_dir`` writes from a GGUF): transformers reads back
+    the same weights and RoPE, and so does our HF loader."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from kvserve.models.export import write_hf_dir
+    from kvserve.models.weights import split_fused
+
+    family, overrides = CASES[case]
+    kw = {**SMALL, **{k: (dict(v) if isinstance(v, dict) else v) for k, v in overrides.items()}}
+    loaded = load_model(make_tiny_gguf(tmp_path, family, tensor_type="F32", **kw))
+    out = str(tmp_path / "exported")
+    write_hf_dir(loaded.arch, loaded.state_dict, out, pad_token_id=2)
+    ref = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    theirs = split_fused(ref.state_dict(), loaded.arch)
+    if loaded.arch.tie_word_embeddings:
+        del theirs["lm_head.weight"]
+    assert sorted(theirs) == sorted(loaded.state_dict)
+    for name, tensor in loaded.state_dict.items():
+        assert torch.equal(tensor, theirs[name]), name
+    config = ref.config
+    kind = config.rope_parameters["rope_type"]
+    if kind != "default":
+        # NOTE: served at the model's whole context: LongRoPE's long factors on both sides.
+        longest = config.max_position_embeddings
+        want_inv, want_scale = ROPE_INIT_FUNCTIONS[kind](config, "cpu", seq_len=longest)
+        inv, scale = _rope(loaded.arch)
+        assert torch.equal(inv, want_inv) and scale == pytest.approx(want_scale, rel=1e-12)
+    assert config.sliding_window == loaded.arch.sliding_window
+    again = load_model(out)
+    assert again.arch == loaded.arch
+    assert all(torch.equal(t, loaded.state_dict[n]) for n, t in again.state_dict.items())

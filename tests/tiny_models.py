@@ -276,6 +276,12 @@ def _gguf_metadata(gguf_arch: str, config: Any) -> dict[str, Any]:
     a = gguf_arch
     rope = config.rope_parameters
     extra: dict[str, Any] = {}
+    if rope.get("rope_type") in ("linear", "yarn"):  # as the converter writes them
+        extra[f"{a}.rope.scaling.type"] = rope["rope_type"]
+        extra[f"{a}.rope.scaling.factor"] = float(rope["factor"])
+        if rope.get("original_max_position_embeddings"):
+            original = rope["original_max_position_embeddings"]
+            extra[f"{a}.rope.scaling.original_context_length"] = original
     if a == "phi3":  # as convert_hf_to_gguf.py's Phi3MiniModel writes them
         original = rope.get("original_max_position_embeddings", config.max_position_embeddings)
         extra[f"{a}.rope.scaling.original_context_length"] = original

@@ -152,6 +152,8 @@ def _rope_scaling(gguf: GGUFFile, gguf_arch: str, head_dim: int, context: int) -
         raise ModelLoadError(f"{path}: unsupported rope scaling type {kind!r}")
     scaling: dict = {"rope_type": kind, "factor": float(md[f"{gguf_arch}.rope.scaling.factor"])}
     original = md.get(f"{gguf_arch}.rope.scaling.original_context_length")
+    if original is None and kind == "yarn":
+        original = context  # NOTE: llama.cpp's default for yarn_orig_ctx: the trained context
     if original is not None:
         scaling["original_max_position_embeddings"] = int(original)
     return scaling

@@ -25,6 +25,16 @@ LONGROPE = {
 CASES = {
     "qwen3": ("qwen3", {}),
     "qwen3-tied": ("qwen3", {"tie_word_embeddings": True, "num_key_value_heads": 1}),
+    "qwen3-yarn": (
+        "qwen3",
+        {
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 256,
+            }
+        },
+    ),
     "phi3": ("phi3", {}),
     "phi3-longrope-window": (
         "phi3",

@@ -135,7 +135,8 @@ def gguf_arch_config(gguf: GGUFFile) -> ModelArchConfig:
         tie_word_embeddings="output.weight" not in gguf.tensors,
         attention_bias=gguf_arch == "qwen2",
         qk_norm=gguf_arch == "qwen3",
-        sliding_window=int(sliding) if sliding else None,
+        # NOTE: a window past the context (Phi-3-128k's 262144) never slides.
+        sliding_window=int(sliding) if sliding and sliding < size("context_length") else None,
         bos_token_id=_opt_int(md.get("tokenizer.ggml.bos_token_id")),
         eos_token_id=_opt_int(md.get("tokenizer.ggml.eos_token_id")),
     )

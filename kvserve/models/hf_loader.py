@@ -92,6 +92,8 @@ def hf_arch_config(config: dict[str, Any], path: str) -> ModelArchConfig:
     rope_theta = config.get("rope_theta", rope_params.get("rope_theta", 10000.0))
     rope_scaling = _rope_scaling(config, arch, head_dim, path)
     sliding = _sliding_window(config, arch, path)
+    if sliding is not None and sliding >= int(config.get("max_position_embeddings") or 0) > 0:
+        sliding = None  # NOTE: a window past the context (Phi-3-128k's 262144) never slides
     return ModelArchConfig(
         architecture=arch,
         vocab_size=req("vocab_size"),

@@ -111,6 +111,8 @@ def test_rope_configs_as_checkpoints_write_them(tmp_path: Path) -> None:
     assert arch.rope_scaling["original_max_position_embeddings"] == 256
     assert arch.rope_scaling["short_factor"] == LONGROPE["short_factor"]
     assert arch.sliding_window == 100
+    _edit_config(phi3, sliding_window=262144)  # Phi-3-mini-128k's: wider than the context
+    assert load_model(phi3).arch.sliding_window is None
 
 
 def test_unknown_architecture_lists_the_supported_ones(tmp_path: Path) -> None:

@@ -141,7 +141,7 @@ def build_fused_layers(layers: list[LlamaDecoderLayer], num_rows: int) -> FusedL
     """The arguments for a step of ``num_rows`` rows, or None when some projection of some
     layer runs another method (or has a bias) at that row count, or some layer is not a
     plain ``LlamaDecoderLayer`` without q/k norms."""
-    if any(type(layer) is not LlamaDecoderLayer or layer.q_norm is not None for layer in layers):
+    if any(type(layer) is not LlamaDecoderLayer or layer.qk_norm is not None for layer in layers):
         return None
     weights: list[torch.Tensor] = []
     codes: list[int] = []

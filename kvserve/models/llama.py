@@ -355,9 +355,12 @@ class LlamaForCausalLM(nn.Module):
                 take(p + "self_attn.q_proj.bias", b[:qs])
                 take(p + "self_attn.k_proj.bias", b[qs : qs + kvs])
                 take(p + "self_attn.v_proj.bias", b[qs + kvs :])
-            if layer.q_norm is not None:
-                take(p + "self_attn.q_norm.weight", layer.q_norm)
-                take(p + "self_attn.k_norm.weight", layer.k_norm)
+            if layer.qk_norm is not None:  # one row per q head, then per k head
+                heads = layer.num_heads
+                take(p + "self_attn.q_norm.weight", layer.qk_norm[0])
+                take(p + "self_attn.k_norm.weight", layer.qk_norm[heads])
+                layer.qk_norm[1:heads].copy_(layer.qk_norm[0])
+                layer.qk_norm[heads + 1 :].copy_(layer.qk_norm[heads])
             take(p + "self_attn.o_proj.weight", layer.o_weight)
             layer.o_bias = optional_bias(p + "self_attn.o_proj.bias", self.arch.hidden_size)
             inter = layer.intermediate_size

@@ -17,9 +17,15 @@ DTypeName = Literal["float32", "bfloat16", "float16"]
 
 @dataclass(frozen=True)
 class ModelArchConfig:
-    """Shapes of a Llama-family model, from GGUF metadata or an HF config.json."""
+    """Shapes of a Llama-family model, from GGUF metadata or an HF config.json.
 
-    architecture: str  # "llama", "mistral", "qwen2"
+    One decoder serves every family; the fields say where they differ: q/k/v biases
+    (``attention_bias``: Qwen2), per-head q/k RMSNorm before RoPE (``qk_norm``: Qwen3), the
+    RoPE variant (``rope_scaling``), a sliding window (Mistral, Phi-3). Phi-3's fused
+    ``qkv_proj`` / ``gate_up_proj`` tensors are split by the loaders.
+    """
+
+    architecture: str  # "llama", "mistral", "qwen2", "qwen3", "phi3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -33,6 +39,7 @@ class ModelArchConfig:
     rope_scaling: dict | None = field(default=None, hash=False, compare=False)
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # qwen3: RMSNorm over each q / k head (head_dim weights) before RoPE
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | None = None

@@ -24,6 +24,7 @@ torch RNG. Building one model takes ~0.1 s after the first call (which imports t
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import shutil
 import tempfile
@@ -33,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-ARCHS = ("llama", "smollm", "mistral", "qwen2")
+ARCHS = ("llama", "smollm", "mistral", "qwen2", "qwen3", "phi3")
 
 # Small enough to build and run in milliseconds; GQA (4 query heads share 2 KV heads).
 TINY_DEFAULTS: dict[str, Any] = {
@@ -58,6 +59,8 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "smollm": {"tie_word_embeddings": True},  # SmolLM = Llama with tied embeddings
     "mistral": {"sliding_window": None},
     "qwen2": {"use_sliding_window": False, "sliding_window": None},
+    "qwen3": {"use_sliding_window": False, "sliding_window": None},  # q/k norms, no bias
+    "phi3": {"sliding_window": None},  # fused qkv_proj / gate_up_proj
 }
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -151,12 +154,17 @@ def embedded_reference_dir() -> str:
 
 
 def _hf_config(arch: str, overrides: dict[str, Any]) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     kwargs = {**TINY_DEFAULTS, **_ARCH_DEFAULTS[arch], **overrides}
-    config_cls = {"qwen2": Qwen2Config, "mistral": MistralConfig}.get(arch, LlamaConfig)
+    config_cls = {
+        "qwen2": Qwen2Config,
+        "qwen3": Qwen3Config,
+        "mistral": MistralConfig,
+        "phi3": Phi3Config,
+    }.get(arch, LlamaConfig)
     return config_cls(**kwargs)
 
 
@@ -203,9 +211,10 @@ def make_tiny_model(
 ) -> str:
     """Write a tiny random-weight HF model directory under ``tmp_dir``; returns its path.
 
-    ``arch``: "llama", "smollm" (llama, tied embeddings), "mistral" or "qwen2" (q/k/v bias).
-    ``overrides``: any HF config field (num_hidden_layers, num_key_value_heads=1 for MQA,
-    tie_word_embeddings, rope_theta, initializer_range, ...). ``max_shard_size`` (e.g.
+    ``arch``: "llama", "smollm" (llama, tied embeddings), "mistral", "qwen2" (q/k/v bias),
+    "qwen3" (q/k norms) or "phi3" (fused qkv / gate-up). ``overrides``: any HF config field
+    (num_hidden_layers, num_key_value_heads=1 for MQA, tie_word_embeddings, rope_theta,
+    rope_scaling, initializer_range, ...). ``max_shard_size`` (e.g.
     "2MB") writes sharded safetensors with an index; ``dtype`` the stored dtype;
     ``tokenizer=False`` skips the tokenizer files (no embedded GGUF needed).
     """
@@ -238,6 +247,10 @@ _GGUF_LAYER_NAMES = {
     "self_attn.q_proj.bias": "attn_q.bias",
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",  # qwen3
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",  # phi3
+    "mlp.gate_up_proj.weight": "ffn_up.weight",  # phi3: gate rows, then up rows
     "self_attn.o_proj.weight": "attn_output.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
@@ -261,7 +274,23 @@ def gguf_tensor_name(hf_name: str) -> str:
 
 def _gguf_metadata(gguf_arch: str, config: Any) -> dict[str, Any]:
     a = gguf_arch
-    return {
+    rope = config.rope_parameters
+    extra: dict[str, Any] = {}
+    if rope.get("rope_type") in ("linear", "yarn"):  # as the converter writes them
+        extra[f"{a}.rope.scaling.type"] = rope["rope_type"]
+        extra[f"{a}.rope.scaling.factor"] = float(rope["factor"])
+        if rope.get("original_max_position_embeddings"):
+            original = rope["original_max_position_embeddings"]
+            extra[f"{a}.rope.scaling.original_context_length"] = original
+    if a == "phi3":  # as convert_hf_to_gguf.py's Phi3MiniModel writes them
+        original = rope.get("original_max_position_embeddings", config.max_position_embeddings)
+        extra[f"{a}.rope.scaling.original_context_length"] = original
+        extra[f"{a}.attention.sliding_window"] = config.sliding_window or 0
+        if rope.get("long_factor"):
+            scale = config.max_position_embeddings / original
+            attn = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+            extra[f"{a}.rope.scaling.attn_factor"] = attn
+    return extra | {
         "general.architecture": a,
         "general.name": f"tiny-{a}",
         f"{a}.block_count": config.num_hidden_layers,
@@ -296,17 +325,20 @@ def make_tiny_gguf(
     """Write a tiny random-weight llama.cpp-style GGUF under ``tmp_dir``; returns its path.
 
     Same weights as ``make_tiny_model(tmp_dir, arch, seed=seed, **overrides)``. ``arch``
-    "llama" / "smollm" / "mistral" are written as GGUF arch "llama" (q/k permuted), "qwen2"
-    as "qwen2". 1-D tensors are F32; 2-D ones ``tensor_type`` (F32, F16, BF16, Q8_0, Q4_0,
-    Q4_1, Q5_0, Q5_1, ...). For error tests: ``tensor_types`` overrides the type per GGUF
-    tensor name (types gguf cannot quantise get random bytes of the right size),
+    "llama" / "smollm" / "mistral" are written as GGUF arch "llama" (q/k permuted), "qwen2",
+    "qwen3" and "phi3" under their own names as llama.cpp's converter writes them (Phi-3's
+    fused qkv as ``attn_qkv``, gate/up as ``ffn_up``, LongRoPE factors as
+    ``rope_factors_{long,short}`` tensors). 1-D tensors are F32; 2-D ones ``tensor_type``
+    (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, ...). For error tests: ``tensor_types``
+    overrides the type per GGUF tensor name (types gguf cannot quantise get random bytes of
+    the right size),
     ``metadata`` adds or replaces keys (None deletes one), ``drop_tensors`` omits tensors.
     """
     from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
     from gguf import quants as gguf_quants
 
     state_dict, config = tiny_state_dict(arch, seed=seed, **overrides)
-    gguf_arch = "qwen2" if arch == "qwen2" else "llama"
+    gguf_arch = arch if arch in ("qwen2", "qwen3", "phi3") else "llama"
     path = Path(tmp_dir) / name if name else _unique_dir(tmp_dir, f"tiny-{arch}", ".gguf")
     path.parent.mkdir(parents=True, exist_ok=True)
     kv = _gguf_metadata(gguf_arch, config)
@@ -330,6 +362,12 @@ def make_tiny_gguf(
             writer.add_key_value(key, str(value), GGUFValueType.STRING)
 
     rng = np.random.default_rng(seed)
+    rope = config.rope_parameters
+    if gguf_arch == "phi3" and rope.get("long_factor"):
+        for kind in ("long", "short"):
+            factors = np.asarray(rope[f"{kind}_factor"], dtype=np.float32)
+            if f"rope_factors_{kind}.weight" not in drop_tensors:
+                writer.add_tensor(f"rope_factors_{kind}.weight", factors)
     for hf_name, tensor in state_dict.items():
         gname = gguf_tensor_name(hf_name)
         if gname in drop_tensors:

@@ -104,7 +104,8 @@ class TPLlamaForCausalLM(LlamaForCausalLM):
         torch.index_select(emb, 0, local.masked_fill(outside, 0), out=hidden)
         hidden.masked_fill_(outside[:, None], 0.0)
         self.tp_group.all_reduce_(hidden)
-        cos, sin = rope_cos_sin(self._inv_freq_on(positions.device), positions, hidden.dtype, ws)
+        inv_freq = self._inv_freq_on(positions.device)
+        cos, sin = rope_cos_sin(inv_freq, positions, hidden.dtype, ws, self.rope_scale)
         return self.run_layers(hidden, cos, sin, kv_caches, meta, ws)
 
     def compute_logits(self, hidden: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:

@@ -66,7 +66,7 @@ def build_rank_model(
     from kvserve.distributed.tp_model import TPLlamaForCausalLM
     from kvserve.runtime.autotune import TuneSettings, choose_kernels
 
-    model = TPLlamaForCausalLM(spec, group)
+    model = TPLlamaForCausalLM(spec, group, max_model_len=config.max_model_len)
     model.load_sharded(state_dict)
     model = model.to(device=config.device, dtype=_DTYPES[config.dtype]).eval()
     # NOTE: the projection kernels are chosen for this rank's own weight shapes (measured at

@@ -131,7 +131,9 @@ def load_engine_model(config: EngineConfig, kernels: KernelChoice) -> EngineMode
         runner_arch = tp.runner_arch()
         dtype = kernels.dtype
     else:
-        model = LlamaForCausalLM(loaded.arch, attn_backend=attn_backend)
+        model = LlamaForCausalLM(
+            loaded.arch, attn_backend=attn_backend, max_model_len=config.max_model_len
+        )
         model.load_weights(loaded.state_dict)
         if kernels.pending is not None:
             # NOTE: the quantized projections run their own kernels, which may favour the

@@ -15,12 +15,14 @@ from safetensors.torch import save_file
 
 from kvserve.config import ModelArchConfig
 from kvserve.models.loader import load_model
-from kvserve.models.weights import resolve_dtype
+from kvserve.models.weights import FUSED_CHECKPOINT_ARCHS, join_fused, resolve_dtype
 
 _HF_ARCH_NAMES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "mistral": ("MistralForCausalLM", "mistral"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "phi3": ("Phi3ForCausalLM", "phi3"),
 }
 
 
@@ -56,10 +58,15 @@ def hf_config_dict(arch: ModelArchConfig, dtype: torch.dtype) -> dict[str, Any]:
     }
     if arch.architecture == "llama":
         config.update(attention_bias=False, mlp_bias=False)
-    if arch.architecture in ("mistral", "qwen2"):
+    if arch.architecture in ("mistral", "qwen2", "qwen3", "phi3"):
         config["sliding_window"] = arch.sliding_window
-    if arch.architecture == "qwen2":
+    if arch.architecture in ("qwen2", "qwen3"):
         config["use_sliding_window"] = arch.sliding_window is not None
+    if arch.architecture == "qwen3":
+        config["attention_bias"] = False
+    original = (arch.rope_scaling or {}).get("original_max_position_embeddings")
+    if arch.architecture == "phi3" and original is not None:
+        config["original_max_position_embeddings"] = original  # NOTE: Phi-3 keeps it here
     return config
 
 
@@ -70,14 +77,20 @@ def write_hf_dir(
     *,
     pad_token_id: int | None = None,
 ) -> None:
-    """Write config.json, generation_config.json and model.safetensors for these weights."""
+    """Write config.json, generation_config.json and model.safetensors for these weights
+    (Phi-3's q/k/v and gate/up fused again, as its checkpoints hold them)."""
     os.makedirs(out_dir, exist_ok=True)
+    if arch.architecture in FUSED_CHECKPOINT_ARCHS:
+        state_dict = join_fused(state_dict)
     dtypes = {t.dtype for t in state_dict.values()}
     if len(dtypes) != 1:
         raise ValueError(f"state_dict mixes dtypes {sorted(map(str, dtypes))}")
     dtype = dtypes.pop()
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(hf_config_dict(arch, dtype), f, indent=2)
+        config = hf_config_dict(arch, dtype)
+        if pad_token_id is not None:
+            config["pad_token_id"] = pad_token_id  # NOTE: Phi3Config's default is 32000
+        json.dump(config, f, indent=2)
     generation = {"bos_token_id": arch.bos_token_id, "eos_token_id": arch.eos_token_id}
     if pad_token_id is not None:
         generation["pad_token_id"] = pad_token_id

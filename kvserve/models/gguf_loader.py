@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -23,11 +24,14 @@ from kvserve.models.weights import (
     check_shape,
     expected_shapes,
     positive_int,
+    split_fused,
 )
 
 # GGUF general.architecture -> our architecture name. NOTE: llama.cpp's converter writes
 # Mistral / SmolLM checkpoints as "llama" (with permuted q/k), so there is no "mistral" here.
-SUPPORTED_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2"}
+SUPPORTED_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+# Phi-3's LongRoPE factors, stored as tensors (read into the config, not weights).
+_ROPE_FACTOR_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -42,6 +46,9 @@ _LAYER_NAMES = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # qwen3
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",  # phi3: q, k, v rows
     "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
@@ -51,13 +58,19 @@ _LAYER_NAMES = {
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The HF name of a GGUF tensor name, or None if it is not a llama-family tensor."""
+def hf_name(gguf_name: str, gguf_arch: str = "llama") -> str | None:
+    """The HF name of a GGUF tensor name, or None if it is not a llama-family tensor.
+
+    NOTE: llama.cpp's phi3 ``ffn_up`` is Phi-3's fused ``gate_up_proj`` (gate rows first).
+    """
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER_RE.fullmatch(gguf_name)
     if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+        name = _LAYER_NAMES[match.group(2)]
+        if gguf_arch == "phi3" and name == "mlp.up_proj.weight":
+            name = "mlp.gate_up_proj.weight"
+        return f"model.layers.{match.group(1)}.{name}"
     return None
 
 
@@ -117,17 +130,22 @@ def gguf_arch_config(gguf: GGUFFile) -> ModelArchConfig:
         max_position_embeddings=size("context_length"),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
-        rope_scaling=_rope_scaling(md, gguf_arch, path),
+        rope_scaling=_rope_scaling(gguf, gguf_arch, head_dim, size("context_length")),
         # NOTE: llama.cpp's converter drops output.weight when it equals the embedding.
         tie_word_embeddings="output.weight" not in gguf.tensors,
         attention_bias=gguf_arch == "qwen2",
-        sliding_window=int(sliding) if sliding else None,
+        qk_norm=gguf_arch == "qwen3",
+        # NOTE: a window past the context (Phi-3-128k's 262144) never slides.
+        sliding_window=int(sliding) if sliding and sliding < size("context_length") else None,
         bos_token_id=_opt_int(md.get("tokenizer.ggml.bos_token_id")),
         eos_token_id=_opt_int(md.get("tokenizer.ggml.eos_token_id")),
     )
 
 
-def _rope_scaling(md: dict, gguf_arch: str, path: str) -> dict | None:
+def _rope_scaling(gguf: GGUFFile, gguf_arch: str, head_dim: int, context: int) -> dict | None:
+    md, path = gguf.metadata, gguf.path
+    if any(name in gguf.tensors for name in _ROPE_FACTOR_TENSORS):
+        return _longrope(gguf, gguf_arch, head_dim, context)
     kind = md.get(f"{gguf_arch}.rope.scaling.type", "none")
     if kind in ("none", None):
         return None
@@ -135,8 +153,41 @@ def _rope_scaling(md: dict, gguf_arch: str, path: str) -> dict | None:
         raise ModelLoadError(f"{path}: unsupported rope scaling type {kind!r}")
     scaling: dict = {"rope_type": kind, "factor": float(md[f"{gguf_arch}.rope.scaling.factor"])}
     original = md.get(f"{gguf_arch}.rope.scaling.original_context_length")
+    if original is None and kind == "yarn":
+        original = context  # NOTE: llama.cpp's default for yarn_orig_ctx: the trained context
     if original is not None:
         scaling["original_max_position_embeddings"] = int(original)
+    return scaling
+
+
+def _longrope(gguf: GGUFFile, gguf_arch: str, head_dim: int, context: int) -> dict:
+    """Phi-3's LongRoPE from llama.cpp's ``rope_factors_{long,short}`` tensors and
+    ``rope.scaling.original_context_length`` (as ``convert_hf_to_gguf.py`` writes them)."""
+    md, path = gguf.metadata, gguf.path
+    factors = {}
+    for name, key in zip(_ROPE_FACTOR_TENSORS, ("long_factor", "short_factor"), strict=True):
+        info = gguf.tensors.get(name)
+        if info is None:
+            raise ModelLoadError(f"{path}: {name!r} is missing (LongRoPE needs both factors)")
+        if info.shape != (head_dim // 2,):
+            raise ModelLoadError(
+                f"{path}: tensor {name!r} has shape {list(info.shape)}, but the head size "
+                f"implies [{head_dim // 2}]"
+            )
+        values = dequantize(info.data, info.ggml_type, info.shape, torch.float32, path=path)
+        factors[key] = values.tolist()
+    original_key = f"{gguf_arch}.rope.scaling.original_context_length"
+    if original_key not in md:
+        raise ModelLoadError(f"{path}: GGUF metadata key {original_key!r} is missing")
+    original = positive_int(md[original_key], original_key, path)
+    scaling = {"rope_type": "longrope", **factors, "original_max_position_embeddings": original}
+    stored = md.get(f"{gguf_arch}.rope.scaling.attn_factor")
+    scale = context / original
+    derived = 1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(original))
+    # NOTE: the converter stores transformers' value as float32; derived again in float64
+    # unless the file says otherwise (cos / sin then equal transformers' bit for bit).
+    if stored is not None and abs(float(stored) - derived) > 1e-6 * derived:
+        scaling["attention_factor"] = float(stored)
     return scaling
 
 
@@ -172,9 +223,12 @@ def load_gguf(
     arch = gguf_arch_config(gguf)
     expected = expected_shapes(arch)
     # Validate every name and shape before spending time on dequantisation.
+    gguf_arch = gguf.metadata["general.architecture"]
     names: dict[str, str] = {}
     for name, info in gguf.tensors.items():
-        target = hf_name(name)
+        if name in _ROPE_FACTOR_TENSORS:
+            continue  # read into arch.rope_scaling
+        target = hf_name(name, gguf_arch)
         if target is None:
             raise ModelLoadError(
                 f"{path}: unexpected GGUF tensor {name!r} for a llama-family model"
@@ -184,7 +238,7 @@ def load_gguf(
     check_complete(names, expected, path)
 
     # NOTE: only the "llama" converter permutes q/k (interleaved RoPE); qwen2 uses NeoX RoPE.
-    permuted = gguf.metadata["general.architecture"] == "llama"
+    permuted = gguf_arch == "llama"
     state_dict: dict[str, torch.Tensor | QuantizedWeight] = {}
     with single_threaded():
         for target, name in names.items():
@@ -195,7 +249,7 @@ def load_gguf(
             elif permuted and ".self_attn.k_proj." in target:
                 tensor = _unpermute(tensor, arch.num_key_value_heads)
             state_dict[target] = tensor
-    return arch, state_dict
+    return arch, split_fused(state_dict, arch)
 
 
 def _load_tensor(

@@ -11,21 +11,28 @@ from safetensors import SafetensorError, safe_open
 
 from kvserve.config import ModelArchConfig
 from kvserve.models.errors import ModelFileNotFoundError, ModelLoadError
+from kvserve.models.rope import check_rope_scaling, rope_type
 from kvserve.models.weights import (
     check_complete,
     check_heads,
     check_shape,
     expected_shapes,
     positive_int,
+    split_fused,
 )
 
-# HF `architectures[0]` -> our architecture name (SmolLM checkpoints are LlamaForCausalLM).
+# HF `architectures[0]` -> our architecture name (SmolLM checkpoints are LlamaForCausalLM;
+# Qwen2.5 ones Qwen2ForCausalLM).
 SUPPORTED_HF_ARCHS = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
 }
-_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+_MODEL_TYPES = {name: name for name in SUPPORTED_HF_ARCHS.values()}
+# RoPE types whose pretraining context transformers takes from `original_max_position_embeddings`.
+_ORIGINAL_LEN_TYPES = ("llama3", "yarn", "longrope")
 # Tensors some checkpoints carry that the model recomputes: skipped, never an error.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 INDEX_FILE = "model.safetensors.index.json"
@@ -47,7 +54,8 @@ def read_hf_config(model_dir: str) -> dict[str, Any]:
 
 
 def hf_arch_config(config: dict[str, Any], path: str) -> ModelArchConfig:
-    """Map an HF config.json (Llama / Mistral / Qwen2 / SmolLM) to ModelArchConfig."""
+    """Map an HF config.json (Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / SmolLM) to
+    ModelArchConfig; ModelLoadError (a ValueError) naming the file and the problem."""
     archs = config.get("architectures") or []
     if archs:
         if archs[0] not in SUPPORTED_HF_ARCHS:
@@ -79,12 +87,13 @@ def hf_arch_config(config: dict[str, Any], path: str) -> ModelArchConfig:
     hidden, num_heads = req("hidden_size"), req("num_attention_heads")
     num_kv_heads = opt("num_key_value_heads", num_heads)
     check_heads(num_heads, num_kv_heads, "num_key_value_heads", path)
+    head_dim = opt("head_dim", hidden // num_heads)
     rope_params = config.get("rope_parameters") or {}
     rope_theta = config.get("rope_theta", rope_params.get("rope_theta", 10000.0))
-    rope_scaling = config.get("rope_scaling")
-    if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
-        rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+    rope_scaling = _rope_scaling(config, arch, head_dim, path)
     sliding = _sliding_window(config, arch, path)
+    if sliding is not None and sliding >= int(config.get("max_position_embeddings") or 0) > 0:
+        sliding = None  # NOTE: a window past the context (Phi-3-128k's 262144) never slides
     return ModelArchConfig(
         architecture=arch,
         vocab_size=req("vocab_size"),
@@ -93,18 +102,56 @@ def hf_arch_config(config: dict[str, Any], path: str) -> ModelArchConfig:
         num_hidden_layers=req("num_hidden_layers"),
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
-        head_dim=opt("head_dim", hidden // num_heads),
+        head_dim=head_dim,
         max_position_embeddings=req("max_position_embeddings"),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6 if arch == "qwen2" else 1e-5)),
+        rms_norm_eps=float(
+            config.get("rms_norm_eps", 1e-6 if arch in ("qwen2", "qwen3") else 1e-5)
+        ),
         rope_theta=float(rope_theta),
         rope_scaling=rope_scaling,
         tie_word_embeddings=_flag(config, "tie_word_embeddings", path),
         attention_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",
         sliding_window=int(sliding) if sliding else None,
         bos_token_id=_first_int(config.get("bos_token_id")),
         # NOTE: Llama-3 style configs list several eos ids; the first is the primary one.
         eos_token_id=_first_int(config.get("eos_token_id")),
     )
+
+
+def _rope_scaling(
+    config: dict[str, Any], arch: str, head_dim: int, path: str
+) -> dict[str, Any] | None:
+    """The config's RoPE scaling as one dict (``rope_type`` and its parameters), or None.
+
+    Reads ``rope_scaling`` (transformers 4) or ``rope_parameters`` (5); fills
+    ``original_max_position_embeddings`` as transformers does (Phi-3 keeps it at the top
+    level). ModelLoadError naming an unsupported type, a missing key or partial rotary.
+    """
+    params = config.get("rope_parameters") or {}
+    partial = config.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ModelLoadError(
+            f"{path}: partial rotary embeddings (partial_rotary_factor {partial}) are not supported"
+        )
+    scaling = config.get("rope_scaling") or params
+    kind = rope_type(scaling)
+    if arch == "phi3" and kind == "yarn":
+        kind = "longrope"  # NOTE: transformers' Phi3Config reads "yarn" as LongRoPE too
+    if kind == "default":
+        return None
+    out = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type")}
+    out["rope_type"] = kind
+    if kind in _ORIGINAL_LEN_TYPES:
+        original = config.get("original_max_position_embeddings")
+        if original is not None:
+            out["original_max_position_embeddings"] = original
+        out.setdefault("original_max_position_embeddings", config.get("max_position_embeddings"))
+    try:
+        check_rope_scaling(out, head_dim)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from e
+    return out
 
 
 def _flag(config: dict[str, Any], key: str, path: str) -> bool:
@@ -123,10 +170,11 @@ def _sliding_window(config: dict[str, Any], arch: str, path: str) -> int | None:
     window = config.get("sliding_window")
     if arch == "llama" or not window:
         return None
-    if arch == "mistral":
+    if arch in ("mistral", "phi3"):
         return int(window)
-    # NOTE: Qwen2 configs carry sliding_window but leave it off unless use_sliding_window, and
-    # then only layers >= max_window_layers slide (spelled out in layer_types by transformers 5).
+    # NOTE: Qwen2 / Qwen3 configs carry sliding_window but leave it off unless
+    # use_sliding_window, and then only layers >= max_window_layers slide (spelled out in
+    # layer_types by transformers 5).
     if not config.get("use_sliding_window", False):
         return None
     num_layers = int(config.get("num_hidden_layers", 0))
@@ -175,7 +223,8 @@ def safetensors_files(model_dir: str) -> list[str]:
 def load_hf_dir(
     model_dir: str, dtype: torch.dtype
 ) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
-    """Read an HF directory: config.json and every safetensors shard, cast to ``dtype``."""
+    """Read an HF directory: config.json and every safetensors shard (those the sharded
+    index names, when there is one), cast to ``dtype``; fused Phi-3 tensors split."""
     arch = hf_arch_config(read_hf_config(model_dir), os.path.join(model_dir, "config.json"))
     expected = expected_shapes(arch)
     state_dict: dict[str, torch.Tensor] = {}
@@ -194,4 +243,4 @@ def load_hf_dir(
                 raise ModelFileNotFoundError(f"{file}: missing") from e
             raise ModelLoadError(f"{file}: corrupt or truncated safetensors file: {e}") from e
     check_complete(state_dict, expected, model_dir)
-    return arch, state_dict
+    return arch, split_fused(state_dict, arch)

@@ -1,4 +1,8 @@
-"""Llama-family causal LM (Llama, Mistral, Qwen2, SmolLM) over a paged KV cache.
+"""Llama-family causal LM (Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM) over a paged KV cache.
+
+One model class serves every family: ``ModelArchConfig`` says where they differ (q/k/v
+biases, per-head q/k norms, the RoPE variant, a sliding window) and the decoder layer takes
+the parts it names; the loaders hand every family's weights over under the same names.
 
 The forward pass works on one flattened (ragged) batch of ``T`` tokens from many sequences:
 no padding in the linear layers. Attention goes through an ``AttentionBackend`` that writes
@@ -28,7 +32,7 @@ from kvserve.models.fused_layers import FusedLayers, enabled_by_env, run_fused_l
 from kvserve.models.quant import QuantizedWeight
 from kvserve.models.quant_linear import embedding_lookup
 from kvserve.models.quant_model import attach_quantized
-from kvserve.models.rope import compute_inv_freq, rope_cos_sin
+from kvserve.models.rope import compute_rope, rope_cos_sin
 from kvserve.runtime import (
     amx_linear,  # noqa: F401 - registers the AMX linear candidate
     native,
@@ -54,11 +58,13 @@ class LlamaForCausalLM(nn.Module):
         device: str | torch.device = "cpu",
         attn_backend: AttentionBackend | str = "auto",
         native_ops: bool | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         """``attn_backend``: a backend or its name (see ``get_attention_backend``; 'auto'
         takes the native CPU kernels where they load on CPU, triton on CUDA). ``native_ops``:
         run norms, RoPE and SiLU with the native CPU kernels (on CPU tensors); None = where
-        they load.
+        they load. ``max_model_len``: the context length served (None: the model's); only
+        LongRoPE's choice of factors depends on it (``rope.py``).
         """
         super().__init__()
         if arch.num_attention_heads % arch.num_key_value_heads:
@@ -83,7 +89,13 @@ class LlamaForCausalLM(nn.Module):
             else empty_param(arch.vocab_size, arch.hidden_size, **kw)
         )
         # NOTE: kept out of the parameters/buffers so .to(dtype) never lowers its precision.
-        self._inv_freq = compute_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling)
+        self._inv_freq, self.rope_scale = compute_rope(
+            arch.head_dim,
+            arch.rope_theta,
+            arch.rope_scaling,
+            max_position_embeddings=arch.max_position_embeddings,
+            max_model_len=max_model_len,
+        )
         self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
         # cos / sign-folded sin of positions [0, n) per (device, dtype): [n, 1, d] each.
         self._rope_tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, ...]] = {}
@@ -209,7 +221,9 @@ class LlamaForCausalLM(nn.Module):
         if table is None or table[0].shape[0] < num_positions:
             n = max(64, 1 << max(0, num_positions - 1).bit_length())
             positions = torch.arange(n, device=device)
-            cos, sin = rope_cos_sin(self._inv_freq_on(device), positions, dtype)
+            cos, sin = rope_cos_sin(
+                self._inv_freq_on(device), positions, dtype, scale=self.rope_scale
+            )
             table = (cos, sin)
             self._rope_tables[key] = table
         return table[0], table[1]
@@ -245,7 +259,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             torch.index_select(emb, 0, input_ids, out=hidden)
         if isinstance(positions, FakeTensor):  # traced (memory plan): no table to keep
-            cos, sin = rope_cos_sin(self._inv_freq_on(positions.device), positions, emb.dtype, ws)
+            inv_freq = self._inv_freq_on(positions.device)
+            cos, sin = rope_cos_sin(inv_freq, positions, emb.dtype, ws, self.rope_scale)
         else:
             num_positions = max((s.seq_len for s in meta.seqs), default=0)  # positions < it
             cos_table, sin_table = self.rope_tables(num_positions, positions.device, emb.dtype)
@@ -340,6 +355,12 @@ class LlamaForCausalLM(nn.Module):
                 take(p + "self_attn.q_proj.bias", b[:qs])
                 take(p + "self_attn.k_proj.bias", b[qs : qs + kvs])
                 take(p + "self_attn.v_proj.bias", b[qs + kvs :])
+            if layer.qk_norm is not None:  # one row per q head, then per k head
+                heads = layer.num_heads
+                take(p + "self_attn.q_norm.weight", layer.qk_norm[0])
+                take(p + "self_attn.k_norm.weight", layer.qk_norm[heads])
+                layer.qk_norm[1:heads].copy_(layer.qk_norm[0])
+                layer.qk_norm[heads + 1 :].copy_(layer.qk_norm[heads])
             take(p + "self_attn.o_proj.weight", layer.o_weight)
             layer.o_bias = optional_bias(p + "self_attn.o_proj.bias", self.arch.hidden_size)
             inter = layer.intermediate_size

@@ -163,6 +163,18 @@ class QuantizedWeight:
             sources.pop() if len(sources) == 1 else "mixed",
         )
 
+    def split_rows(self, sizes: Sequence[int]) -> list[QuantizedWeight]:
+        """The weights of consecutive row ranges of ``sizes`` rows (a fused file tensor,
+        Phi-3's qkv / gate_up), in the same format: whole rows of blocks move as bytes."""
+        self.require_plain("split_rows()")
+        if sum(sizes) != self.out_features:
+            raise ValueError(f"split_rows: {list(sizes)} do not sum to {self.out_features} rows")
+        parts = torch.split(self.data, list(sizes))
+        return [
+            QuantizedWeight(self.qtype, d, (n, self.in_features), self.source_qtype)
+            for d, n in zip(parts, sizes, strict=True)
+        ]
+
 
 def _check_size(
     raw: np.ndarray, ggml_type: GGMLQuantizationType, shape: tuple[int, ...], name: str, path: str

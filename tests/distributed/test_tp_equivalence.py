@@ -72,3 +72,31 @@ def test_tp3_embedded_matches_one_process() -> None:
     c = compare(one, three, EMBEDDED_TOL)
     assert c.max_logit_diff < EMBEDDED_TOL, c
     assert c.num_agree == c.num_tokens or c.near_ties
+
+
+def test_tp2_tiny_phi3_longrope_matches_one_process(tmp_path) -> None:  # noqa: ANN001
+    """Phi-3's split fused weights, with LongRoPE's scaled cos / sin served within its
+    pretraining context: short factors, which every rank must pick from the served
+    max_model_len (the model's own context would give the long ones)."""
+    rope = {
+        "type": "su",
+        "short_factor": [1.0 + 0.1 * i for i in range(8)],
+        "long_factor": [3.0 + 0.5 * i for i in range(8)],
+    }
+    model = str(
+        make_tiny_model(
+            tmp_path,
+            "phi3",
+            vocab_size=512,
+            initializer_range=0.1,
+            rope_scaling=rope,
+            original_max_position_embeddings=256,
+        )
+    )
+    prompts = [p[:60] for p in prompts_5_to_600(2, 512, num=4)]
+    kw = {"num_kv_blocks": 64, "max_num_batched_tokens": 32, "block_size": 8}
+    one = run_engine(model, 1, prompts, 8, max_model_len=256, **kw)
+    two = run_engine(model, 2, prompts, 8, max_model_len=256, **kw)
+    c = compare(one, two, TINY_TOL)
+    assert c.max_logit_diff < TINY_TOL, c
+    assert c.num_positions >= len(prompts)

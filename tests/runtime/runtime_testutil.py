@@ -12,6 +12,7 @@ from kvserve.config import ModelArchConfig
 from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
 from kvserve.models.hf_loader import hf_arch_config
 from kvserve.models.llama import LlamaForCausalLM
+from kvserve.models.weights import split_fused
 from kvserve.runtime.model_runner import ModelRunner
 from kvserve.sampling_params import SamplingParams
 
@@ -30,7 +31,8 @@ TINY = dict(
 
 
 def tiny_hf_model(kind: str, **overrides: object) -> transformers.PreTrainedModel:
-    """A tiny random float32 HF model: kind in {'llama', 'qwen2', 'mistral'}."""
+    """A tiny random float32 HF model: kind in {'llama', 'qwen2', 'mistral', 'qwen3',
+    'phi3'}."""
     torch.manual_seed(1234)
     if kind == "llama":  # GQA 4:2, untied, llama3 rope scaling
         cfg = transformers.LlamaConfig(
@@ -53,6 +55,30 @@ def tiny_hf_model(kind: str, **overrides: object) -> transformers.PreTrainedMode
     elif kind == "mistral":  # MQA, explicit head_dim != hidden / heads
         cfg = transformers.MistralConfig(
             **TINY, num_key_value_heads=1, head_dim=24, sliding_window=None
+        )
+    elif kind == "qwen3":  # q/k norms, GQA 4:2, yarn rope scaling
+        cfg = transformers.Qwen3Config(
+            **TINY,
+            num_key_value_heads=2,
+            head_dim=16,
+            rope_scaling={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+            },
+        )
+    elif kind == "phi3":  # fused qkv / gate_up, LongRoPE (short factors) with attention scaling
+        cfg = transformers.Phi3Config(
+            **TINY,
+            num_key_value_heads=2,
+            original_max_position_embeddings=TINY["max_position_embeddings"],
+            rope_scaling={
+                "rope_type": "longrope",
+                "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                "long_factor": [2.0 + 0.5 * i for i in range(8)],
+                "attention_factor": 1.2,
+            },
+            pad_token_id=0,
         )
     else:
         raise ValueError(kind)
@@ -77,7 +103,7 @@ def ours_from_hf(
     """
     arch = hf_arch_config(hf_model.config.to_dict(), "tiny")
     model = LlamaForCausalLM(arch, attn_backend=attn_backend, native_ops=native_ops)
-    model.load_weights(hf_model.state_dict())
+    model.load_weights(split_fused(hf_model.state_dict(), arch))
     return model, arch
 
 

@@ -92,7 +92,7 @@ def _prompts(lengths: list[int], vocab: int, seed: int) -> dict[str, list[int]]:
     }
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "qwen3", "phi3"])
 @pytest.mark.parametrize(
     ("backend", "native_ops"),
     [("torch_sdpa", False), ("torch_ref", False), ("native", True)],
@@ -155,8 +155,8 @@ def test_llama3_rope_scaling_changes_frequencies() -> None:
     )
     assert torch.equal(scaled[:4], base[:4])  # high frequencies untouched
     torch.testing.assert_close(scaled[-1], base[-1] / 8)  # lowest frequency divided by factor
-    with pytest.raises(ValueError, match="unsupported rope_scaling type 'yarn'"):
-        compute_inv_freq(64, 1e4, {"rope_type": "yarn", "factor": 2.0})
+    with pytest.raises(ValueError, match="unsupported rope_scaling type 'mrope'"):
+        compute_inv_freq(64, 1e4, {"rope_type": "mrope", "factor": 2.0})
 
 
 def test_load_weights_rejects_bad_state_dicts() -> None:

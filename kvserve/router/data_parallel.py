@@ -90,6 +90,7 @@ def replica_server_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "debug_endpoints": args.debug_endpoints,
         "chat_template": args.chat_template,
         "tool_call_parser": args.tool_call_parser,
+        "open_tokenize_endpoints": args.open_tokenize_endpoints,
     }
 
 

@@ -3,7 +3,8 @@
 llguidance compiles a grammar when an ``LLMatcher`` is built (lexer and parser tables are
 then built lazily as masks are computed). The cache keeps one fresh matcher per distinct
 constraint (LRU, bounded); every request gets a ``deep_copy()`` of it, which costs
-microseconds and shares the compiled grammar.
+microseconds and shares the compiled grammar. A constraint whose first masks run out of the
+grammar engine's limits (limits.py) is refused with a ValueError naming the limit.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
+from kvserve.structured.limits import PARSER_LIMITS, check_ref_cycles, probe
 from kvserve.structured.spec import StructuredOutputsParams
 
 DEFAULT_CACHE_SIZE = 256
@@ -83,10 +85,17 @@ class GrammarCompiler:
                 return template.deep_copy()
         t0 = time.perf_counter()
         grammar = _to_grammar(spec)
-        template = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        template = llguidance.LLMatcher(
+            self.ll_tokenizer, grammar, log_level=0, limits=PARSER_LIMITS
+        )
         if template.is_error():
             message = _first_lines(template.get_error())
             raise ValueError(f"structured_outputs.{spec.kind}: {message}")
+        # NOTE: llguidance builds its lexer lazily: a constraint beyond its limits compiles,
+        # then fails computing its first masks; found here, it is refused at admission.
+        over_limit = probe(template, self.vocab_size)
+        if over_limit is not None:
+            raise ValueError(f"structured_outputs.{spec.kind}: {over_limit}")
         elapsed = time.perf_counter() - t0
         with self._lock:
             self.stats.num_compiled += 1
@@ -102,6 +111,7 @@ def _to_grammar(spec: StructuredOutputsParams) -> str:
     """The llguidance grammar text of ``spec``; ValueError for what cannot be converted."""
     kind = spec.kind
     if kind in ("json", "json_object"):
+        check_ref_cycles(spec.json_schema)
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(
                 json.dumps(spec.json_schema), defaults=_JSON_OPTIONS

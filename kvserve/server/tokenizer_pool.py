@@ -42,16 +42,19 @@ async def run_job(fn: Callable[[], T], size: int = 0) -> T:
 
 
 def longest_token_bytes(decode: Callable[[list[int]], str], num_tokens: int) -> int:
-    """The most UTF-8 bytes one of the ``num_tokens`` ids decodes to (special tokens too:
-    their markup in a text is read as them), and at least 4 (an unknown character).
+    """The most UTF-8 bytes one of the ``num_tokens`` ids spells (special tokens too: their
+    markup in a text is read as them), and at least 4 (an unknown character).
 
-    NOTE: an id that is part of a UTF-8 character decodes to U+FFFD (3 bytes), at least as
-    many as it spells: the figure is an upper bound, as the check needs.
+    NOTE: an upper bound, as the check needs: an id that is part of a UTF-8 character
+    decodes to U+FFFD (3 bytes, at least as many as it spells), and one byte is added for
+    the leading space a SentencePiece decode drops from a lone word token. (A normalizer
+    that shrinks text, NFKC's composed forms, could beat it only with a text of nothing but
+    such characters, all in the longest tokens.)
     """
-    longest = _MIN_TOKEN_BYTES
+    longest = 0
     for token_id in range(num_tokens):
         longest = max(longest, len(decode([token_id]).encode("utf-8", "replace")))
-    return longest
+    return max(_MIN_TOKEN_BYTES, longest + 1)
 
 
 def text_bytes(*texts: str) -> int:

@@ -106,7 +106,7 @@ def test_priority_needs_the_priority_policy() -> None:
 
 
 def test_a_text_too_long_to_fit_is_a_400_before_it_is_tokenized() -> None:
-    # The fake vocabulary's longest token is 2 bytes, so the bound is 64 x 4 bytes (an
+    # The fake vocabulary's longest token is 2 bytes (+1), so the bound is 64 x 4 bytes (an
     # unknown character is at most 4).
     async def check(c: httpx.AsyncClient, fake: FakeEngine) -> None:
         encoded: list[int] = []

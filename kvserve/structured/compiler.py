@@ -24,9 +24,11 @@ from kvserve.structured.spec import StructuredOutputsParams
 
 DEFAULT_CACHE_SIZE = 256
 
-# NOTE: compact JSON (no optional whitespace): a small model given free whitespace can emit
-# newlines until max_tokens; compact output is also fewer tokens.
-_JSON_OPTIONS = {"whitespace_flexible": False}
+# NOTE: as vLLM's default backend, JSON may have whitespace between its tokens (a model
+# writes JSON as it learned to); ``compact_json`` (vLLM's disable_any_whitespace) forbids it:
+# fewer tokens, and a small model cannot emit newlines until max_tokens.
+_JSON_OPTIONS = {"whitespace_flexible": True}
+_COMPACT_JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 @dataclass(slots=True)
@@ -47,6 +49,7 @@ class GrammarCompiler:
         vocab_size: logits columns (the bitmask covers them all).
         eos_token_id: the token that ends a grammar's output.
         cache_size: distinct constraints kept compiled (least recently used dropped first).
+        compact_json: JSON without whitespace between its tokens (default: any allowed).
     """
 
     def __init__(
@@ -55,6 +58,8 @@ class GrammarCompiler:
         vocab_size: int,
         eos_token_id: int | None,
         cache_size: int = DEFAULT_CACHE_SIZE,
+        *,
+        compact_json: bool = False,
     ) -> None:
         if cache_size < 1:
             raise ValueError(f"GrammarCompiler.cache_size must be >= 1, got {cache_size}")
@@ -66,6 +71,7 @@ class GrammarCompiler:
         )
         self.vocab_size = vocab_size
         self.cache_size = cache_size
+        self.compact_json = compact_json
         self.stats = CompilerStats()
         self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
@@ -84,7 +90,7 @@ class GrammarCompiler:
                 self.stats.num_cache_hits += 1
                 return template.deep_copy()
         t0 = time.perf_counter()
-        grammar = _to_grammar(spec)
+        grammar = _to_grammar(spec, self.compact_json)
         template = llguidance.LLMatcher(
             self.ll_tokenizer, grammar, log_level=0, limits=PARSER_LIMITS
         )
@@ -107,14 +113,16 @@ class GrammarCompiler:
         return template.deep_copy()
 
 
-def _to_grammar(spec: StructuredOutputsParams) -> str:
-    """The llguidance grammar text of ``spec``; ValueError for what cannot be converted."""
+def _to_grammar(spec: StructuredOutputsParams, compact_json: bool = False) -> str:
+    """The llguidance grammar text of ``spec`` (JSON compact with ``compact_json``);
+    ValueError for what cannot be converted."""
     kind = spec.kind
     if kind in ("json", "json_object"):
         check_ref_cycles(spec.json_schema)
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(
-                json.dumps(spec.json_schema), defaults=_JSON_OPTIONS
+                json.dumps(spec.json_schema),
+                defaults=_COMPACT_JSON_OPTIONS if compact_json else _JSON_OPTIONS,
             )
         except ValueError as e:
             raise ValueError(f"structured_outputs.{kind}: invalid JSON schema: {e}") from e

@@ -72,6 +72,7 @@ class StructuredOutputManager:
         vocab_size: logits columns of the model.
         eos_token_id: the end token a finished grammar allows.
         cache_size: compiled constraints kept (GrammarCompiler).
+        compact_json: JSON without whitespace between its tokens (GrammarCompiler).
     """
 
     def __init__(
@@ -80,7 +81,10 @@ class StructuredOutputManager:
         vocab_size: int,
         eos_token_id: int | None,
         cache_size: int = DEFAULT_CACHE_SIZE,
+        *,
+        compact_json: bool = False,
     ) -> None:
+        self.compact_json = compact_json
         self._hf_tokenizer = hf_tokenizer
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
@@ -96,7 +100,11 @@ class StructuredOutputManager:
         """The grammar compiler (its tokenizer is built on first use, ~0.5 s)."""
         if self._compiler is None:
             self._compiler = GrammarCompiler(
-                self._hf_tokenizer, self.vocab_size, self.eos_token_id, self.cache_size
+                self._hf_tokenizer,
+                self.vocab_size,
+                self.eos_token_id,
+                self.cache_size,
+                compact_json=self.compact_json,
             )
         return self._compiler
 

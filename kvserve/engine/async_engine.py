@@ -49,6 +49,9 @@ class TokenizerLike(Protocol):
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
+    @property
+    def vocab_size(self) -> int: ...
+
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> list[int]: ...
@@ -71,6 +74,13 @@ class KVPoolLike(Protocol):
     def block_size(self) -> int: ...
 
     def check_integrity(self) -> None: ...
+
+
+class SchedulingConfigLike(Protocol):
+    """The engine configuration the server reads: whether priorities are honoured."""
+
+    @property
+    def scheduling_policy(self) -> str: ...
 
 
 class ConstraintValidator(Protocol):
@@ -100,6 +110,9 @@ class EngineLike(Protocol):
 
     @property
     def structured(self) -> ConstraintValidator | None: ...
+
+    @property
+    def config(self) -> SchedulingConfigLike: ...
 
     def add_request(
         self,

@@ -66,11 +66,10 @@ class ServingContext:
         tokenizer = engine.tokenizer
         vocab_size = int(engine.arch.vocab_size)
         # NOTE: ids past the tokenizer's own (a padded embedding) spell nothing.
-        num_tokens = min(vocab_size, int(getattr(tokenizer, "vocab_size", vocab_size)))
+        num_tokens = min(vocab_size, int(tokenizer.vocab_size))
         longest = longest_token_bytes(
             lambda ids: tokenizer.decode(ids, skip_special_tokens=False), num_tokens
         )
-        config = getattr(engine, "config", None)  # a test's fake may have none
         return cls(
             engine=async_engine,
             model_name=served_model_name
@@ -82,7 +81,7 @@ class ServingContext:
             chat_template=chat_template,
             tool_call_parser=tool_call_parser,
             validate_constraint=structured.validate if structured is not None else None,
-            scheduling_policy=str(getattr(config, "scheduling_policy", "fcfs")),
+            scheduling_policy=str(engine.config.scheduling_policy),
             max_prompt_bytes=max_model_len * longest,
         )
 

@@ -11,7 +11,7 @@ uvicorn config that sets it and the idle keep-alive timeout.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, cast
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -30,8 +30,8 @@ def h11_protocol(header_timeout: float) -> type[H11Protocol]:
 
         _header_timer: asyncio.TimerHandle | None = None
 
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            super().connection_made(cast(asyncio.Transport, transport))
             self._arm_header_timer()
 
         def data_received(self, data: bytes) -> None:
@@ -81,11 +81,9 @@ def uvicorn_config(
 
     if not keep_alive_timeout > 0:
         raise ValueError(f"keep_alive_timeout must be > 0, got {keep_alive_timeout}")
-    return uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_level=log_level,
-        http=h11_protocol(header_timeout),
-        timeout_keep_alive=keep_alive_timeout,  # type: ignore[arg-type]
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, http=h11_protocol(header_timeout)
     )
+    # NOTE: set after: uvicorn types it int, but hands it to loop.call_later (float seconds).
+    config.timeout_keep_alive = keep_alive_timeout
+    return config

@@ -15,7 +15,8 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.cors import allow_cross_origin
-from kvserve.engine.async_engine import AsyncLLMEngine, EngineLike
+from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.engine.engine_like import EngineLike
 from kvserve.server.context import ServingContext
 from kvserve.server.errors import (
     ENGINE_ERRORS,

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends, Request
 
-from kvserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineLike, TokenizerLike
+from kvserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from kvserve.engine.engine_like import EngineLike, TokenizerLike
 from kvserve.outputs import RequestOutput
 from kvserve.server import protocol as p
 from kvserve.server.chat_tools import ChatPlan, prompt_messages

@@ -5,7 +5,8 @@ A grammar-engine exception for one request (building its mask before the forward
 its sampled token after it) fails that request alone, with an error: the other requests,
 constrained or not, finish with exactly the tokens of a run without it, nothing leaks and the
 engine serves on. A grammar that dead-ends (no token can extend the output) ends its request
-with EOS at once (vLLM's behaviour), never with garbage tokens or a run to max_tokens.
+with EOS at once (vLLM's behaviour), never with garbage tokens or a run to max_tokens; one
+whose matcher runs out of a grammar-engine limit fails with an error, never "stop".
 """
 
 from __future__ import annotations

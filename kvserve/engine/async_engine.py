@@ -16,14 +16,11 @@ import logging
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
+from kvserve.engine.engine_like import EngineLike
 from kvserve.outputs import RequestOutput, merge_outputs
 from kvserve.sampling_params import SamplingParams
-from kvserve.structured.spec import StructuredOutputsParams
-
-if TYPE_CHECKING:
-    from kvserve.models.generation_config import GenerationDefaults
 
 logger = logging.getLogger("kvserve.engine.async_engine")
 
@@ -40,88 +37,6 @@ class QueueFullError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """This request failed on its own (a fault in its step); the engine serves on."""
-
-
-class TokenizerLike(Protocol):
-    """The tokenizer operations the server uses (kvserve.tokenizer.Tokenizer has them)."""
-
-    @property
-    def chat_template(self) -> str | None: ...
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
-
-    def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
-    ) -> list[int]: ...
-
-
-class ArchLike(Protocol):
-    """The model shape the server reads."""
-
-    @property
-    def vocab_size(self) -> int: ...
-
-
-class KVPoolLike(Protocol):
-    """The KV-cache manager as the server sees it: its capacity and its integrity check."""
-
-    @property
-    def num_blocks(self) -> int: ...
-
-    @property
-    def block_size(self) -> int: ...
-
-    def check_integrity(self) -> None: ...
-
-
-class ConstraintValidator(Protocol):
-    """Compiles a structured-output constraint; ValueError naming the problem if invalid."""
-
-    def validate(self, spec: StructuredOutputsParams) -> None: ...
-
-
-class EngineLike(Protocol):
-    """Everything of LLMEngine that the async layer and the server use (tests pass a fake
-    with the same shape); the server reaches the engine through nothing else.
-
-    ``structured`` is None for an engine without structured output (a test's fake).
-    """
-
-    model_path: str
-    max_model_len: int
-    generation_defaults: GenerationDefaults  # the model's sampling defaults
-
-    @property
-    def arch(self) -> ArchLike: ...
-
-    @property
-    def tokenizer(self) -> TokenizerLike: ...
-
-    @property
-    def kv_cache_manager(self) -> KVPoolLike: ...
-
-    @property
-    def structured(self) -> ConstraintValidator | None: ...
-
-    def add_request(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-    ) -> str: ...
-
-    def step(self) -> list[RequestOutput]: ...
-
-    def abort_request(self, request_id: str) -> None: ...
-
-    def has_unfinished_requests(self) -> bool: ...
-
-    def stats(self) -> dict[str, Any]: ...
 
 
 class OutputObserver(Protocol):

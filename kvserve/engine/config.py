@@ -107,6 +107,9 @@ _HELP: dict[str, str] = {
     "else torch_sdpa; native on CPU where the C++ kernels build, else torch_sdpa), native (C++ "
     "CPU kernels), torch_sdpa, torch_ref (exact, slow) or triton (CUDA, or CPU under "
     "TRITON_INTERPRET=1)",
+    "disable_any_whitespace": "structured output: generate JSON compact, with no whitespace "
+    "between its tokens (vLLM's structured-outputs option of that name; by default, as vLLM, "
+    "any whitespace is allowed there)",
     "enforce_eager": "run every step eagerly: no CUDA graphs (by default, on CUDA with the "
     "triton attention backend, pure-decode steps are captured per batch-size bucket at "
     "start-up and replayed); on CPU there are none and it changes nothing",
@@ -166,6 +169,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     async_scheduling: bool = False
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         _check_field_types(self)

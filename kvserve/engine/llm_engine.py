@@ -135,7 +135,10 @@ class LLMEngine:
         self._sample_to_group: dict[str, RequestGroup] = {}
         self._ids = itertools.count()
         self.structured = StructuredOutputManager(
-            self.tokenizer.hf_tokenizer, arch.vocab_size, self.tokenizer.eos_token_id
+            self.tokenizer.hf_tokenizer,
+            arch.vocab_size,
+            self.tokenizer.eos_token_id,
+            compact_json=config.disable_any_whitespace,
         )
         self.startup_seconds = time.perf_counter() - t0
         self.num_steps = 0

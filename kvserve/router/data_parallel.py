@@ -9,6 +9,7 @@ the one OpenAI endpoint on ``--host``/``--port``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
@@ -90,6 +91,7 @@ def replica_server_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "debug_endpoints": args.debug_endpoints,
         "chat_template": args.chat_template,
         "tool_call_parser": args.tool_call_parser,
+        "open_tokenize_endpoints": args.open_tokenize_endpoints,
     }
 
 
@@ -312,6 +314,7 @@ def serve_data_parallel(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvserve.router.cli import build_validated_app
+    from kvserve.server.http_timeouts import uvicorn_config
 
     config = EngineConfig.from_cli_args(args)
     n = args.data_parallel_size
@@ -326,8 +329,20 @@ def serve_data_parallel(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
-        return 0
+        # NOTE: the router is the front door: the header-read and keep-alive timeouts apply
+        # there (the replicas behind it get whole requests from it).
+        http_config = uvicorn_config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.uvicorn_log_level,
+            header_timeout=args.timeout_header_read,
+            keep_alive_timeout=args.timeout_keep_alive,
+        )
+        server = uvicorn.Server(http_config)
+        with contextlib.suppress(KeyboardInterrupt):  # as uvicorn.run
+            server.run()
+        return 0 if server.started else 3  # uvicorn.run's exit code for a failed start
 
     if backend == "ray":
         from kvserve.server.chat_template import load_chat_template

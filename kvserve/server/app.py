@@ -15,7 +15,8 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.cors import allow_cross_origin
-from kvserve.engine.async_engine import AsyncLLMEngine, EngineLike
+from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.engine.engine_like import EngineLike
 from kvserve.server.context import ServingContext
 from kvserve.server.errors import (
     ENGINE_ERRORS,
@@ -25,6 +26,7 @@ from kvserve.server.errors import (
     internal_error,
 )
 from kvserve.server.lifecycle import DEFAULT_SHUTDOWN_TIMEOUT_S, Lifecycle
+from kvserve.server.limits import DEFAULT_BODY_TIMEOUT_S
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.request_guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from kvserve.server.routes import api_router, debug_router, ops_router
@@ -46,12 +48,15 @@ def build_app(
     chat_template: str | None = None,
     tool_call_parser: str = "hermes",
     allowed_origins: Sequence[str] = (),
+    open_tokenize_endpoints: bool = False,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
 ) -> FastAPI:
     """An OpenAI-compatible app serving ``engine`` (an LLMEngine or the same interface).
 
     The step loop starts with the app (lifespan) or on the first request. The API key
-    guards ``/v1/*`` and the debug routes (and ``/health`` and ``/metrics`` with
-    ``protect_metrics``), checked before the body is read; see request_guard.py and
+    guards ``/v1/*``, ``/tokenize``, ``/detokenize`` (open with ``open_tokenize_endpoints``)
+    and the debug routes (and ``/health`` and ``/metrics`` with ``protect_metrics``), checked
+    before the body is read; see request_guard.py and
     lifecycle.py (``app.state.lifecycle``: draining on SIGTERM, exit code). Browsers on
     ``allowed_origins`` may call it (CORS; none by default).
     """
@@ -83,6 +88,8 @@ def build_app(
         protect_metrics=protect_metrics,
         max_request_bytes=max_request_bytes,
         is_draining=lambda: lifecycle.draining,
+        open_tokenize_endpoints=open_tokenize_endpoints,
+        body_timeout=body_timeout,
     )
     allow_cross_origin(app, allowed_origins)
     _install_error_handlers(app)

@@ -30,10 +30,12 @@ from kvserve.server.streaming import (
     sse_response,
     stream_events,
 )
+from kvserve.server.tokenizer_pool import check_fits, text_bytes
 from kvserve.server.validation import (
     add_engine_requests,
     check_constraint,
     check_prompt_ids,
+    check_request,
     resolve_max_tokens,
     sampling_params,
 )
@@ -63,10 +65,14 @@ async def create_chat_completion(
 ) -> Response:
     """POST /v1/chat/completions."""
     check_model(ctx, req.model)
+    check_request(ctx, req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs requires logprobs=true", param="top_logprobs")
     plan = plan_chat(req)
-    ids = await off_engine(ctx, lambda: _chat_prompt(ctx, req, plan))
+    size = text_bytes(*(m.text() for m in req.messages))
+    # NOTE: the template renders every message's text (and adds its own markup).
+    check_fits(ctx.max_prompt_bytes, size, "messages")
+    ids = await off_engine(ctx, lambda: _chat_prompt(ctx, req, plan), size)
     await check_constraint(ctx, plan.constraint, plan.constraint_param)
     if req.max_completion_tokens is not None:
         max_tokens = resolve_max_tokens(

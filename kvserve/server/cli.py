@@ -13,7 +13,13 @@ from typing import Any
 
 from kvserve.cors import add_cors_arg
 from kvserve.server.chat_template import load_chat_template
-from kvserve.server.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT_S
+from kvserve.server.limits import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+)
 from kvserve.server.tools import TOOL_CALL_PARSERS
 
 
@@ -33,7 +39,16 @@ def register(
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize",
+    )
+    g.add_argument(
+        "--open-tokenize-endpoints",
+        action="store_true",
+        help="leave /tokenize and /detokenize open without the API key (as vLLM does)",
+    )
     g.add_argument(
         "--max-queued-requests",
         type=_positive_int,
@@ -59,6 +74,30 @@ def register(
         default=DEFAULT_SHUTDOWN_TIMEOUT_S,
         help="on SIGTERM, seconds in-flight requests may still run before they are ended "
         "with an error (a second signal ends them at once)",
+    )
+    g.add_argument(
+        "--timeout-header-read",
+        type=_positive_float,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        metavar="SECONDS",
+        help="close a connection whose request line and headers are not all in within this "
+        f"(slow-loris clients; default {DEFAULT_HEADER_TIMEOUT_S:g})",
+    )
+    g.add_argument(
+        "--timeout-body-read",
+        type=_positive_float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        metavar="SECONDS",
+        help="answer 408 and close the connection when a request body is not all in within "
+        f"this after its headers (default {DEFAULT_BODY_TIMEOUT_S:g})",
+    )
+    g.add_argument(
+        "--timeout-keep-alive",
+        type=_positive_float,
+        default=DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+        metavar="SECONDS",
+        help="close an idle kept-alive connection after this (uvicorn's timeout_keep_alive, "
+        f"vLLM's flag; default {DEFAULT_KEEP_ALIVE_TIMEOUT_S:g})",
     )
     g.add_argument(
         "--protect-metrics",
@@ -103,6 +142,13 @@ def register(
     p.set_defaults(func=cmd_serve)
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -112,12 +158,11 @@ def _positive_int(text: str) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Build the engine, then run uvicorn until interrupted."""
-    import uvicorn
-
     from kvserve.engine.async_engine import build_on_engine_thread
     from kvserve.engine.config import EngineConfig
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.server.app import build_app
+    from kvserve.server.http_timeouts import uvicorn_config
 
     if args.data_parallel_size > 1:
         from kvserve.router.data_parallel import serve_data_parallel
@@ -145,6 +190,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         chat_template=chat_template,
         tool_call_parser=args.tool_call_parser,
         allowed_origins=args.allowed_origins,
+        open_tokenize_endpoints=args.open_tokenize_endpoints,
+        body_timeout=args.timeout_body_read,
     )
     print(
         f"[kvserve] serving {app.state.ctx.model_name!r} on http://{args.host}:{args.port}",
@@ -152,10 +199,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         flush=True,
     )
     lifecycle = app.state.lifecycle
-    server = _draining_server(
-        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level),
-        lifecycle,
+    http_config = uvicorn_config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        header_timeout=args.timeout_header_read,
+        keep_alive_timeout=args.timeout_keep_alive,
     )
+    server = _draining_server(http_config, lifecycle)
     lifecycle.server = server
     lifecycle.exit_backstop = True
     server.run()

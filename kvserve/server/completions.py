@@ -24,11 +24,13 @@ from kvserve.server.streaming import (
     sse_response,
     stream_events,
 )
+from kvserve.server.tokenizer_pool import check_fits, text_bytes
 from kvserve.server.validation import (
     MAX_CHOICES,
     add_engine_requests,
     check_constraint,
     check_prompt_ids,
+    check_request,
     resolve_max_tokens,
     sampling_params,
 )
@@ -40,6 +42,7 @@ async def create_completion(
 ) -> Response:
     """POST /v1/completions."""
     check_model(ctx, req.model)
+    check_request(ctx, req)
     if req.suffix:
         raise APIError("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -55,7 +58,8 @@ async def create_completion(
     if "max_tokens" not in req.model_fields_set and model_max is not None:
         # NOTE: OpenAI's default 16, capped by the model's max_new_tokens, as vLLM does.
         max_tokens = min(max_tokens or model_max, model_max)
-    texts, prompts = await off_engine(ctx, lambda: _completion_prompts(ctx, req))
+    size = _prompt_bytes(ctx, req)
+    texts, prompts = await off_engine(ctx, lambda: _completion_prompts(ctx, req), size)
     constraint, constraint_param = _completion_constraint(req)
     await check_constraint(ctx, constraint, constraint_param)
     # NOTE: echo with logprobs reports the prompt tokens' logprobs too (OpenAI).
@@ -127,6 +131,18 @@ def _choice(
 def _prompt_only(total: p.UsageInfo) -> p.UsageInfo:
     """``total`` without its generated tokens (a scored prompt's one sampled token)."""
     return total.model_copy(update={"completion_tokens": 0, "total_tokens": total.prompt_tokens})
+
+
+def _prompt_bytes(ctx: ServingContext, req: p.CompletionRequest) -> int:
+    """The bytes of text of the request's prompts; a 400 for one too long to fit in the
+    context, before any is tokenized (``tokenizer_pool.check_fits``)."""
+    prompt = req.prompt
+    texts = [prompt] if isinstance(prompt, str) else [t for t in prompt if isinstance(t, str)]
+    for text in texts:
+        # NOTE: len(text) <= its bytes: a short text is not encoded to be measured.
+        if ctx.max_prompt_bytes is not None and len(text) * 4 > ctx.max_prompt_bytes:
+            check_fits(ctx.max_prompt_bytes, text_bytes(text), "prompt")
+    return sum(len(t) for t in texts)
 
 
 def _completion_prompts(

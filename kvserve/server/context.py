@@ -3,20 +3,20 @@
 
 from __future__ import annotations
 
-import asyncio
 import functools
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends, Request
 
-from kvserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineLike, TokenizerLike
+from kvserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from kvserve.engine.engine_like import EngineLike, TokenizerLike
 from kvserve.outputs import RequestOutput
 from kvserve.server import protocol as p
 from kvserve.server.chat_tools import ChatPlan, prompt_messages
 from kvserve.server.errors import APIError
+from kvserve.server.tokenizer_pool import longest_token_bytes, run_job
 from kvserve.structured.spec import StructuredOutputsParams
 from kvserve.tokenizer import ChatOptionError, generation_flags
 
@@ -42,6 +42,10 @@ class ServingContext:
     # Compiles a structured-output constraint (ValueError if invalid); runs on a tokenizer
     # thread. None: the engine has no structured output (test engines).
     validate_constraint: Callable[[StructuredOutputsParams], None] | None = None
+    scheduling_policy: str = "fcfs"  # the engine's: a request's priority only under "priority"
+    # The most bytes of text a prompt that fits can have (tokenizer_pool.check_fits); None:
+    # no bound.
+    max_prompt_bytes: int | None = None
 
     def __post_init__(self) -> None:
         self.token_text = functools.lru_cache(maxsize=65536)(self._token_text)
@@ -63,18 +67,27 @@ class ServingContext:
         max_model_len = int(engine.max_model_len)
         kv = engine.kv_cache_manager
         structured = engine.structured
+        tokenizer = engine.tokenizer
+        vocab_size = int(engine.arch.vocab_size)
+        # NOTE: ids past the tokenizer's own (a padded embedding) spell nothing.
+        num_tokens = min(vocab_size, int(tokenizer.vocab_size))
+        longest = longest_token_bytes(
+            lambda ids: tokenizer.decode(ids, skip_special_tokens=False), num_tokens
+        )
         return cls(
             engine=async_engine,
             model_name=served_model_name
             or default_model_name(engine.model_path, engine.quantization),
             max_model_len=max_model_len,
-            vocab_size=int(engine.arch.vocab_size),
-            tokenizer=engine.tokenizer,
+            vocab_size=vocab_size,
+            tokenizer=tokenizer,
             max_total_tokens=longest_request(max_model_len, kv),
             sampling_defaults=dict(engine.generation_defaults.values),
             chat_template=chat_template,
             tool_call_parser=tool_call_parser,
             validate_constraint=structured.validate if structured is not None else None,
+            scheduling_policy=str(engine.config.scheduling_policy),
+            max_prompt_bytes=max_model_len * longest,
         )
 
 
@@ -183,16 +196,11 @@ def usage(prompts: list[list[int]], finals: list[RequestOutput]) -> p.UsageInfo:
     )
 
 
-# NOTE: tokenization runs here, off the engine thread: a huge prompt then delays only its
-# sender (the Rust tokenizer releases the GIL while it encodes). Its calls only read the
-# tokenizer, so several may run at once.
-_TOKENIZER_THREADS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvserve-tokenize")
-
-
-async def off_engine(ctx: ServingContext, fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` (tokenization, template rendering, a constraint compile) on the tokenizer
-    pool, never on the engine thread: a huge prompt delays only its own request.
+async def off_engine(ctx: ServingContext, fn: Callable[[], Any], size: int = 0) -> Any:
+    """Run ``fn`` (tokenization, template rendering, a constraint compile) on a tokenizer
+    thread, never on the engine thread: a huge prompt delays only its own request. ``size``:
+    the bytes of text it reads, which pick its lane (``tokenizer_pool.run_job``).
     EngineDeadError (answered through ``errors.ENGINE_ERRORS``) if the engine has died."""
     if ctx.engine.is_dead:
         raise EngineDeadError(f"the engine loop has died: {ctx.engine.dead_error!r}")
-    return await asyncio.get_running_loop().run_in_executor(_TOKENIZER_THREADS, fn)
+    return await run_job(fn, size)

@@ -182,6 +182,13 @@ class ChatMessage(RequestModel):
                     )
         return value
 
+    @model_validator(mode="after")
+    def _tool_result_names_its_call(self) -> ChatMessage:
+        # NOTE: OpenAI's API and vLLM's protocol require it: a tool result answers one call.
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a message with role 'tool' must have a tool_call_id")
+        return self
+
     def text(self) -> str:
         """The content as one string (text parts joined)."""
         if self.content is None:

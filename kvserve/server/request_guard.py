@@ -2,11 +2,14 @@
 
 Runs before any route reads the body, in this order:
 
-1. API key (``Authorization: Bearer KEY``) on ``/v1/*`` and ``/debug/*`` (and ``/health`` and
-   ``/metrics`` with ``protect_metrics``): 401 before a byte of the body is read.
+1. API key (``Authorization: Bearer KEY``) on ``/v1/*``, ``/tokenize``, ``/detokenize`` and
+   ``/debug/*`` (``/tokenize`` and ``/detokenize`` open with ``open_tokenize_endpoints``, as
+   vLLM leaves them; ``/health`` and ``/metrics`` guarded with ``protect_metrics``): 401
+   before a byte of the body is read.
 2. Draining (SIGTERM received): 503 with ``Retry-After`` for every ``/v1/*`` request.
-3. Body size: a ``Content-Length`` above ``max_request_bytes`` is a 413 at once; a body sent
-   without one is read only until it passes the limit, then 413.
+3. Body size and time: a ``Content-Length`` above ``max_request_bytes`` is a 413 at once; a
+   body sent without one is read only until it passes the limit, then 413. A body not all in
+   within ``body_timeout`` seconds is a 408 and the connection is closed.
 4. JSON hygiene of every POST body (``/tokenize`` too): invalid UTF-8, nesting deeper than
    ``MAX_JSON_DEPTH``, numbers longer than ``MAX_NUMBER_DIGITS`` digits and lone UTF-16
    surrogates (``"\\ud800"``, valid JSON that no tokenizer can encode) are 400s naming the
@@ -26,7 +29,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserve.server.errors import APIError
-from kvserve.server.limits import DEFAULT_MAX_REQUEST_BYTES
+from kvserve.server.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
 
 MAX_JSON_DEPTH = 64
 _THREAD_THRESHOLD_BYTES = 256 << 10
@@ -44,14 +47,20 @@ class RequestGuard:
         protect_metrics: bool = False,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         is_draining: Callable[[], bool] = lambda: False,
+        open_tokenize_endpoints: bool = False,
+        body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
     ) -> None:
         if max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+        if not body_timeout > 0:
+            raise ValueError(f"body_timeout must be > 0, got {body_timeout}")
         self.app = app
         self.api_key = api_key
         self.protect_metrics = protect_metrics
         self.max_request_bytes = max_request_bytes
         self.is_draining = is_draining
+        self.open_tokenize_endpoints = open_tokenize_endpoints
+        self.body_timeout = body_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -75,7 +84,12 @@ class RequestGuard:
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
-        body, error = await self._read_body(scope, receive)
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                body, error = await self._read_body(scope, receive)
+        except TimeoutError:
+            await _send_error(scope, receive, send, _body_too_slow(self.body_timeout), close=True)
+            return
         if error is None and body:
             error = _check_content_type(_header(scope, b"content-type"))
         # NOTE: every POST route's body, not only /v1/*: /tokenize and /detokenize read JSON
@@ -95,6 +109,9 @@ class RequestGuard:
     def _needs_key(self, path: str, api: bool) -> bool:
         if api or path.startswith("/debug/"):
             return True
+        if path in ("/tokenize", "/detokenize"):
+            # NOTE: they run the tokenizer on any text sent: behind the key like /v1/*.
+            return not self.open_tokenize_endpoints
         return self.protect_metrics and path in ("/health", "/metrics")
 
     def _key_ok(self, scope: Scope) -> bool:
@@ -279,5 +296,20 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-async def _send_error(scope: Scope, receive: Receive, send: Send, error: APIError) -> None:
-    await error.response()(scope, receive, send)
+def _body_too_slow(timeout: float) -> APIError:
+    return APIError(
+        f"the request body was not all received within {timeout:g} s (--timeout-body-read)",
+        status_code=408,
+        code="request_timeout",
+    )
+
+
+async def _send_error(
+    scope: Scope, receive: Receive, send: Send, error: APIError, *, close: bool = False
+) -> None:
+    """Answer ``error``; ``close``: and close the connection after it (the rest of a body
+    that was not read would otherwise be read as the next request)."""
+    response = error.response()
+    if close:
+        response.headers["Connection"] = "close"
+    await response(scope, receive, send)

@@ -34,7 +34,11 @@ async def tokenize(ctx: ServingContext, body: dict[str, Any]) -> Response:
             plan.tools = tools_as_dicts(req.tools)
         return render_chat(ctx, req, plan)
 
-    ids = await off_engine(ctx, run)
+    if isinstance(req, p.TokenizeCompletionRequest):
+        size = len(req.prompt)
+    else:
+        size = sum(len(m.text()) for m in req.messages)
+    ids = await off_engine(ctx, run, size)
     strs = None
     if req.return_token_strs:
         strs = [ctx.token_text(t) for t in ids]
@@ -55,5 +59,6 @@ async def detokenize(ctx: ServingContext, req: p.DetokenizeRequest) -> Response:
             )
     # NOTE: special tokens kept, as vLLM's /detokenize: /tokenize's ids come back as sent.
     decode = ctx.tokenizer.decode
-    text = await off_engine(ctx, lambda: decode(req.tokens, skip_special_tokens=False))
+    ids = req.tokens
+    text = await off_engine(ctx, lambda: decode(ids, skip_special_tokens=False), len(ids))
     return JSONResponse(p.dump(p.DetokenizeResponse(prompt=text)))

@@ -9,6 +9,7 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.server import protocol as p
 from kvserve.server.context import ServingContext, off_engine
 from kvserve.server.errors import APIError, engine_error, from_value_error
+from kvserve.server.tokenizer_pool import LARGE
 from kvserve.structured.spec import StructuredOutputsParams
 
 # NOTE: a 64-bit integer, as vLLM's protocol takes it (negative ones too): the sampler maps
@@ -56,20 +57,41 @@ def resolve_max_tokens(
     return max_tokens
 
 
+def check_request(ctx: ServingContext, req: p.SamplingRequest) -> None:
+    """The checks of a chat or completion request that need no tokens: ``stream_options``
+    only with ``stream`` and ``priority`` only under the priority policy (400s, as vLLM)."""
+    if req.stream_options is not None and not req.stream:
+        raise APIError("stream_options can only be set when stream is true", param="stream_options")
+    if req.priority != 0 and ctx.scheduling_policy != "priority":
+        # NOTE: vLLM answers the same 400: under fcfs a priority would silently reorder the
+        # queue ahead of other clients' requests.
+        raise APIError(
+            f"priority={req.priority} needs priority scheduling: this server schedules "
+            f"{ctx.scheduling_policy!r} (start it with --scheduling-policy priority)",
+            param="priority",
+        )
+
+
+def _canonical_token_id(key: str) -> bool:
+    """``key`` spells a token id the one way: ASCII digits, no sign, no leading zero, no
+    spaces or underscores (which ``int()`` would accept)."""
+    return key.isascii() and key.isdigit() and (key == "0" or key[0] != "0")
+
+
 def _logit_bias(ctx: ServingContext, bias: dict[str, float] | None) -> dict[int, float] | None:
     """OpenAI's logit_bias (token id strings -> bias) with every id checked."""
     if not bias:
         return None
     out = {}
     for key, value in bias.items():
-        try:
-            token_id = int(key)
-        except ValueError:
-            message = f"logit_bias key {key!r} is not a token id"
-            raise APIError(message, param="logit_bias") from None
+        if not _canonical_token_id(key):
+            message = f"logit_bias key {key!r} is not a token id (a decimal integer such as '42')"
+            raise APIError(message, param="logit_bias")
+        # NOTE: a key longer than the vocabulary's largest id is outside it; not parsed.
+        token_id = int(key) if len(key) <= len(str(ctx.vocab_size)) else ctx.vocab_size
         if not 0 <= token_id < ctx.vocab_size:
             raise APIError(
-                f"logit_bias token id {token_id} is outside the vocabulary [0, {ctx.vocab_size})",
+                f"logit_bias token id {key} is outside the vocabulary [0, {ctx.vocab_size})",
                 param="logit_bias",
             )
         out[token_id] = value
@@ -85,7 +107,7 @@ async def check_constraint(
         return
     check = ctx.validate_constraint
     try:
-        await off_engine(ctx, lambda: check(constraint))
+        await off_engine(ctx, lambda: check(constraint), LARGE)
     except ValueError as e:
         raise APIError(str(e), param=param) from e
 
@@ -105,6 +127,12 @@ def sampling_params(
     # NOTE: no upper bound on top_k: as vLLM, one above the vocabulary size means no
     # restriction (the sampler clips it to the vocabulary).
     logit_bias = _logit_bias(ctx, req.logit_bias)
+    for t in req.stop_token_ids or ():
+        if not 0 <= t < ctx.vocab_size:
+            raise APIError(
+                f"stop_token_ids: token id {t} is outside the vocabulary [0, {ctx.vocab_size})",
+                param="stop_token_ids",
+            )
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
     if stop is not None and any(not s for s in stop):
         raise APIError("stop strings must be non-empty", param="stop")

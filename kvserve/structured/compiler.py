@@ -3,7 +3,8 @@
 llguidance compiles a grammar when an ``LLMatcher`` is built (lexer and parser tables are
 then built lazily as masks are computed). The cache keeps one fresh matcher per distinct
 constraint (LRU, bounded); every request gets a ``deep_copy()`` of it, which costs
-microseconds and shares the compiled grammar.
+microseconds and shares the compiled grammar. A constraint whose first masks run out of the
+grammar engine's limits (limits.py) is refused with a ValueError naming the limit.
 """
 
 from __future__ import annotations
@@ -18,13 +19,16 @@ from typing import Any
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
+from kvserve.structured.limits import PARSER_LIMITS, check_ref_cycles, probe
 from kvserve.structured.spec import StructuredOutputsParams
 
 DEFAULT_CACHE_SIZE = 256
 
-# NOTE: compact JSON (no optional whitespace): a small model given free whitespace can emit
-# newlines until max_tokens; compact output is also fewer tokens.
-_JSON_OPTIONS = {"whitespace_flexible": False}
+# NOTE: as vLLM's default backend, JSON may have whitespace between its tokens (a model
+# writes JSON as it learned to); ``compact_json`` (vLLM's disable_any_whitespace) forbids it:
+# fewer tokens, and a small model cannot emit newlines until max_tokens.
+_JSON_OPTIONS = {"whitespace_flexible": True}
+_COMPACT_JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 @dataclass(slots=True)
@@ -45,6 +49,7 @@ class GrammarCompiler:
         vocab_size: logits columns (the bitmask covers them all).
         eos_token_id: the token that ends a grammar's output.
         cache_size: distinct constraints kept compiled (least recently used dropped first).
+        compact_json: JSON without whitespace between its tokens (default: any allowed).
     """
 
     def __init__(
@@ -53,6 +58,8 @@ class GrammarCompiler:
         vocab_size: int,
         eos_token_id: int | None,
         cache_size: int = DEFAULT_CACHE_SIZE,
+        *,
+        compact_json: bool = False,
     ) -> None:
         if cache_size < 1:
             raise ValueError(f"GrammarCompiler.cache_size must be >= 1, got {cache_size}")
@@ -64,6 +71,7 @@ class GrammarCompiler:
         )
         self.vocab_size = vocab_size
         self.cache_size = cache_size
+        self.compact_json = compact_json
         self.stats = CompilerStats()
         self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
@@ -82,11 +90,18 @@ class GrammarCompiler:
                 self.stats.num_cache_hits += 1
                 return template.deep_copy()
         t0 = time.perf_counter()
-        grammar = _to_grammar(spec)
-        template = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        grammar = _to_grammar(spec, self.compact_json)
+        template = llguidance.LLMatcher(
+            self.ll_tokenizer, grammar, log_level=0, limits=PARSER_LIMITS
+        )
         if template.is_error():
             message = _first_lines(template.get_error())
             raise ValueError(f"structured_outputs.{spec.kind}: {message}")
+        # NOTE: llguidance builds its lexer lazily: a constraint beyond its limits compiles,
+        # then fails computing its first masks; found here, it is refused at admission.
+        over_limit = probe(template, self.vocab_size)
+        if over_limit is not None:
+            raise ValueError(f"structured_outputs.{spec.kind}: {over_limit}")
         elapsed = time.perf_counter() - t0
         with self._lock:
             self.stats.num_compiled += 1
@@ -98,13 +113,16 @@ class GrammarCompiler:
         return template.deep_copy()
 
 
-def _to_grammar(spec: StructuredOutputsParams) -> str:
-    """The llguidance grammar text of ``spec``; ValueError for what cannot be converted."""
+def _to_grammar(spec: StructuredOutputsParams, compact_json: bool = False) -> str:
+    """The llguidance grammar text of ``spec`` (JSON compact with ``compact_json``);
+    ValueError for what cannot be converted."""
     kind = spec.kind
     if kind in ("json", "json_object"):
+        check_ref_cycles(spec.json_schema)
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(
-                json.dumps(spec.json_schema), defaults=_JSON_OPTIONS
+                json.dumps(spec.json_schema),
+                defaults=_COMPACT_JSON_OPTIONS if compact_json else _JSON_OPTIONS,
             )
         except ValueError as e:
             raise ValueError(f"structured_outputs.{kind}: invalid JSON schema: {e}") from e

@@ -13,9 +13,11 @@ Life cycle of a matcher, keyed by request id (core/ and the runner never see one
   abort) releases it.
 
 Fault isolation: an exception the grammar engine raises for one sequence (building its
-mask, consuming its token, rebuilding its matcher) is that sequence's fault, as a runner fault
-pinned on one request is: ``prepare`` and ``update`` catch it, drop that matcher and report
-the request id with the reason; the engine fails that request alone and steps on.
+mask, consuming its token, rebuilding its matcher), or a limit of the grammar engine its
+matcher runs out of mid-generation (``limits.limit_error``), is that sequence's fault, as a
+runner fault pinned on one request is: ``prepare`` and ``update`` catch it, drop that matcher
+and report the request id with the reason; the engine fails that request alone (an error,
+never "stop": its output does not follow the constraint to its end) and steps on.
 """
 
 from __future__ import annotations
@@ -31,9 +33,14 @@ import numpy as np
 from kvserve.core.outputs import GrammarBitmask, SchedulerOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.structured.compiler import DEFAULT_CACHE_SIZE, GrammarCompiler
+from kvserve.structured.limits import limit_error
 from kvserve.structured.spec import StructuredOutputsParams
 
 logger = logging.getLogger("kvserve.structured")
+
+
+class _OverLimit(Exception):
+    """A matcher ran out of a limit of the grammar engine (the message names it)."""
 
 
 @dataclass(slots=True)
@@ -65,6 +72,7 @@ class StructuredOutputManager:
         vocab_size: logits columns of the model.
         eos_token_id: the end token a finished grammar allows.
         cache_size: compiled constraints kept (GrammarCompiler).
+        compact_json: JSON without whitespace between its tokens (GrammarCompiler).
     """
 
     def __init__(
@@ -73,7 +81,10 @@ class StructuredOutputManager:
         vocab_size: int,
         eos_token_id: int | None,
         cache_size: int = DEFAULT_CACHE_SIZE,
+        *,
+        compact_json: bool = False,
     ) -> None:
+        self.compact_json = compact_json
         self._hf_tokenizer = hf_tokenizer
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
@@ -89,7 +100,11 @@ class StructuredOutputManager:
         """The grammar compiler (its tokenizer is built on first use, ~0.5 s)."""
         if self._compiler is None:
             self._compiler = GrammarCompiler(
-                self._hf_tokenizer, self.vocab_size, self.eos_token_id, self.cache_size
+                self._hf_tokenizer,
+                self.vocab_size,
+                self.eos_token_id,
+                self.cache_size,
+                compact_json=self.compact_json,
             )
         return self._compiler
 
@@ -132,7 +147,8 @@ class StructuredOutputManager:
         ``sched.grammar_bitmask`` for the constrained requests that sample (None if none).
 
         Returns the requests the grammar engine failed (request id -> reason): it raised
-        for them, or their grammar allows no token and there is no EOS to end them with.
+        for them, their matcher ran out of a limit, or their grammar allows no token and
+        there is no EOS to end them with.
         They get no bitmask row and their matchers are dropped; the caller fails them (the
         token the runner samples for them is never used).
         """
@@ -151,6 +167,8 @@ class StructuredOutputManager:
         for i, sr in enumerate(rows):
             try:
                 self._fill_row(sr.request_id, sr.output_token_ids, bitmask[i])
+            except _OverLimit as e:
+                faults[sr.request_id] = self._fault(sr.request_id, str(e))
             except Exception as e:  # noqa: BLE001 - this sequence's grammar only
                 reason = f"structured output failed computing the mask: {e!r}"
                 faults[sr.request_id] = self._fault(sr.request_id, reason)
@@ -192,9 +210,13 @@ class StructuredOutputManager:
             try:
                 state = self._sync(rid, req.output_token_ids)
                 stopped = state.matcher.is_stopped()
+                over_limit = limit_error(state.matcher)
             except Exception as e:  # noqa: BLE001 - this sequence's grammar only
                 reason = f"structured output failed consuming the sampled token: {e!r}"
                 faults[rid] = self._fault(rid, reason)
+                continue
+            if over_limit is not None:
+                faults[rid] = self._fault(rid, f"structured output: {over_limit}")
                 continue
             if not req.is_finished and stopped:
                 ended.append(rid)
@@ -207,6 +229,9 @@ class StructuredOutputManager:
         matcher = state.matcher
         if not (matcher.is_error() or matcher.is_stopped()):
             matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        over_limit = limit_error(matcher)
+        if over_limit is not None:
+            raise _OverLimit(f"structured output: {over_limit}")
         if matcher.is_error() and not state.dead_logged:
             # NOTE: a grammar that dead-ends (no token can extend the output) ends the request
             # with EOS and finish reason "stop", as vLLM does; the warning says why it ended.

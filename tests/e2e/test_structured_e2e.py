@@ -6,6 +6,7 @@ grammar, and prompt logprobs equal a full forward's log-softmax."""
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -100,7 +101,6 @@ def test_regex_choice_and_grammar_are_exact(make_llm) -> None:
         (S(choice=["alpha", "beta", "gamma"]), r"^(alpha|beta|gamma)$"),
         (S(grammar='root ::= "(" [a-c]+ ")"'), r"^\([a-c]+\)$"),
     ]
-    import re
 
     for spec, pattern in cases:
         for temperature in (0.0, 1.0):
@@ -123,7 +123,8 @@ def test_unsatisfiable_in_max_tokens_ends_with_length(make_llm) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=S(json=schema))
     out = llm.generate(["Write:"], params, use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 20
-    assert out.text.startswith('{"essay":"')
+    # NOTE: whitespace may separate JSON's tokens (vLLM's default; --disable-any-whitespace).
+    assert re.match(r'\{\s*"essay"\s*:\s*"', out.text), out.text
 
 
 def test_invalid_constraint_or_bias_queues_nothing(make_llm) -> None:

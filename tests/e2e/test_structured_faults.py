@@ -5,7 +5,8 @@ A grammar-engine exception for one request (building its mask before the forward
 its sampled token after it) fails that request alone, with an error: the other requests,
 constrained or not, finish with exactly the tokens of a run without it, nothing leaks and the
 engine serves on. A grammar that dead-ends (no token can extend the output) ends its request
-with EOS at once (vLLM's behaviour), never with garbage tokens or a run to max_tokens.
+with EOS at once (vLLM's behaviour), never with garbage tokens or a run to max_tokens; one
+whose matcher runs out of a grammar-engine limit fails with an error, never "stop".
 """
 
 from __future__ import annotations
@@ -165,4 +166,48 @@ def test_grammar_that_allows_no_token_ends_its_request_with_eos(
             assert _tokens(got[rid]) == _tokens(out), rid
     assert all(got[rid].error is None for rid in SPECS)
     assert engine.structured.stats.num_faults == 0
+    _assert_no_leak(engine)
+
+
+class OutOfFuelAfter:
+    """The real matcher until its ``after``-th mask, then stopped by a limit of the grammar
+    engine (in an error state and stopped, as llguidance's is when its lexer runs out of
+    fuel mid-generation)."""
+
+    def __init__(self, real: Any, after: int) -> None:
+        self.real, self.after = real, after
+        self.num_masks = 0
+        self.out = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def unsafe_compute_mask_ptr(self, ptr: int, nbytes: int) -> None:
+        self.num_masks += 1
+        self.real.unsafe_compute_mask_ptr(ptr, nbytes)
+        self.out = self.out or self.num_masks >= self.after
+
+    def is_error(self) -> bool:
+        return self.out or bool(self.real.is_error())
+
+    def is_stopped(self) -> bool:
+        return self.out or bool(self.real.is_stopped())
+
+    def get_error(self) -> str:
+        return "lexer error: too many expressions constructed" if self.out else ""
+
+
+def test_a_matcher_out_of_a_limit_mid_generation_fails_its_request_not_stop(
+    model_dir: Path, expected: dict[str, RequestOutput]
+) -> None:
+    engine = small_engine(model_dir)
+    _add_all(engine)
+    state = engine.structured._states["r1"]
+    state.matcher = OutOfFuelAfter(state.matcher, after=2)
+    got = _drain(engine)
+    r1 = got["r1"]
+    assert r1.error is not None and "lexer fuel" in r1.error, r1.error
+    assert r1.outputs[0].finish_reason != "stop" and len(r1.outputs[0].token_ids) >= 1
+    for rid, out in expected.items():
+        assert got[rid].error is None and _tokens(got[rid]) == _tokens(out), rid
     _assert_no_leak(engine)

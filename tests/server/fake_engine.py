@@ -85,9 +85,15 @@ class FakeEngine:
     """LLMEngine look-alike: add_request / step / abort_request / stats."""
 
     def __init__(
-        self, *, max_model_len: int = 256, step_seconds: float = 0.002, num_blocks: int = 64
+        self,
+        *,
+        max_model_len: int = 256,
+        step_seconds: float = 0.002,
+        num_blocks: int = 64,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         self.max_model_len = max_model_len
+        self.config = SimpleNamespace(scheduling_policy=scheduling_policy)
         self.arch = SimpleNamespace(vocab_size=VOCAB_SIZE)
         self.tokenizer = FakeTokenizer()
         self.model_path = "/models/fake-model.gguf"

@@ -150,12 +150,14 @@ def test_prefix_cache_reported_in_usage(client: openai.OpenAI, model: str) -> No
     assert cached >= 32 and cached < second.usage.prompt_tokens
 
 
-def test_priority_and_user_accepted(http: httpx.Client, model: str) -> None:
-    r = http.post(
-        "/v1/completions",
-        json={"model": model, "prompt": "Hello", "max_tokens": 2, "priority": 1, "user": "u1"},
-    )
+def test_user_accepted_and_priority_only_under_the_priority_policy(
+    http: httpx.Client, model: str
+) -> None:
+    body = {"model": model, "prompt": "Hello", "max_tokens": 2, "priority": 0, "user": "u1"}
+    r = http.post("/v1/completions", json=body)
     assert r.status_code == 200 and len(r.json()["choices"]) == 1
+    r = http.post("/v1/completions", json={**body, "priority": 1})  # the default policy: fcfs
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
 
 
 LONG = "hello " * (MAX_MODEL_LEN + 10)

@@ -1,5 +1,5 @@
 """The server's shape (issue 19 item 5): it reaches the engine only through what
-``async_engine.EngineLike`` names (no ``getattr``/``hasattr`` probes, no ``type: ignore``),
+``engine_like.EngineLike`` names (no ``getattr``/``hasattr`` probes, no ``type: ignore``),
 and its routes live on module-level routers, not in closures of ``build_app``."""
 
 from __future__ import annotations

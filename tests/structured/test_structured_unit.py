@@ -255,3 +255,24 @@ def test_logit_bias_moves_the_argmax() -> None:
     assert sampler.sample(logits, [req])[0] == [6]
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={1: 101.0})
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_json_allows_whitespace_between_tokens_unless_compact(
+    tokenizer: Tokenizer, compact: bool
+) -> None:
+    # vLLM's default backend allows any whitespace; disable_any_whitespace forbids it.
+    compiler = GrammarCompiler(
+        tokenizer.hf_tokenizer, 49152, tokenizer.eos_token_id, compact_json=compact
+    )
+    matcher = compiler.compile(S(json=SCHEMA))
+    (brace,) = tokenizer.encode("{", add_special_tokens=False)
+    assert matcher.consume_token(brace)
+    row = np.zeros((1, 49152 // 32), dtype=np.int32)
+    matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+    allowed = _allowed(row, 0, 49152)
+    spaces = {*tokenizer.encode(" ", add_special_tokens=False)}
+    spaces |= {*tokenizer.encode("\n", add_special_tokens=False)}
+    quote = tokenizer.encode('"', add_special_tokens=False)[0]
+    assert quote in allowed
+    assert bool(spaces & allowed) is not compact

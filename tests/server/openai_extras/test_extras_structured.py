@@ -90,6 +90,12 @@ def test_regex_choice_grammar_exact(
         ("structured_outputs", {"grammar": "start: foo"}, "unknown name"),
         ("structured_outputs", {"grammar": "root ::= ("}, "grammar"),
         ("structured_outputs", {"regex": "a", "choice": ["b"]}, "exactly one"),
+        ("structured_outputs", {"regex": "(.{1,1000}){1,1000}"}, "lexer fuel"),
+        (
+            "structured_outputs",
+            {"json": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#"}}}},
+            "$ref cycle",
+        ),
         (
             "response_format",
             {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}},

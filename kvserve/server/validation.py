@@ -137,9 +137,12 @@ def sampling_params(
     if stop is not None and any(not s for s in stop):
         raise APIError("stop strings must be non-empty", param="stop")
 
+    defaulted = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty"}
+    given = req.model_dump(include=req.model_fields_set & defaulted)
+
     def pick(name: str, openai_default: float) -> float:
         """The request's value, else the model's default, else OpenAI's (vLLM's order)."""
-        value = getattr(req, name) if name in req.model_fields_set else None
+        value = given.get(name)
         return value if value is not None else ctx.sampling_defaults.get(name, openai_default)
 
     try:

@@ -3,7 +3,8 @@
 Every generated request (valid and invalid bodies for every route) goes to a real
 ``kvserve serve`` on a tiny model: no answer may be a 5xx, none may hang (a timeout per
 call), and the server must be healthy after every case. Examples per route: 15 here
-(``KVSERVE_FUZZ_EXAMPLES``); ``make fuzz`` runs 300.
+(``KVSERVE_FUZZ_EXAMPLES``); ``make fuzz`` runs 300. A second server runs with ``--api-key``:
+the same holds with the key, and without it every protected route answers 401.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from tests.tiny_models import make_tiny_model
 
 NUM_EXAMPLES = int(os.environ.get("KVSERVE_FUZZ_EXAMPLES", "15"))
 CALL_TIMEOUT_S = 60.0
+API_KEY = "fuzz-key"
+# The routes --api-key guards (docs/server.md).
+PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/debug/")
 
 # NOTE: the schema is the app's own (routes and pydantic models do not depend on the engine),
 # taken in process; the calls go to the real server.
@@ -50,3 +54,35 @@ def test_api_never_answers_5xx_and_stays_healthy(case: schemathesis.Case, server
     if response.status_code >= 400:
         assert "error" in response.json(), response.text[:500]
     assert httpx.get(server_url + "/health", timeout=10).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def keyed_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    model_dir: Path = make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama")
+    args = ("--model", str(model_dir), "--max-model-len", "96", "--api-key", API_KEY)
+    with running_server(*args) as url:
+        yield url
+
+
+@schema.parametrize()
+@settings(
+    max_examples=max(1, NUM_EXAMPLES // 5),
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+    derandomize=True,
+)
+def test_api_key_server_never_answers_5xx_and_refuses_calls_without_the_key(
+    case: schemathesis.Case, keyed_server_url: str
+) -> None:
+    keyed = case.call(
+        base_url=keyed_server_url,
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=CALL_TIMEOUT_S,
+    )
+    assert keyed.status_code < 500, (case.as_curl_command(), keyed.text[:500])
+    assert keyed.status_code != 401, (case.as_curl_command(), keyed.text[:500])
+    if case.path.startswith(PROTECTED):
+        bare = case.call(base_url=keyed_server_url, timeout=CALL_TIMEOUT_S)
+        assert bare.status_code == 401, (case.as_curl_command(), bare.text[:500])
+        assert "error" in bare.json(), bare.text[:500]
+    assert httpx.get(keyed_server_url + "/health", timeout=10).status_code == 200

@@ -35,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from kvserve.config import SchedulerConfig
 from kvserve.core.sched.step_budget import PrefillCandidate
 from kvserve.request import Request
 
@@ -81,3 +82,19 @@ def with_prefix_hits(
             c = replace(c, remaining=c.remaining - num_hit)
         out.append(c)
     return out
+
+
+def plan_fair_prefill(
+    config: SchedulerConfig,
+    candidates: Sequence[PrefillCandidate],
+    requests: Mapping[str, Request],
+    kv: KVCacheManager,
+    budget: int,
+) -> dict[str, int] | None:
+    """The scheduler's entry: ``fair_prefill_caps`` at ``config.prefill_share`` over the
+    candidates with their prefix hits (looked up only when there is something to share)."""
+    if config.prefill_share >= 1.0 or len(candidates) < 2:
+        return None
+    return fair_prefill_caps(
+        with_prefix_hits(candidates, requests, kv), budget, config.prefill_share
+    )

@@ -16,14 +16,12 @@ this order:
    only: if the head cannot be admitted, nobody behind it is. No admission while any
    request is swapped out. Steps 3 and 4 are skipped in a step that preempted.
 
-With a step-time budget (``step_budget``, a ``step_budget.StepTimeBudget``; off by default,
-on under ``--step-budget``, ``--max-step-ms`` or ``--target-itl-ms``), steps 2-4 also respect
-per-request prefill chunk caps that it plans right after step 1, so the step's predicted time
-stays within its target (decodes are never capped; a step without decodes is not capped; see
-that module). ``observe_step`` feeds it the engine's step records. Without it, the fair
-prefill share (``fair_prefill.py``, ``prefill_share``; on by default) caps each prefill
-chunk while several requests want prefill tokens, so a long prompt leaves room in every step
-for a newly arrived one.
+Steps 2-4 respect per-request prefill chunk caps planned right after step 1: by default the
+fair prefill share's (``fair_prefill.py``: a long prompt leaves room for others' chunks);
+with a step-time budget (``step_budget.StepTimeBudget``; off by default, on under
+``--step-budget``, ``--max-step-ms`` or ``--target-itl-ms``) its caps instead, so the step's
+predicted time stays within its target (decodes are never capped; see that module).
+``observe_step`` feeds it the engine's step records.
 
 Rules: ``admission.py`` (seats, headroom, hysteresis, no deadlock: steps 3 and 4),
 ``preemption.py`` ("recompute", or "swap" with a fallback), ``stop_checks``; ``step_plan``
@@ -46,7 +44,7 @@ from kvserve.config import SchedulerConfig
 from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvserve.core.sched import ahead
 from kvserve.core.sched.admission import AdmissionControl, validate_request, waiting_key
-from kvserve.core.sched.fair_prefill import fair_prefill_caps, with_prefix_hits
+from kvserve.core.sched.fair_prefill import plan_fair_prefill
 from kvserve.core.sched.policy import PreemptionPolicy, PriorityPolicy
 from kvserve.core.sched.preemption import choose_victim, release_victim
 from kvserve.core.sched.sched_stats import SchedulerStats, StepStats
@@ -232,12 +230,9 @@ class Scheduler:
                 self._emit(request, num_new, step)
 
     def _plan_prefill(self, step: StepPlan) -> dict[str, int] | None:
-        """Prefill chunk caps once this step's decodes are in: the step-time budget's plan,
-        else the fair prefill share's (``fair_prefill.py``). Candidates:
-        ``step_budget.prefill_candidates``; waiting ones only while admission is open and
-        nobody is swapped out."""
-        share = self.config.prefill_share
-        if not self.config.enable_chunked_prefill or (self.step_budget is None and share >= 1):
+        """Prefill chunk caps after the decodes: the step-time budget's, else the fair share's
+        (candidates: ``prefill_candidates``, waiting ones while admission is open, none swapped)."""
+        if not self.config.enable_chunked_prefill:
             return None
         admit = not self.swapped and (not self.running or not self.admission_closed)
         candidates = prefill_candidates(
@@ -248,8 +243,7 @@ class Scheduler:
             self.clock(),
         )
         if self.step_budget is None:
-            candidates = with_prefix_hits(candidates, self.requests, self.kv)
-            return fair_prefill_caps(candidates, step.budget, share)
+            return plan_fair_prefill(self.config, candidates, self.requests, self.kv, step.budget)
         decode_contexts = [sr.start_pos + 1 for sr in step.out.scheduled]
         return self.step_budget.plan(decode_contexts, candidates, step.budget)
 

@@ -104,6 +104,9 @@ class SchedulerConfig:
     # Async scheduling (vLLM's ``async_scheduling``): schedule() may run while the previous
     # step's forward is in flight, counting one placeholder token per sampling request.
     async_scheduling: bool = False
+    # Fair prefill (core/sched/fair_prefill.py): while several requests want prefill tokens,
+    # one request's chunk takes at most this share of what the decodes left first; 1.0: off.
+    prefill_share: float = 0.5
 
     def __post_init__(self) -> None:
         _pos("max_num_seqs", self.max_num_seqs)
@@ -123,6 +126,11 @@ class SchedulerConfig:
             )
         if self.max_seats_per_request is not None:
             _pos("max_seats_per_request", self.max_seats_per_request)
+        ps = self.prefill_share
+        if isinstance(ps, bool) or not isinstance(ps, (int, float)) or not 0.0 < ps <= 1.0:
+            raise ValueError(
+                f"prefill_share (--prefill-share) must be a number in (0, 1] (1: off), got {ps!r}"
+            )
 
     @property
     def max_running(self) -> int:

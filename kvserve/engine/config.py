@@ -98,6 +98,11 @@ _HELP: dict[str, str] = {
     "stall falls on so few streams that splitting the prompt costs more)",
     "prefill_policy": "who gets a step's prefill time: shortest remaining prompt first, "
     "round-robin, or fcfs (arrival order)",
+    "prefill_share": "fair prefill: while several requests want prefill tokens in a step, "
+    "one request's chunk takes at most this share of the tokens the decodes left first (the "
+    "rest goes to the others, then back to it), so a new prompt is not held behind a long "
+    "one; 1 turns it off (a long prompt's chunks take the whole budget); not applied under "
+    "--step-budget, whose plan sizes the chunks",
     "scheduling_policy": "fcfs: the queue is served by priority then arrival, nobody is "
     "preempted for priority; priority (vLLM's name): a waiting request with a smaller "
     "priority value preempts running ones with larger values when it cannot be admitted",
@@ -163,6 +168,7 @@ class EngineConfig:
     ttft_slack: float | None = None
     step_tail_fraction: float | None = None
     step_tail_min_tokens: int = 64
+    prefill_share: float = 0.5
     scheduling_policy: str = "fcfs"
     max_seats_per_request: int | None = None
     kernel_selection: str = "auto"
@@ -296,6 +302,7 @@ class EngineConfig:
             scheduling_policy=self.scheduling_policy,  # type: ignore[arg-type]
             max_seats_per_request=self.max_seats_per_request,
             async_scheduling=self.async_scheduling,
+            prefill_share=self.prefill_share,
         )
 
     def replace(self, **changes: Any) -> EngineConfig:

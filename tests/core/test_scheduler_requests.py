@@ -169,7 +169,8 @@ def test_a_request_that_recomputed_a_cached_block_caches_its_later_blocks() -> N
     """b is admitted while a still prefills the same prompt: b hits a's first blocks and
     computes the last one again (a duplicate). Its own conversation after that must still
     land in the prefix cache, on a's path (the duplicate swapped for a's block)."""
-    d = make_driver(num_blocks=64, max_num_batched_tokens=16)
+    # NOTE: greedy chunks (no fair share): a's first 16 tokens are cached before b's turn.
+    d = make_driver(num_blocks=64, max_num_batched_tokens=16, prefill_share=1.0)
     p = prompt(20)  # 5 full blocks of 4
     a = make_request("a", p, max_tokens=12, seed=1)
     b = make_request("b", p, max_tokens=12, seed=2)  # seeded: b's tokens differ from a's

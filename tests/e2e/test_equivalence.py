@@ -115,6 +115,14 @@ def test_token_budgets_are_identical(make_llm, reference, dtype, budget: int) ->
     assert_same(_tokens(llm, prompts), expected, dtype)
 
 
+@pytest.mark.parametrize("share", [0.1, 1.0])
+def test_prefill_shares_are_identical(make_llm, reference, dtype, share: float) -> None:
+    """Fair prefill share (default 0.5 in the reference): a small share, and off (greedy)."""
+    prompts, expected = reference
+    llm = make_llm(num_kv_blocks=512, max_num_batched_tokens=64, prefill_share=share)
+    assert_same(_tokens(llm, prompts), expected, dtype)
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_is_identical(make_llm, reference, dtype, mode: str) -> None:
     prompts, expected = reference

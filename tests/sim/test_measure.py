@@ -6,7 +6,10 @@ from kvserve.sim.workloads import WorkloadRequest
 
 def test_engine_step_records_cover_every_computed_token() -> None:
     wl = [WorkloadRequest("a", 40, 3, 0.0), WorkloadRequest("b", 9, 2, 0.0)]
-    recs = measure_engine_steps(wl, max_num_batched_tokens=32, num_warmup_steps=0, num_threads=1)
+    # NOTE: greedy chunks (prefill_share=1): the first step is all of a's first chunk.
+    recs = measure_engine_steps(
+        wl, max_num_batched_tokens=32, num_warmup_steps=0, num_threads=1, prefill_share=1.0
+    )
     # each request computes its prompt and all but its last output token
     assert sum(r.num_prefill_tokens + r.num_decode_tokens for r in recs) == 40 + 2 + 9 + 1
     assert (recs[0].num_prefill_tokens, recs[0].num_seqs) == (32, 1)  # the budget caps a chunk

@@ -16,11 +16,12 @@ this order:
    only: if the head cannot be admitted, nobody behind it is. No admission while any
    request is swapped out. Steps 3 and 4 are skipped in a step that preempted.
 
-With a step-time budget (``step_budget``, a ``step_budget.StepTimeBudget``; off by default,
-on under ``--step-budget``, ``--max-step-ms`` or ``--target-itl-ms``), steps 2-4 also respect
-per-request prefill chunk caps that it plans right after step 1, so the step's predicted time
-stays within its target (decodes are never capped; a step without decodes is not capped; see
-that module). ``observe_step`` feeds it the engine's step records.
+Steps 2-4 respect per-request prefill chunk caps planned right after step 1: by default the
+fair prefill share's (``fair_prefill.py``: a long prompt leaves room for others' chunks);
+with a step-time budget (``step_budget.StepTimeBudget``; off by default, on under
+``--step-budget``, ``--max-step-ms`` or ``--target-itl-ms``) its caps instead, so the step's
+predicted time stays within its target (decodes are never capped; see that module).
+``observe_step`` feeds it the engine's step records.
 
 Rules: ``admission.py`` (seats, headroom, hysteresis, no deadlock: steps 3 and 4),
 ``preemption.py`` ("recompute", or "swap" with a fallback), ``stop_checks``; ``step_plan``
@@ -43,6 +44,7 @@ from kvserve.config import SchedulerConfig
 from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvserve.core.sched import ahead
 from kvserve.core.sched.admission import AdmissionControl, validate_request, waiting_key
+from kvserve.core.sched.fair_prefill import plan_fair_prefill
 from kvserve.core.sched.policy import PreemptionPolicy, PriorityPolicy
 from kvserve.core.sched.preemption import choose_victim, release_victim
 from kvserve.core.sched.sched_stats import SchedulerStats, StepStats
@@ -228,10 +230,9 @@ class Scheduler:
                 self._emit(request, num_new, step)
 
     def _plan_prefill(self, step: StepPlan) -> dict[str, int] | None:
-        """Ask the step-time budget for prefill chunk caps once this step's decodes are in
-        (candidates: ``step_budget.prefill_candidates``; waiting ones only while admission is
-        open and nobody is swapped out)."""
-        if self.step_budget is None or not self.config.enable_chunked_prefill:
+        """Prefill chunk caps after the decodes: the step-time budget's, else the fair share's
+        (candidates: ``prefill_candidates``, waiting ones while admission is open, none swapped)."""
+        if not self.config.enable_chunked_prefill:
             return None
         admit = not self.swapped and (not self.running or not self.admission_closed)
         candidates = prefill_candidates(
@@ -241,6 +242,8 @@ class Scheduler:
             self.config.max_running - self._num_seats(),
             self.clock(),
         )
+        if self.step_budget is None:
+            return plan_fair_prefill(self.config, candidates, self.requests, self.kv, step.budget)
         decode_contexts = [sr.start_pos + 1 for sr in step.out.scheduled]
         return self.step_budget.plan(decode_contexts, candidates, step.budget)
 

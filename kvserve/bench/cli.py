@@ -27,6 +27,7 @@ _EXTERNAL = (
     ("structured", "kvserve.bench.structured", "structured output overhead and validity"),
     ("tp", "kvserve.bench.tp", "tensor parallel vs one process: logits, agreement, step time"),
     ("first-token", "kvserve.bench.first_token", "greedy answer and top log-probs per setting"),
+    ("long-prompt", "kvserve.bench.long_prompt", "a short request's wait beside a long prefill"),
 )
 
 

@@ -1,4 +1,4 @@
-"""Issue 51 probe: what a long prompt in flight costs a new short request and a running stream.
+"""What a long prompt in flight costs a new short request and a running stream.
 
 One engine (embedded model, defaults otherwise), rounds alternating the prefill share:
 a stream decodes; a LONG-token prompt arrives; one step later a 4-token request arrives.
@@ -6,7 +6,7 @@ Printed per round: the short request's TTFT (from its arrival), the long prompt'
 and the stream's largest and mean gap between tokens while the long prompt prefills; plus
 the short request's TTFT with nothing else running (idle).
 
-    PYTHONPATH=. python bench/fair_prefill_probe.py --rounds 2 --shares 0.5 1.0
+    kvserve bench long-prompt --rounds 2 --shares 0.5 1.0
 """
 
 from __future__ import annotations
@@ -72,13 +72,15 @@ def _round(engine: LLMEngine, rng: random.Random, long_len: int) -> dict[str, fl
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     """Run the rounds and print one line per round and share."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="kvserve bench long-prompt", description=__doc__.splitlines()[0]
+    )
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--shares", type=float, nargs="+", default=[0.5, 1.0])
     ap.add_argument("--long-len", type=int, default=4000)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     engine = LLMEngine()
     rng = random.Random(51)
     base = engine.scheduler.config
@@ -90,7 +92,4 @@ def main() -> None:
             res = _round(engine, rng, args.long_len)
             figures = " ".join(f"{k}={v:.3f}" for k, v in res.items())
             print(f"round={r} share={share} idle_ttft_s={idle:.3f} {figures}", flush=True)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

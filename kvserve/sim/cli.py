@@ -11,6 +11,7 @@ import sys
 import time
 from typing import Any
 
+from kvserve.config import SchedulerConfig
 from kvserve.engine.config import parse_bytes
 from kvserve.sim.calibrate import fit_efficiency, load_step_records, save_step_records
 from kvserve.sim.cost_model import Efficiency
@@ -73,6 +74,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # NOTE: the spelling before the engine's (a float of GiB); kept, hidden, for old scripts.
     e.add_argument("--swap-space-gib", type=float, default=None, help=argparse.SUPPRESS)
     e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument(
+        "--prefill-share",
+        type=float,
+        default=SchedulerConfig.prefill_share,
+        help="the engine's fair prefill share (1: a chunk may take the whole step budget)",
+    )
     w = p.add_argument_group("workload")
     w.add_argument(
         "--experiment",
@@ -123,6 +130,7 @@ def build_setup(args: argparse.Namespace) -> SimSetup:
             args.swap_space / GiB if args.swap_space_gib is None else args.swap_space_gib
         ),
         preemption_mode=args.preemption_mode,
+        prefill_share=args.prefill_share,
         enable_prefix_caching=not args.no_prefix_caching,
         num_requests=args.num_requests,
         request_rate=args.request_rate,

@@ -30,6 +30,7 @@ class SimSetup:
     num_kv_blocks: int | None = None  # exact pool size; overrides the memory plan
     swap_space_gib: float = 16.0  # host tier per GPU, for swap preemption
     preemption_mode: str = "recompute"
+    prefill_share: float = SchedulerConfig.prefill_share  # the engine's fair prefill share
     enable_prefix_caching: bool = True
     num_requests: int | None = None
     request_rate: float | None = None
@@ -94,6 +95,7 @@ class SimSetup:
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.model_len,
             preemption_mode=self.preemption_mode,  # type: ignore[arg-type]
+            prefill_share=self.prefill_share,
         )
         return replace(base, **overrides)  # type: ignore[arg-type]
 

@@ -260,6 +260,13 @@ def test_a_limit_mid_generation_is_a_200_with_finish_error_or_an_error_event(
             assert err["code"] == "request_failed" and "lexer fuel" in err["message"], err
             finishes = [json.loads(e)["choices"][0].get("finish_reason") for e in events[:-2]]
             assert all(f is None for f in finishes), finishes
+            chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8,
+                    "temperature": 0.0, "structured_outputs": {"regex": "[a-z]{2,12}"}}  # fmt: skip
+            r = await c.post("/v1/chat/completions", json=chat)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert choice["finish_reason"] == "error", choice
+            assert re.fullmatch("[a-z]{1,12}", choice["message"]["content"]), choice
             ok = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
             assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
         await app.state.async_engine.shutdown()

@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 from kvserve.core.outputs import LogprobsEntry
 
+# The finish reason of a sample whose request failed but keeps its output: its grammar
+# matcher ran out of a grammar-engine limit mid-generation (vLLM's FinishReason.ERROR).
+FINISH_ERROR = "error"
+
 
 @dataclass(slots=True)
 class CompletionOutput:
@@ -14,7 +18,8 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    # "stop", "length", "abort", "error" (FINISH_ERROR) or None while running
+    finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or stop token id that matched
     logprobs: list[LogprobsEntry] | None = None
     cumulative_logprob: float | None = None
@@ -50,11 +55,18 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
     # Set when the request failed on its own (a fault in its step, non-finite logits): it is
-    # finished, its blocks are freed, and ``error`` says why. The engine serves on.
+    # finished, its blocks are freed, and ``error`` says why. The engine serves on. Its samples
+    # finish with "abort", or with FINISH_ERROR where the output stands (``failed_with_output``).
     error: str | None = None
     # SamplingParams.prompt_logprobs: None for the first prompt token, then one entry per
     # prompt token (its raw logprob plus the top-N); filled once the prompt is computed.
     prompt_logprobs: list[LogprobsEntry | None] | None = None
+
+    @property
+    def failed_with_output(self) -> bool:
+        """Failed (``error``) with samples that finished with FINISH_ERROR: the output so far
+        is an answer (a grammar-engine limit), not lost work."""
+        return self.error is not None and any(c.finish_reason == FINISH_ERROR for c in self.outputs)
 
 
 def merge_outputs(pending: RequestOutput, new: RequestOutput) -> RequestOutput:

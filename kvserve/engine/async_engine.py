@@ -360,8 +360,9 @@ class AsyncLLMEngine:
         stream = self._streams.get(out.request_id)
         if stream is None:
             return  # aborted: its late outputs are dropped
-        if out.error is not None:
-            # NOTE: the request failed on its own: its stream ends with the error.
+        if out.error is not None and not out.failed_with_output:
+            # NOTE: the request failed on its own: its stream ends with the error. One that
+            # failed with its output (finish reason "error") is delivered as a final output.
             del self._streams[out.request_id]
             stream.put(RequestFailedError(out.error))
             if self.observer is not None:

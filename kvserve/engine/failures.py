@@ -18,6 +18,7 @@ from kvserve.core.sched.scheduler import Scheduler
 from kvserve.engine.request_state import RequestGroup
 from kvserve.engine.step_guard import StepFault
 from kvserve.request import RequestStatus
+from kvserve.structured.limits import LimitFault
 
 logger = logging.getLogger("kvserve")
 
@@ -149,7 +150,8 @@ class RequestFailures:
     def fail_grammar_faults(self, faults: dict[str, str]) -> dict[str, RequestGroup]:
         """Fail every request (all samples of its group) the grammar engine failed (request
         id -> reason, from StructuredOutputManager); returns them. Unlike a runner fault, the
-        KV of their step was written: their blocks stay valid for prefix hits."""
+        KV of their step was written: their blocks stay valid for prefix hits. A reason that
+        is a ``LimitFault`` finishes the request's samples with "error" (FINISH_ERROR)."""
         out: dict[str, RequestGroup] = {}
         for rid, reason in faults.items():
             group = self.group_of(rid)
@@ -158,6 +160,10 @@ class RequestFailures:
                 continue
             if group.error is not None:
                 continue  # already failed in this step (a runner fault)
+            # NOTE: a limit the matcher ran out of ends the request with finish reason
+            # "error" and its text so far (issue 51); any other grammar fault, like a runner
+            # fault, fails it without output.
+            group.error_finish = isinstance(reason, LimitFault)
             fail_group(self.scheduler, group, reason)
             out[group.request_id] = group
         self.num_failed_requests += len(out)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from kvserve.core.outputs import LogprobsEntry
 from kvserve.detokenizer import IncrementalDetokenizer
-from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.outputs import FINISH_ERROR, CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
 
@@ -36,6 +36,9 @@ class RequestGroup:
     samples: list[SampleState] = field(default_factory=list)
     reported_finished: bool = False
     error: str | None = None  # why it failed (a fault of its own), if it did
+    # Failed by a grammar-engine limit: the samples it ended finish with FINISH_ERROR, not
+    # "abort", and the output stands (failures.fail_grammar_faults).
+    error_finish: bool = False
     prompt_logprobs: list[LogprobsEntry | None] | None = None
 
 
@@ -48,6 +51,9 @@ def make_output(group: RequestGroup, *, delta: bool) -> RequestOutput:
         text = s.detok.text
         delta_ids = req.output_token_ids[s.num_emitted_tokens :] if delta else []
         delta_text = text[s.num_emitted_chars :] if delta else ""
+        finish_reason = req.finish_reason
+        if group.error_finish and finish_reason == "abort":
+            finish_reason = FINISH_ERROR
         if delta:
             s.num_emitted_tokens = req.num_output_tokens
             s.num_emitted_chars = len(text)
@@ -56,7 +62,7 @@ def make_output(group: RequestGroup, *, delta: bool) -> RequestOutput:
                 index=req.sample_index,
                 text=text,
                 token_ids=list(req.output_token_ids),
-                finish_reason=req.finish_reason,
+                finish_reason=finish_reason,
                 stop_reason=req.stop_reason,
                 logprobs=list(s.logprobs) if s.logprobs is not None else None,
                 cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,

@@ -2,7 +2,9 @@
 collection of final outputs for non-streaming responses, and the client-disconnect abort.
 
 An engine failure, streaming or not, is answered through ``errors.engine_error``: before the
-first byte as an HTTP status, inside a stream as an error event followed by ``[DONE]``.
+first byte as an HTTP status, inside a stream as an error event followed by ``[DONE]``. A
+request that failed with its output (finish reason "error": a grammar-engine limit) is a
+non-streamed answer's choice, with its text so far, and a stream's error event.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from kvserve.engine.async_engine import RequestStream
+from kvserve.engine.async_engine import RequestFailedError, RequestStream
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.server import protocol as p
 from kvserve.server.context import usage
@@ -62,6 +64,11 @@ async def stream_events(
     sent_finish: set[int] = set()
     async with aclosing(merge_streams(streams)) as merged:
         async for i, out in merged:
+            if out.failed_with_output:
+                # NOTE: a request that finished with "error" (a grammar-engine limit) keeps
+                # its text in a non-streamed answer; a stream ends with an error event, as for
+                # any failed request (sse_response), never with a finish that looks complete.
+                raise RequestFailedError(out.error)
             finals[i] = out
             for c in out.outputs:
                 index = i * n + c.index

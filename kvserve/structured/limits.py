@@ -8,6 +8,8 @@ cost more, at admission rather than mid-generation.
   (ValueError naming the limit) before any request is queued.
 - ``limit_error``: whether a matcher's error is a limit (the request then fails with an
   error) rather than a grammar that allows no further token (which ends with EOS, "stop").
+- ``LimitFault``: the reason the manager reports for such a request; the engine finishes it
+  with finish reason "error", keeping the text generated so far.
 - ``check_ref_cycles``: a JSON schema whose ``$ref`` chain comes back to itself before any
   structure matches nothing (llguidance reads it as an empty language); refused by name.
 """
@@ -31,6 +33,16 @@ _LIMIT_ERRORS = (
     ("grammar size", "max_grammar_size"),
     ("limit", "a parser limit"),
 )
+
+
+class LimitFault(str):
+    """The reason of a request whose matcher ran out of a grammar-engine limit mid-generation
+    (the text of ``limit_error``): the engine finishes it with finish reason "error" and its
+    text so far, rather than failing it without output as it does other grammar faults."""
+
+    # NOTE: a str, so a fault's reason reads the same whatever its kind; only the engine's
+    # finish (failures.fail_grammar_faults) looks at the type.
+    __slots__ = ()
 
 
 def limit_error(matcher: Any) -> str | None:

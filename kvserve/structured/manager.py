@@ -17,7 +17,9 @@ mask, consuming its token, rebuilding its matcher), or a limit of the grammar en
 matcher runs out of mid-generation (``limits.limit_error``), is that sequence's fault, as a
 runner fault pinned on one request is: ``prepare`` and ``update`` catch it, drop that matcher
 and report the request id with the reason; the engine fails that request alone (an error,
-never "stop": its output does not follow the constraint to its end) and steps on.
+never "stop": its output does not follow the constraint to its end) and steps on. A limit's
+reason is a ``limits.LimitFault``: that request finishes with finish reason "error" and keeps
+its text so far.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import numpy as np
 from kvserve.core.outputs import GrammarBitmask, SchedulerOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.structured.compiler import DEFAULT_CACHE_SIZE, GrammarCompiler
-from kvserve.structured.limits import limit_error
+from kvserve.structured.limits import LimitFault, limit_error
 from kvserve.structured.spec import StructuredOutputsParams
 
 logger = logging.getLogger("kvserve.structured")
@@ -168,7 +170,7 @@ class StructuredOutputManager:
             try:
                 self._fill_row(sr.request_id, sr.output_token_ids, bitmask[i])
             except _OverLimit as e:
-                faults[sr.request_id] = self._fault(sr.request_id, str(e))
+                faults[sr.request_id] = self._fault(sr.request_id, LimitFault(str(e)))
             except Exception as e:  # noqa: BLE001 - this sequence's grammar only
                 reason = f"structured output failed computing the mask: {e!r}"
                 faults[sr.request_id] = self._fault(sr.request_id, reason)
@@ -216,7 +218,7 @@ class StructuredOutputManager:
                 faults[rid] = self._fault(rid, reason)
                 continue
             if over_limit is not None:
-                faults[rid] = self._fault(rid, f"structured output: {over_limit}")
+                faults[rid] = self._fault(rid, LimitFault(f"structured output: {over_limit}"))
                 continue
             if not req.is_finished and stopped:
                 ended.append(rid)

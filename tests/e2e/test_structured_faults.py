@@ -6,19 +6,26 @@ its sampled token after it) fails that request alone, with an error: the other r
 constrained or not, finish with exactly the tokens of a run without it, nothing leaks and the
 engine serves on. A grammar that dead-ends (no token can extend the output) ends its request
 with EOS at once (vLLM's behaviour), never with garbage tokens or a run to max_tokens; one
-whose matcher runs out of a grammar-engine limit fails with an error, never "stop".
+whose matcher runs out of a grammar-engine limit fails with an error, never "stop": finish
+reason "error" with its text so far (through the server: a 200 not streamed, an error event
+streamed).
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import re
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.server.app import build_app
 from kvserve.structured import StructuredOutputsParams as S
 from tests.e2e.engine_steps import drain, small_engine
 from tests.tiny_models import make_tiny_model
@@ -207,7 +214,61 @@ def test_a_matcher_out_of_a_limit_mid_generation_fails_its_request_not_stop(
     got = _drain(engine)
     r1 = got["r1"]
     assert r1.error is not None and "lexer fuel" in r1.error, r1.error
-    assert r1.outputs[0].finish_reason != "stop" and len(r1.outputs[0].token_ids) >= 1
+    # Finish reason "error" (vLLM's FinishReason.ERROR) with the text so far, never "stop".
+    c = r1.outputs[0]
+    assert c.finish_reason == "error" and r1.failed_with_output
+    assert len(c.token_ids) >= 1 and c.text == engine.tokenizer.decode(c.token_ids)
     for rid, out in expected.items():
         assert got[rid].error is None and _tokens(got[rid]) == _tokens(out), rid
     _assert_no_leak(engine)
+
+
+def test_a_limit_mid_generation_is_a_200_with_finish_error_or_an_error_event(
+    model_dir: Path,
+) -> None:
+    """Through the OpenAI server: not streamed, a 200 whose choice has finish reason "error"
+    and the text generated so far; streamed, an error event before ``[DONE]``. A request
+    without a constraint is served as usual."""
+    engine = small_engine(model_dir)
+    structured = engine.structured
+    real_add = structured.add_request
+
+    def add_out_of_fuel(request_ids: list[str], spec: S) -> None:
+        real_add(request_ids, spec)
+        for rid in request_ids:
+            state = structured._states[rid]
+            state.matcher = OutOfFuelAfter(state.matcher, after=3)
+
+    structured.add_request = add_out_of_fuel  # type: ignore[method-assign]
+    body = {"prompt": "hello", "max_tokens": 8, "temperature": 0.0,
+            "structured_outputs": {"regex": "[a-z]{2,12}"}}  # fmt: skip
+
+    async def main() -> None:
+        app = build_app(engine)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            r = await c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert choice["finish_reason"] == "error" and choice["text"], choice
+            assert re.fullmatch("[a-z]{1,12}", choice["text"]), choice
+            assert r.json()["usage"]["completion_tokens"] >= 1
+            streamed = await c.post("/v1/completions", json={**body, "stream": True})
+            events = [ln[6:] for ln in streamed.text.splitlines() if ln.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            err = json.loads(events[-2])["error"]
+            assert err["code"] == "request_failed" and "lexer fuel" in err["message"], err
+            finishes = [json.loads(e)["choices"][0].get("finish_reason") for e in events[:-2]]
+            assert all(f is None for f in finishes), finishes
+            chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8,
+                    "temperature": 0.0, "structured_outputs": {"regex": "[a-z]{2,12}"}}  # fmt: skip
+            r = await c.post("/v1/chat/completions", json=chat)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert choice["finish_reason"] == "error", choice
+            assert re.fullmatch("[a-z]{1,12}", choice["message"]["content"]), choice
+            ok = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+            assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+        await app.state.async_engine.shutdown()
+
+    asyncio.run(asyncio.wait_for(main(), timeout=120))

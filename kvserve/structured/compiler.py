@@ -19,6 +19,7 @@ from typing import Any
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
+from kvserve.structured.closed_schema import closed_schema
 from kvserve.structured.limits import PARSER_LIMITS, check_ref_cycles, probe
 from kvserve.structured.spec import StructuredOutputsParams
 
@@ -121,7 +122,7 @@ def _to_grammar(spec: StructuredOutputsParams, compact_json: bool = False) -> st
         check_ref_cycles(spec.json_schema)
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(
-                json.dumps(spec.json_schema),
+                json.dumps(closed_schema(spec.json_schema)),
                 defaults=_COMPACT_JSON_OPTIONS if compact_json else _JSON_OPTIONS,
             )
         except ValueError as e:

@@ -120,7 +120,12 @@ def test_prefix_cache_hits_on_second_pass(make_llm, reference) -> None:
 @pytest.mark.parametrize("budget", [16, 64, 2048])
 def test_token_budgets(make_llm, reference, budget: int) -> None:
     prompts, expected = reference
-    llm = quant_llm(make_llm, num_kv_blocks=512, max_num_batched_tokens=budget)
+    # NOTE: greedy chunking (prefill_share=1), as the tolerance above was measured: the fair
+    # prefill share halves the chunks while prompts queue (8 tokens at a budget of 16), and
+    # on this not yet batch-invariant path (issue 50) 4 of the 6 requests then diverged
+    # (2026-12-07, 60d410e). Outputs at any share are checked exactly on the dense path
+    # (test_equivalence.py::test_prefill_shares_are_identical).
+    llm = quant_llm(make_llm, num_kv_blocks=512, max_num_batched_tokens=budget, prefill_share=1.0)
     assert_agrees(_tokens(llm, prompts), expected)
 
 

@@ -24,6 +24,7 @@ torch RNG. Building one model takes ~0.1 s after the first call (which imports t
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
 import shutil
@@ -230,6 +231,16 @@ def make_tiny_model(
         for file in Path(tiny_tokenizer_dir()).iterdir():
             shutil.copy(file, out / file.name)
     return str(out)
+
+
+def edit_config(model_dir: str | os.PathLike, **changes: object) -> None:
+    """Update ``model_dir``'s config.json with ``changes`` (to build a bad or varied config)."""
+    path = os.path.join(model_dir, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config.update(changes)
+    with open(path, "w") as f:
+        json.dump(config, f)
 
 
 def _permute_for_gguf(weight: np.ndarray, num_heads: int) -> np.ndarray:

@@ -3,7 +3,6 @@ scaling configs: the loaded weights are transformers' own, and bad input names w
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import torch
 from kvserve.models import ModelFileNotFoundError, ModelLoadError, load_model
 from kvserve.models.hf_loader import SUPPORTED_HF_ARCHS, hf_arch_config
 from kvserve.models.weights import split_fused
-from tests.tiny_models import make_tiny_model
+from tests.tiny_models import edit_config, make_tiny_model
 
 SMALL = {"vocab_size": 256}
 LONGROPE = {
@@ -28,15 +27,6 @@ def _hf_state_dict(model_dir: str) -> dict[str, torch.Tensor]:
 
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     return ref.state_dict()
-
-
-def _edit_config(model_dir: str, **changes: object) -> None:
-    path = os.path.join(model_dir, "config.json")
-    with open(path) as f:
-        config = json.load(f)
-    config.update(changes)
-    with open(path, "w") as f:
-        json.dump(config, f)
 
 
 @pytest.mark.parametrize(
@@ -111,13 +101,13 @@ def test_rope_configs_as_checkpoints_write_them(tmp_path: Path) -> None:
     assert arch.rope_scaling["original_max_position_embeddings"] == 256
     assert arch.rope_scaling["short_factor"] == LONGROPE["short_factor"]
     assert arch.sliding_window == 100
-    _edit_config(phi3, sliding_window=262144)  # Phi-3-mini-128k's: wider than the context
+    edit_config(phi3, sliding_window=262144)  # Phi-3-mini-128k's: wider than the context
     assert load_model(phi3).arch.sliding_window is None
 
 
 def test_unknown_architecture_lists_the_supported_ones(tmp_path: Path) -> None:
     model_dir = make_tiny_model(tmp_path, "qwen3", tokenizer=False, **SMALL)
-    _edit_config(model_dir, architectures=["Gemma2ForCausalLM"], model_type="gemma2")
+    edit_config(model_dir, architectures=["Gemma2ForCausalLM"], model_type="gemma2")
     with pytest.raises(ValueError, match=r"unsupported architecture 'Gemma2ForCausalLM'") as e:
         load_model(model_dir)
     for name in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM"):
@@ -138,7 +128,7 @@ def test_bad_config_is_a_value_error_naming_it(
     tmp_path: Path, changes: dict, message: str | None
 ) -> None:
     model_dir = make_tiny_model(tmp_path, "qwen3", tokenizer=False, **SMALL)
-    _edit_config(model_dir, rope_parameters=None, **changes)
+    edit_config(model_dir, rope_parameters=None, **changes)
     if message is None:
         scaling = load_model(model_dir).arch.rope_scaling
         assert scaling["original_max_position_embeddings"] == 1024  # max_position_embeddings
@@ -149,7 +139,7 @@ def test_bad_config_is_a_value_error_naming_it(
 
 def test_phi3_shape_mismatch_names_the_tensor_and_the_file(tmp_path: Path) -> None:
     model_dir = make_tiny_model(tmp_path, "phi3", tokenizer=False, **SMALL)
-    _edit_config(model_dir, num_key_value_heads=4)
+    edit_config(model_dir, num_key_value_heads=4)
     with pytest.raises(
         ModelLoadError,
         match=r"model\.safetensors: tensor 'model\.layers\.0\.self_attn\.qkv_proj\.weight' "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -24,6 +23,7 @@ from kvserve.models.dequant import single_threaded
 from kvserve.models.gguf_loader import unpermute_rope
 from tests.tiny_models import (
     _permute_for_gguf,
+    edit_config,
     embedded_gguf_path,
     embedded_reference_dir,
     make_tiny_gguf,
@@ -300,18 +300,9 @@ def test_default_model_path_missing_names_install_command(monkeypatch: pytest.Mo
 # ---------------------------------------------------------------- errors: HF directories
 
 
-def _edit_config(model_dir: str, **changes: object) -> None:
-    path = os.path.join(model_dir, "config.json")
-    with open(path) as f:
-        config = json.load(f)
-    config.update(changes)
-    with open(path, "w") as f:
-        json.dump(config, f)
-
-
 def test_hf_unknown_architecture(tmp_path: Path) -> None:
     model_dir = make_tiny_model(tmp_path, "llama", tokenizer=False)
-    _edit_config(model_dir, architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    edit_config(model_dir, architectures=["GPT2LMHeadModel"], model_type="gpt2")
     with pytest.raises(ModelLoadError, match=r"config\.json: unsupported architecture 'GPT2LMHe"):
         load_model(model_dir)
 
@@ -350,7 +341,7 @@ def test_hf_corrupt_safetensors(tmp_path: Path, damage: str) -> None:
 
 def test_hf_shape_mismatch(tmp_path: Path) -> None:
     model_dir = make_tiny_model(tmp_path, "mistral", tokenizer=False)
-    _edit_config(model_dir, intermediate_size=256)
+    edit_config(model_dir, intermediate_size=256)
     with pytest.raises(ModelLoadError, match=r"mlp\.\w+_proj\.weight' has shape \[\d+, \d+\]"):
         load_model(model_dir)
 
@@ -457,7 +448,7 @@ def test_hf_sliding_window_and_defaults(tmp_path: Path) -> None:
         max_window_layers=0,
     )
     assert load_model(qwen).arch.sliding_window == 64
-    _edit_config(qwen, layer_types=["full_attention", "sliding_attention"])
+    edit_config(qwen, layer_types=["full_attention", "sliding_attention"])
     with pytest.raises(ModelLoadError, match="mixed sliding"):
         load_model(qwen)
     llama = make_tiny_model(tmp_path, "llama", rope_theta=5e5, tokenizer=False)
@@ -479,7 +470,7 @@ def test_hf_bad_size_in_config_is_named(tmp_path: Path, changes: dict, key: str)
     """A size that is not a positive int (or KV heads that do not divide the query heads)
     is a ModelLoadError naming config.json and the key, not a ZeroDivisionError."""
     model_dir = make_tiny_model(tmp_path, "llama", tokenizer=False)
-    _edit_config(model_dir, **changes)
+    edit_config(model_dir, **changes)
     with pytest.raises(ModelLoadError, match=rf"config\.json: .*{key}"):
         load_model(model_dir)
 

@@ -314,7 +314,7 @@ def serve_data_parallel(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvserve.router.cli import build_validated_app
-    from kvserve.server.http_timeouts import uvicorn_config
+    from kvserve.server.http_timeouts import uvicorn_config_from_args
 
     config = EngineConfig.from_cli_args(args)
     n = args.data_parallel_size
@@ -331,14 +331,7 @@ def serve_data_parallel(args: argparse.Namespace) -> int:
         )
         # NOTE: the router is the front door: the header-read and keep-alive timeouts apply
         # there (the replicas behind it get whole requests from it).
-        http_config = uvicorn_config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.uvicorn_log_level,
-            header_timeout=args.timeout_header_read,
-            keep_alive_timeout=args.timeout_keep_alive,
-        )
+        http_config = uvicorn_config_from_args(app, args)
         server = uvicorn.Server(http_config)
         with contextlib.suppress(KeyboardInterrupt):  # as uvicorn.run
             server.run()

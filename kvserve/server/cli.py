@@ -162,7 +162,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvserve.engine.config import EngineConfig
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.server.app import build_app
-    from kvserve.server.http_timeouts import uvicorn_config
+    from kvserve.server.http_timeouts import uvicorn_config_from_args
 
     if args.data_parallel_size > 1:
         from kvserve.router.data_parallel import serve_data_parallel
@@ -199,14 +199,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         flush=True,
     )
     lifecycle = app.state.lifecycle
-    http_config = uvicorn_config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.uvicorn_log_level,
-        header_timeout=args.timeout_header_read,
-        keep_alive_timeout=args.timeout_keep_alive,
-    )
+    http_config = uvicorn_config_from_args(app, args)
     server = _draining_server(http_config, lifecycle)
     lifecycle.server = server
     lifecycle.exit_backstop = True

@@ -87,3 +87,16 @@ def uvicorn_config(
     # NOTE: set after: uvicorn types it int, but hands it to loop.call_later (float seconds).
     config.timeout_keep_alive = keep_alive_timeout
     return config
+
+
+def uvicorn_config_from_args(app: Any, args: Any) -> Any:
+    """``uvicorn_config`` from ``serve``'s flags (``--host``, ``--port``,
+    ``--uvicorn-log-level``, ``--timeout-header-read``, ``--timeout-keep-alive``)."""
+    return uvicorn_config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        header_timeout=args.timeout_header_read,
+        keep_alive_timeout=args.timeout_keep_alive,
+    )

@@ -29,6 +29,8 @@ from kvserve.cors import allow_cross_origin
 from kvserve.router.keys import request_key
 from kvserve.router.policy import RoutingPolicy
 from kvserve.router.replicas import ReplicaPool
+from kvserve.server.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
+from kvserve.server.request_guard import RequestGuard
 
 logger = logging.getLogger("kvserve.router")
 
@@ -198,9 +200,13 @@ def build_router_app(
     connect_timeout_s: float = 5.0,
     request_timeout_s: float | None = None,
     allowed_origins: Sequence[str] = (),
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
 ) -> FastAPI:
     """The router app over ``pool`` (already validated) with ``policy``; browsers on
-    ``allowed_origins`` may call it (CORS)."""
+    ``allowed_origins`` may call it (CORS). A body over ``max_request_bytes`` is a 413 and
+    one not all in within ``body_timeout_s`` a 408, before anything is routed (the server's
+    request guard, without its API-key check: clients' keys pass through to the replicas)."""
     metrics = RouterMetrics(pool, policy.name)
     pool.on_leave.append(policy.remove_replica)
     state: dict[str, Any] = {}
@@ -458,6 +464,9 @@ def build_router_app(
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_middleware(
+        RequestGuard, max_request_bytes=max_request_bytes, body_timeout=body_timeout_s
+    )
     allow_cross_origin(app, allowed_origins)
     return app
 

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from kvserve.cors import add_cors_arg
 from kvserve.router.policy import ROUTING_POLICIES
+from kvserve.server.http_flags import add_http_limit_args
+from kvserve.server.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -75,6 +79,7 @@ def register(
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
     add_cors_arg(p)
+    add_http_limit_args(p.add_argument_group("http limits"))
     add_router_args(p)
     p.set_defaults(func=cmd_router)
 
@@ -107,19 +112,39 @@ def build_validated_app(urls: list[str], args: argparse.Namespace):  # noqa: ANN
         policy,
         request_timeout_s=getattr(args, "request_timeout", None),
         allowed_origins=getattr(args, "allowed_origins", ()),
+        max_request_bytes=getattr(args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES),
+        body_timeout_s=getattr(args, "timeout_body_read", DEFAULT_BODY_TIMEOUT_S),
     )
+
+
+def router_server(args: argparse.Namespace) -> Any:
+    """The uvicorn.Server of ``kvserve router`` (replicas validated, app built), with the
+    header-read and keep-alive timeouts of ``--timeout-header-read`` / ``--timeout-keep-alive``."""
+    import uvicorn
+
+    from kvserve.server.http_timeouts import uvicorn_config
+
+    app = build_validated_app(args.replica, args)
+    config = uvicorn_config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        header_timeout=args.timeout_header_read,
+        keep_alive_timeout=args.timeout_keep_alive,
+    )
+    return uvicorn.Server(config)
 
 
 def cmd_router(args: argparse.Namespace) -> int:
     """Validate the replicas, then serve the router until interrupted."""
-    import uvicorn
-
-    app = build_validated_app(args.replica, args)
+    server = router_server(args)
     print(
-        f"[kvserve] routing ({args.routing}) over {', '.join(app.state.pool.replicas)} "
+        f"[kvserve] routing ({args.routing}) over {', '.join(args.replica)} "
         f"on http://{args.host}:{args.port}",
         file=sys.stderr,
         flush=True,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
+    with contextlib.suppress(KeyboardInterrupt):  # as uvicorn.run
+        server.run()
+    return 0 if server.started else 3  # uvicorn.run's exit code for a failed start

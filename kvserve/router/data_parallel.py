@@ -27,6 +27,7 @@ import httpx
 
 from kvserve.engine.config import EngineConfig
 from kvserve.router.replicas import api_headers
+from kvserve.server.limits import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_KEEP_ALIVE_TIMEOUT_S
 
 logger = logging.getLogger("kvserve.router")
 
@@ -67,8 +68,8 @@ def server_flags(args: argparse.Namespace) -> list[str]:
     ``server`` group that shapes what a replica answers (``--allowed-origins`` is the
     router's, in front)."""
     out = ["--quiet", "--log-level", args.log_level]
-    for name, value in replica_server_kwargs(args).items():
-        flag = "--" + name.replace("_", "-")
+    for name, value in (replica_server_kwargs(args) | replica_http_timeouts(args)).items():
+        flag = "--" + _FLAG_OF_KWARG.get(name, name).replace("_", "-")
         if isinstance(value, bool):
             out += [flag] if value else []
         elif value is not None:
@@ -92,6 +93,20 @@ def replica_server_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "chat_template": args.chat_template,
         "tool_call_parser": args.tool_call_parser,
         "open_tokenize_endpoints": args.open_tokenize_endpoints,
+        "body_timeout": args.timeout_body_read,
+    }
+
+
+# NOTE: the build_app keywords whose serve flag has another name.
+_FLAG_OF_KWARG = {"body_timeout": "timeout_body_read"}
+
+
+def replica_http_timeouts(args: argparse.Namespace) -> dict[str, float]:
+    """The header-read and keep-alive timeouts each replica's HTTP server takes (the same as
+    the router's: a client that reaches a replica directly meets the same limits)."""
+    return {
+        "timeout_header_read": args.timeout_header_read,
+        "timeout_keep_alive": args.timeout_keep_alive,
     }
 
 
@@ -248,19 +263,33 @@ def exit_on_sigterm() -> None:
 class ReplicaServer:
     """One engine and its OpenAI server in this process (the body of a Ray replica actor)."""
 
-    def __init__(self, config: EngineConfig, server_kwargs: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        server_kwargs: dict[str, Any],
+        http_timeouts: dict[str, float] | None = None,
+    ) -> None:
         import uvicorn
 
         from kvserve.engine.async_engine import build_on_engine_thread
         from kvserve.engine.llm_engine import LLMEngine
         from kvserve.server.app import build_app
+        from kvserve.server.http_timeouts import uvicorn_config
 
         engine, executor = build_on_engine_thread(lambda: LLMEngine(config))
         app = build_app(engine, executor=executor, **server_kwargs)
         host = _node_ip()
         port = free_port(host)
         self.url = f"http://{host}:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        timeouts = http_timeouts or {}
+        http_config = uvicorn_config(
+            app,
+            host=host,
+            port=port,
+            header_timeout=timeouts.get("timeout_header_read", DEFAULT_HEADER_TIMEOUT_S),
+            keep_alive_timeout=timeouts.get("timeout_keep_alive", DEFAULT_KEEP_ALIVE_TIMEOUT_S),
+        )
+        self.server = uvicorn.Server(http_config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         while not self.server.started:
@@ -289,7 +318,10 @@ def _node_ip() -> str:
 
 
 def ray_replicas(
-    config: EngineConfig, num_replicas: int, server_kwargs: dict[str, Any]
+    config: EngineConfig,
+    num_replicas: int,
+    server_kwargs: dict[str, Any],
+    http_timeouts: dict[str, float] | None = None,
 ) -> tuple[list[Any], list[str]]:
     """Start ``num_replicas`` Ray actors (one CPU each unless --num-threads says more).
 
@@ -304,7 +336,7 @@ def ray_replicas(
     cfg = config.replace(num_threads=threads)
     env = {k: os.environ[k] for k in ("PYTHONPATH", "OMP_WAIT_POLICY") if k in os.environ}
     actor_cls = ray.remote(num_cpus=threads, runtime_env={"env_vars": env})(ReplicaServer)
-    actors = [actor_cls.remote(cfg, server_kwargs) for _ in range(num_replicas)]
+    actors = [actor_cls.remote(cfg, server_kwargs, http_timeouts) for _ in range(num_replicas)]
     urls = ray.get([a.get_url.remote() for a in actors], timeout=STARTUP_TIMEOUT_S)
     return actors, list(urls)
 
@@ -342,7 +374,7 @@ def serve_data_parallel(args: argparse.Namespace) -> int:
 
         kwargs = replica_server_kwargs(args)
         kwargs["chat_template"] = load_chat_template(args.chat_template)
-        actors, urls = ray_replicas(config, n, kwargs)
+        actors, urls = ray_replicas(config, n, kwargs, replica_http_timeouts(args))
         try:
             return run(urls)
         finally:

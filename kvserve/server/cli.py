@@ -13,13 +13,8 @@ from typing import Any
 
 from kvserve.cors import add_cors_arg
 from kvserve.server.chat_template import load_chat_template
-from kvserve.server.limits import (
-    DEFAULT_BODY_TIMEOUT_S,
-    DEFAULT_HEADER_TIMEOUT_S,
-    DEFAULT_KEEP_ALIVE_TIMEOUT_S,
-    DEFAULT_MAX_REQUEST_BYTES,
-    DEFAULT_SHUTDOWN_TIMEOUT_S,
-)
+from kvserve.server.http_flags import add_http_limit_args, positive_int
+from kvserve.server.limits import DEFAULT_SHUTDOWN_TIMEOUT_S
 from kvserve.server.tools import TOOL_CALL_PARSERS
 
 
@@ -51,7 +46,7 @@ def register(
     )
     g.add_argument(
         "--max-queued-requests",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="answer 503 (with Retry-After) at once when this many requests wait for a seat",
     )
@@ -61,43 +56,13 @@ def register(
         action="store_true",
         help="enable GET /debug/integrity and /debug/stats (for tests)",
     )
-    g.add_argument(
-        "--max-request-bytes",
-        type=_positive_int,
-        default=DEFAULT_MAX_REQUEST_BYTES,
-        help="answer 413 to a request body larger than this, before reading more "
-        f"(default {DEFAULT_MAX_REQUEST_BYTES >> 20} MiB)",
-    )
+    add_http_limit_args(g)
     g.add_argument(
         "--shutdown-timeout",
         type=float,
         default=DEFAULT_SHUTDOWN_TIMEOUT_S,
         help="on SIGTERM, seconds in-flight requests may still run before they are ended "
         "with an error (a second signal ends them at once)",
-    )
-    g.add_argument(
-        "--timeout-header-read",
-        type=_positive_float,
-        default=DEFAULT_HEADER_TIMEOUT_S,
-        metavar="SECONDS",
-        help="close a connection whose request line and headers are not all in within this "
-        f"(slow-loris clients; default {DEFAULT_HEADER_TIMEOUT_S:g})",
-    )
-    g.add_argument(
-        "--timeout-body-read",
-        type=_positive_float,
-        default=DEFAULT_BODY_TIMEOUT_S,
-        metavar="SECONDS",
-        help="answer 408 and close the connection when a request body is not all in within "
-        f"this after its headers (default {DEFAULT_BODY_TIMEOUT_S:g})",
-    )
-    g.add_argument(
-        "--timeout-keep-alive",
-        type=_positive_float,
-        default=DEFAULT_KEEP_ALIVE_TIMEOUT_S,
-        metavar="SECONDS",
-        help="close an idle kept-alive connection after this (uvicorn's timeout_keep_alive, "
-        f"vLLM's flag; default {DEFAULT_KEEP_ALIVE_TIMEOUT_S:g})",
     )
     g.add_argument(
         "--protect-metrics",
@@ -131,7 +96,7 @@ def register(
     add_cors_arg(g)
     g.add_argument(
         "--data-parallel-size",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         help="run N engine replicas behind the prefix-aware router (local processes, or Ray "
         "actors with --distributed-executor-backend ray)",
@@ -140,20 +105,6 @@ def register(
 
     add_router_args(p)
     p.set_defaults(func=cmd_serve)
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -202,16 +202,23 @@ def test_a_client_that_leaves_cuts_the_replicas_request() -> None:
 
 def test_data_parallel_replicas_get_every_server_flag() -> None:
     from kvserve.cli import build_parser
-    from kvserve.router.data_parallel import replica_server_kwargs, server_flags
+    from kvserve.router.data_parallel import (
+        replica_http_timeouts,
+        replica_server_kwargs,
+        server_flags,
+    )
 
     parser = build_parser()
     given = ["serve", "--data-parallel-size", "2", "--api-key", "k", "--max-request-bytes",
              "2000", "--chat-template", "T{{ messages }}", "--protect-metrics",
              "--shutdown-timeout", "3.5", "--debug-endpoints", "--max-queued-requests", "4",
-             "--served-model-name", "m"]  # fmt: skip
+             "--served-model-name", "m", "--timeout-body-read", "7.5",
+             "--timeout-header-read", "2.5", "--timeout-keep-alive", "1.5"]  # fmt: skip
     args = parser.parse_args(given)
     replica = parser.parse_args(["serve", *server_flags(args)])
     assert replica_server_kwargs(replica) == replica_server_kwargs(args)
+    assert replica_server_kwargs(replica)["body_timeout"] == 7.5
+    assert replica_http_timeouts(replica) == {"timeout_header_read": 2.5, "timeout_keep_alive": 1.5}
     assert replica.data_parallel_size == 1 and replica.quiet
 
 

@@ -3,7 +3,6 @@ sent too slowly (slow loris), a body sent too slowly, an idle kept-alive connect
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -14,10 +13,17 @@ import uvicorn
 from kvserve.server.app import build_app
 from kvserve.server.http_timeouts import uvicorn_config
 from tests.server.fake_engine import FakeEngine
+from tests.server.raw_http import (
+    WAIT_S,
+    connect,
+    post_request,
+    read_response,
+    read_until_closed,
+    running,
+)
 from tests.server.server_proc import free_port
 
 TIMEOUT_S = 0.5  # every timeout of the server under test
-WAIT_S = 20.0  # how long a test waits for the server to act (a hang fails it)
 BODY = b'{"prompt": "hi", "max_tokens": 2}'
 
 
@@ -33,69 +39,12 @@ def port() -> Iterator[int]:
         header_timeout=TIMEOUT_S,
         keep_alive_timeout=TIMEOUT_S,
     )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + WAIT_S
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
+    with running(uvicorn.Server(config)):
         yield port
-    finally:
-        server.should_exit = True
-        thread.join(timeout=WAIT_S)
-
-
-def _connect(port: int) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", port), timeout=WAIT_S)
-    return sock
-
-
-def _read_until_closed(sock: socket.socket) -> bytes:
-    """Everything the server sends until it closes the connection (socket.timeout: it
-    did not close it within WAIT_S)."""
-    data = b""
-    while True:
-        try:
-            chunk = sock.recv(65536)
-        except ConnectionResetError:
-            return data
-        if not chunk:
-            return data
-        data += chunk
-
-
-def _read_response(sock: socket.socket) -> bytes:
-    """One whole response (its head and its Content-Length bytes of body)."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        assert chunk, data
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = next(
-        int(line.split(b":", 1)[1])
-        for line in head.lower().split(b"\r\n")
-        if line.startswith(b"content-length:")
-    )
-    while len(body) < length:
-        chunk = sock.recv(65536)
-        assert chunk, data
-        body += chunk
-    return head + b"\r\n\r\n" + body
-
-
-def _request(body: bytes = BODY) -> bytes:
-    head = (
-        "POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    )
-    return head.encode() + body
 
 
 def test_headers_sent_too_slowly_are_cut_off(port: int) -> None:
-    with _connect(port) as sock:
+    with connect(port) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n")
         closed = threading.Event()
 
@@ -112,29 +61,29 @@ def test_headers_sent_too_slowly_are_cut_off(port: int) -> None:
         sender = threading.Thread(target=trickle, daemon=True)
         sender.start()
         try:
-            assert _read_until_closed(sock) == b""  # closed, with nothing sent
+            assert read_until_closed(sock) == b""  # closed, with nothing sent
         finally:
             closed.set()
         sender.join(WAIT_S)
 
 
 def test_a_connection_that_sends_nothing_is_closed(port: int) -> None:
-    with _connect(port) as sock:
-        assert _read_until_closed(sock) == b""
+    with connect(port) as sock:
+        assert read_until_closed(sock) == b""
 
 
 def test_a_body_sent_too_slowly_is_a_408_and_the_connection_closes(port: int) -> None:
-    with _connect(port) as sock:
-        sock.sendall(_request()[: -len(BODY) // 2])  # the headers and half the body
-        reply = _read_until_closed(sock)
+    with connect(port) as sock:
+        sock.sendall(post_request(BODY)[: -len(BODY) // 2])  # the headers and half the body
+        reply = read_until_closed(sock)
     assert reply.startswith(b"HTTP/1.1 408 "), reply
     assert b"connection: close" in reply.lower() and b"request_timeout" in reply
 
 
 def test_prompt_requests_are_served_and_an_idle_connection_is_closed(port: int) -> None:
-    with _connect(port) as sock:
+    with connect(port) as sock:
         for _ in range(2):  # kept alive between prompt requests
-            sock.sendall(_request())
-            reply = _read_response(sock)
+            sock.sendall(post_request(BODY))
+            reply = read_response(sock)
             assert reply.startswith(b"HTTP/1.1 200 ") and b'"choices"' in reply, reply
-        assert _read_until_closed(sock) == b""  # then idle past the keep-alive timeout
+        assert read_until_closed(sock) == b""  # then idle past the keep-alive timeout

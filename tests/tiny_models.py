@@ -321,6 +321,27 @@ def _gguf_metadata(gguf_arch: str, config: Any) -> dict[str, Any]:
     }
 
 
+def _llama3_rope_freqs(config: Any) -> np.ndarray:
+    """Llama 3.x's RoPE scaling as llama.cpp's converter stores it: a divisor per frequency
+    (``rope_freqs``), computed from the llama3 parameters in Python floats."""
+    rope = config.rope_parameters
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    dims = np.arange(0, config.head_dim, 2, dtype=np.float32) / config.head_dim
+    freqs = 1.0 / (np.float32(rope["rope_theta"]) ** dims)
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float32)
+
+
 def make_tiny_gguf(
     tmp_dir: str | os.PathLike,
     arch: str = "llama",
@@ -339,11 +360,11 @@ def make_tiny_gguf(
     "llama" / "smollm" / "mistral" are written as GGUF arch "llama" (q/k permuted), "qwen2",
     "qwen3" and "phi3" under their own names as llama.cpp's converter writes them (Phi-3's
     fused qkv as ``attn_qkv``, gate/up as ``ffn_up``, LongRoPE factors as
-    ``rope_factors_{long,short}`` tensors). 1-D tensors are F32; 2-D ones ``tensor_type``
-    (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, ...). For error tests: ``tensor_types``
-    overrides the type per GGUF tensor name (types gguf cannot quantise get random bytes of
-    the right size),
-    ``metadata`` adds or replaces keys (None deletes one), ``drop_tensors`` omits tensors.
+    ``rope_factors_{long,short}`` tensors; a llama3 RoPE as ``rope_freqs``). 1-D tensors
+    are F32; 2-D ones ``tensor_type`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, ...).
+    For error tests: ``tensor_types`` overrides the type per GGUF tensor name (types gguf
+    cannot quantise get random bytes of the right size), ``metadata`` adds or replaces
+    keys (None deletes one), ``drop_tensors`` omits tensors.
     """
     from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
     from gguf import quants as gguf_quants
@@ -374,6 +395,8 @@ def make_tiny_gguf(
 
     rng = np.random.default_rng(seed)
     rope = config.rope_parameters
+    if gguf_arch == "llama" and rope.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", _llama3_rope_freqs(config))
     if gguf_arch == "phi3" and rope.get("long_factor"):
         for kind in ("long", "short"):
             factors = np.asarray(rope[f"{kind}_factor"], dtype=np.float32)

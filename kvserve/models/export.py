@@ -33,6 +33,14 @@ def hf_config_dict(arch: ModelArchConfig, dtype: torch.dtype) -> dict[str, Any]:
     to ``rope_parameters`` on load, so older readers (vLLM's pinned transformers) work too.
     """
     class_name, model_type = _HF_ARCH_NAMES[arch.architecture]
+    if (arch.rope_scaling or {}).get("rope_type") == "freq_factors":
+        # NOTE: a GGUF keeps llama3 scaling only as its per-frequency result; the llama3
+        # parameters transformers needs cannot be read back from it.
+        raise ValueError(
+            "cannot write an HF config for RoPE given as per-frequency factors (a GGUF's "
+            "'rope_freqs' tensor): transformers needs the llama3 parameters, which the file "
+            "does not keep"
+        )
     dtype_name = str(dtype).removeprefix("torch.")
     config: dict[str, Any] = {
         "architectures": [class_name],

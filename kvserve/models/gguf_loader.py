@@ -32,6 +32,9 @@ from kvserve.models.weights import (
 SUPPORTED_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
 # Phi-3's LongRoPE factors, stored as tensors (read into the config, not weights).
 _ROPE_FACTOR_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+# NOTE: Llama 3.x's llama3 RoPE scaling, as llama.cpp's converter stores it: one divisor per
+# frequency (the llama3 parameters themselves are not kept in the file).
+_ROPE_FREQS = "rope_freqs.weight"
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -106,8 +109,6 @@ def gguf_arch_config(gguf: GGUFFile) -> ModelArchConfig:
             f"{path}: partial rotary embeddings (rope.dimension_count {rope_dim} != head_dim "
             f"{head_dim}) are not supported"
         )
-    if "rope_freqs.weight" in gguf.tensors:
-        raise ModelLoadError(f"{path}: Llama-3.1-style 'rope_freqs' scaling is not supported")
     vocab = get("vocab_size", None, required=False)
     if vocab is None:
         tokens = md.get("tokenizer.ggml.tokens")
@@ -147,6 +148,13 @@ def _rope_scaling(gguf: GGUFFile, gguf_arch: str, head_dim: int, context: int) -
     if any(name in gguf.tensors for name in _ROPE_FACTOR_TENSORS):
         return _longrope(gguf, gguf_arch, head_dim, context)
     kind = md.get(f"{gguf_arch}.rope.scaling.type", "none")
+    if _ROPE_FREQS in gguf.tensors:
+        if kind not in ("none", None):
+            raise ModelLoadError(
+                f"{path}: both a {_ROPE_FREQS!r} tensor and rope scaling type {kind!r}"
+            )
+        factors = _rope_factor_tensor(gguf, _ROPE_FREQS, head_dim)
+        return {"rope_type": "freq_factors", "freq_factors": factors}
     if kind in ("none", None):
         return None
     if kind not in ("linear", "yarn"):
@@ -166,16 +174,9 @@ def _longrope(gguf: GGUFFile, gguf_arch: str, head_dim: int, context: int) -> di
     md, path = gguf.metadata, gguf.path
     factors = {}
     for name, key in zip(_ROPE_FACTOR_TENSORS, ("long_factor", "short_factor"), strict=True):
-        info = gguf.tensors.get(name)
-        if info is None:
+        if name not in gguf.tensors:
             raise ModelLoadError(f"{path}: {name!r} is missing (LongRoPE needs both factors)")
-        if info.shape != (head_dim // 2,):
-            raise ModelLoadError(
-                f"{path}: tensor {name!r} has shape {list(info.shape)}, but the head size "
-                f"implies [{head_dim // 2}]"
-            )
-        values = dequantize(info.data, info.ggml_type, info.shape, torch.float32, path=path)
-        factors[key] = values.tolist()
+        factors[key] = _rope_factor_tensor(gguf, name, head_dim)
     original_key = f"{gguf_arch}.rope.scaling.original_context_length"
     if original_key not in md:
         raise ModelLoadError(f"{path}: GGUF metadata key {original_key!r} is missing")
@@ -189,6 +190,18 @@ def _longrope(gguf: GGUFFile, gguf_arch: str, head_dim: int, context: int) -> di
     if stored is not None and abs(float(stored) - derived) > 1e-6 * derived:
         scaling["attention_factor"] = float(stored)
     return scaling
+
+
+def _rope_factor_tensor(gguf: GGUFFile, name: str, head_dim: int) -> list[float]:
+    """A RoPE factor tensor's values (one per frequency: ``head_dim / 2`` of them)."""
+    info = gguf.tensors[name]
+    if info.shape != (head_dim // 2,):
+        raise ModelLoadError(
+            f"{gguf.path}: tensor {name!r} has shape {list(info.shape)}, but the head size "
+            f"implies [{head_dim // 2}]"
+        )
+    values = dequantize(info.data, info.ggml_type, info.shape, torch.float32, path=gguf.path)
+    return values.tolist()
 
 
 def _opt_int(value: object) -> int | None:
@@ -226,7 +239,7 @@ def load_gguf(
     gguf_arch = gguf.metadata["general.architecture"]
     names: dict[str, str] = {}
     for name, info in gguf.tensors.items():
-        if name in _ROPE_FACTOR_TENSORS:
+        if name in _ROPE_FACTOR_TENSORS or name == _ROPE_FREQS:
             continue  # read into arch.rope_scaling
         target = hf_name(name, gguf_arch)
         if target is None:

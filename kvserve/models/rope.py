@@ -2,8 +2,10 @@
 
 ``compute_rope`` gives the inverse frequencies and the attention scaling of a config's
 ``rope_scaling``: none, 'linear', 'dynamic' (NTK), 'yarn', 'llama3' and 'longrope' (Phi-3's,
-once called 'su'). ``rope_cos_sin`` computes the cos and sign-folded sin of a step's
-positions (scaled), which every layer applies with ``LayerOps.rope_``.
+once called 'su'), and 'freq_factors': a divisor per frequency as a GGUF stores Llama 3.x's
+scaling (llama.cpp's ``rope_freqs`` tensor, which its converter computes from the llama3
+parameters; llama.cpp divides each frequency by it). ``rope_cos_sin`` computes the cos and
+sign-folded sin of a step's positions (scaled), which every layer applies with ``LayerOps.rope_``.
 
 The formulas are transformers' (``modeling_rope_utils``), bit for bit where they are static.
 Two variants depend on the sequence length in transformers; a paged KV cache keeps keys
@@ -39,6 +41,7 @@ _REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
         "original_max_position_embeddings",
     ),
     "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+    "freq_factors": ("freq_factors",),
 }
 ROPE_TYPES = tuple(_REQUIRED_KEYS)
 # Older names transformers still reads (Phi-3's first configs said "su").
@@ -65,8 +68,8 @@ def check_rope_scaling(rope_scaling: Mapping[str, Any] | None, head_dim: int) ->
     missing = [k for k in _REQUIRED_KEYS[kind] if params.get(k) is None]
     if missing:
         raise ValueError(f"rope_scaling of type {kind!r} lacks {', '.join(map(repr, missing))}")
-    if kind == "longrope":
-        for key in ("short_factor", "long_factor"):
+    if kind in ("longrope", "freq_factors"):
+        for key in ("short_factor", "long_factor") if kind == "longrope" else ("freq_factors",):
             factors = params[key]
             if not isinstance(factors, list) or len(factors) != head_dim // 2:
                 raise ValueError(
@@ -101,6 +104,8 @@ def compute_rope(
         return base_inv / float(rope_scaling["factor"]), 1.0
     if kind == "llama3":
         return _llama3(base_inv, rope_scaling), 1.0
+    if kind == "freq_factors":
+        return base_inv / torch.tensor(rope_scaling["freq_factors"], dtype=torch.float32), 1.0
     if kind == "yarn":
         return _yarn(head_dim, rope_theta, rope_scaling)
     if max_position_embeddings is None:

@@ -12,8 +12,12 @@ import pytest
 import torch
 
 from kvserve.models import ModelLoadError, load_model
+from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.quant import QuantizedWeight
 from kvserve.models.rope import compute_rope
+from kvserve.runtime.attention.metadata import SeqSpec, build_attention_metadata
+from kvserve.runtime.kv_cache import KVCache
+from tests.runtime.runtime_testutil import hf_logits
 from tests.tiny_models import make_tiny_gguf, make_tiny_model
 
 SMALL = {"vocab_size": 256}
@@ -153,3 +157,84 @@ def test_written_hf_dir_loads_in_transformers(tmp_path: Path, case: str) -> None
     again = load_model(out)
     assert again.arch == loaded.arch
     assert all(torch.equal(t, loaded.state_dict[n]) for n, t in again.state_dict.items())
+
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+def test_llama3_rope_read_from_rope_freqs_matches_the_hf_twin(tmp_path: Path) -> None:
+    """Llama 3.x GGUFs keep llama3 RoPE scaling as a ``rope_freqs`` divisor per frequency
+    (llama.cpp's converter): read as such, the frequencies and the logits are the HF twin's
+    within fp32 rounding (head_dim 16: one frequency kept, two blended, five divided)."""
+    from transformers import AutoModelForCausalLM
+
+    kw = {**SMALL, "initializer_range": 0.1}
+    hf_dir = make_tiny_model(
+        tmp_path, "llama", tokenizer=False, rope_scaling=dict(LLAMA3_ROPE), **kw
+    )
+    gguf = make_tiny_gguf(
+        tmp_path, "llama", tensor_type="F32", rope_scaling=dict(LLAMA3_ROPE), **kw
+    )
+    ours, twin = load_model(gguf), load_model(hf_dir)
+    assert ours.arch.rope_scaling is not None
+    assert ours.arch.rope_scaling["rope_type"] == "freq_factors"
+    (inv, scale), (twin_inv, twin_scale) = _rope(ours.arch), _rope(twin.arch)
+    assert scale == twin_scale == 1.0
+    torch.testing.assert_close(inv, twin_inv, rtol=1e-6, atol=0)
+    assert not torch.allclose(inv, compute_rope(16, ours.arch.rope_theta, None)[0])
+
+    prompt = [(7 * i + 3) % 250 for i in range(90)]  # past the low frequencies' wavelength
+    ref = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    torch.testing.assert_close(_logits(ours, prompt), hf_logits(ref, prompt), atol=1e-4, rtol=0)
+
+
+def _logits(loaded, token_ids: list[int]) -> torch.Tensor:  # noqa: ANN001 - LoadedModel
+    """[len, vocab] logits of one prefill of ``token_ids`` through kvserve's model."""
+    arch = loaded.arch
+    model = LlamaForCausalLM(arch, attn_backend="torch_sdpa", native_ops=False)
+    model.load_weights(loaded.state_dict)
+    block_size, n = 16, len(token_ids)
+    blocks = -(-n // block_size)
+    cache = KVCache(num_layers=arch.num_hidden_layers, num_blocks=blocks, block_size=block_size,
+                    num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
+                    dtype=torch.float32)  # fmt: skip
+    meta = build_attention_metadata(
+        [SeqSpec(0, n, 0, list(range(blocks)))],
+        block_size=block_size,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+    )
+    with torch.inference_mode():
+        hidden = model(torch.tensor(token_ids), torch.arange(n), cache.layer_caches, meta)
+        return model.compute_logits(hidden).float()
+
+
+def test_rope_freqs_of_the_wrong_length_or_beside_a_scaling_type_are_named(
+    tmp_path: Path,
+) -> None:
+    kw = {**SMALL, "rope_scaling": dict(LLAMA3_ROPE)}
+    linear = {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0}
+    path = make_tiny_gguf(tmp_path, "llama", metadata=linear, **kw)
+    with pytest.raises(ModelLoadError, match=r"both a 'rope_freqs\.weight' tensor and rope"):
+        load_model(path)
+    kw["head_dim"] = 32
+    kw["num_attention_heads"] = 2
+    kw["num_key_value_heads"] = 2
+    ok = make_tiny_gguf(tmp_path, "llama", **kw)
+    assert load_model(ok).arch.head_dim == 32
+
+
+def test_a_gguf_rope_given_as_factors_is_not_written_as_an_hf_config(tmp_path: Path) -> None:
+    from kvserve.models.export import hf_config_dict
+
+    arch = load_model(
+        make_tiny_gguf(tmp_path, "llama", rope_scaling=dict(LLAMA3_ROPE), **SMALL)
+    ).arch
+    with pytest.raises(ValueError, match="per-frequency factors"):
+        hf_config_dict(arch, torch.float32)

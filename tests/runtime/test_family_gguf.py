@@ -223,11 +223,10 @@ def test_rope_freqs_of_the_wrong_length_or_beside_a_scaling_type_are_named(
     path = make_tiny_gguf(tmp_path, "llama", metadata=linear, **kw)
     with pytest.raises(ModelLoadError, match=r"both a 'rope_freqs\.weight' tensor and rope"):
         load_model(path)
-    kw["head_dim"] = 32
-    kw["num_attention_heads"] = 2
-    kw["num_key_value_heads"] = 2
-    ok = make_tiny_gguf(tmp_path, "llama", **kw)
-    assert load_model(ok).arch.head_dim == 32
+    head_8 = {"llama.attention.key_length": 8, "llama.rope.dimension_count": 8}
+    path = make_tiny_gguf(tmp_path, "llama", metadata=head_8, **kw)
+    with pytest.raises(ModelLoadError, match=r"'rope_freqs\.weight' has shape \[8\], but the head"):
+        load_model(path)
 
 
 def test_a_gguf_rope_given_as_factors_is_not_written_as_an_hf_config(tmp_path: Path) -> None:

@@ -5,7 +5,9 @@ on the embedded model it measures:
 
 - perplexity of a fixed English text (``bench/data/python_reference_excerpt.txt``), fed in
   chunks through the engine's own ModelRunner with teacher forcing: every chunk after the
-  first reads the earlier chunks back from the (quantized / windowed) KV cache;
+  first reads the earlier chunks back from the (quantized / windowed) KV cache; on the same
+  pass, the mean KL divergence from the first setting's distribution at every position and
+  the fraction of positions with its top-1 token (as llama.cpp's ``--kl-divergence``);
 - greedy agreement with the full-precision cache: per prompt, the fraction of generated
   tokens before the first divergence, and the fraction of positions that match overall;
 - mid-context recall: a key-value fact placed in the middle of a long filler context and
@@ -118,6 +120,8 @@ class Result:
     setting: str
     kv_bytes_per_token: int
     perplexity: float
+    kl_divergence: float | None  # mean KL(reference || setting) per position, nats
+    top1_agreement: float | None  # fraction of positions with the reference's top-1 token
     agreement_prefix: float | None  # mean fraction of tokens before the first divergence
     agreement_overall: float | None  # fraction of positions with the same token
     recall: float
@@ -129,13 +133,42 @@ class Result:
 # ---------------------------------------------------------------------------- perplexity
 
 
+@dataclass
+class TeacherForced:
+    """What one teacher-forced pass over the text gives: its perplexity, the log-probabilities
+    of every position (kept for the reference setting only), and against a reference's: the
+    mean KL divergence KL(reference || this) per position and the fraction of positions with
+    the same top-1 token (llama.cpp's ``perplexity --kl-divergence`` "Mean KLD" and "Same
+    top p")."""
+
+    perplexity: float
+    logprobs: list[torch.Tensor] | None = None  # one [n, vocab] float32 per chunk
+    kl_divergence: float | None = None
+    top1_agreement: float | None = None
+
+
 @torch.inference_mode()
 def perplexity(runner: ModelRunner, token_ids: list[int], chunk_size: int) -> float:
-    """Teacher-forced perplexity of ``token_ids`` through ``runner``'s KV cache.
+    """Teacher-forced perplexity of ``token_ids`` through ``runner``'s KV cache (see
+    ``teacher_forced``)."""
+    return teacher_forced(runner, token_ids, chunk_size).perplexity
+
+
+@torch.inference_mode()
+def teacher_forced(
+    runner: ModelRunner,
+    token_ids: list[int],
+    chunk_size: int,
+    reference: list[torch.Tensor] | None = None,
+    keep_logprobs: bool = False,
+) -> TeacherForced:
+    """Teacher-forced pass of ``token_ids`` through ``runner``'s KV cache.
 
     The text runs as one sequence in chunks of ``chunk_size`` tokens (block ids 0, 1, ...);
     each chunk attends to the earlier ones through the cache. Uses the runner's cache dtype
-    and window. Needs an idle engine (it writes blocks 0..n-1 directly).
+    and window. Needs an idle engine (it writes blocks 0..n-1 directly). ``reference``: the
+    log-probabilities a reference setting kept over the same text and chunks, for the KL
+    divergence and top-1 agreement; ``keep_logprobs``: keep this pass's.
     """
     bs = runner.block_size
     num_tokens = len(token_ids)
@@ -145,8 +178,10 @@ def perplexity(runner: ModelRunner, token_ids: list[int], chunk_size: int) -> fl
         )
     block_ids = list(range(-(-num_tokens // bs)))
     params = SamplingParams(temperature=0.0, max_tokens=1)
-    nll = 0.0
-    for start in range(0, num_tokens - 1, chunk_size):
+    nll = kl = 0.0
+    same_top1 = 0
+    kept: list[torch.Tensor] = []
+    for i, start in enumerate(range(0, num_tokens - 1, chunk_size)):
         end = min(start + chunk_size, num_tokens - 1)
         req = ScheduledRequest(
             request_id="ppl",
@@ -162,10 +197,23 @@ def perplexity(runner: ModelRunner, token_ids: list[int], chunk_size: int) -> fl
         hidden = runner.model(
             batch.input_ids, batch.positions, runner.kv_cache.layer_caches, batch.attn_meta
         )  # [n, hidden]
-        logprobs = torch.log_softmax(runner.model.compute_logits(hidden), dim=-1)  # [n, vocab]
-        targets = torch.tensor(token_ids[start + 1 : end + 1], device=logprobs.device)
+        logits = runner.model.compute_logits(hidden).float()
+        logprobs = torch.log_softmax(logits, dim=-1).cpu()  # [n, vocab]
+        targets = torch.tensor(token_ids[start + 1 : end + 1])
         nll -= logprobs.gather(1, targets[:, None]).sum().item()
-    return float(torch.tensor(nll / (num_tokens - 1)).exp())
+        if reference is not None:
+            ref = reference[i]
+            kl += (ref.exp() * (ref - logprobs)).sum().item()
+            same_top1 += int((ref.argmax(-1) == logprobs.argmax(-1)).sum())
+        if keep_logprobs:
+            kept.append(logprobs)
+    positions = num_tokens - 1
+    return TeacherForced(
+        perplexity=float(torch.tensor(nll / positions).exp()),
+        logprobs=kept if keep_logprobs else None,
+        kl_divergence=kl / positions if reference is not None else None,
+        top1_agreement=same_top1 / positions if reference is not None else None,
+    )
 
 
 # ---------------------------------------------------------------------------- agreement
@@ -231,13 +279,22 @@ def _request_blocks(llm: LLM, prompt: list[int], params: SamplingParams) -> tupl
 # ---------------------------------------------------------------------------- driver
 
 
+@dataclass
+class Reference:
+    """The first setting's greedy tokens and teacher-forced log-probabilities."""
+
+    tokens: list[list[int]]
+    logprobs: list[torch.Tensor]
+
+
 def run_setting(
     setting: Setting,
     args: argparse.Namespace,
     text: str,
-    reference: list[list[int]] | None,
-) -> tuple[Result, list[list[int]]]:
-    """All measurements of one setting on a fresh engine."""
+    reference: Reference | None,
+) -> tuple[Result, Reference]:
+    """All measurements of one setting on a fresh engine; with no ``reference``, this
+    setting's greedy tokens and log-probabilities are returned as the reference."""
     llm = LLM(
         num_kv_blocks=args.num_kv_blocks,
         max_model_len=2048,
@@ -247,7 +304,13 @@ def run_setting(
     engine = llm.engine
     corpus_ids = llm.tokenizer.encode(text, add_special_tokens=False)
     # 1) perplexity first, on the idle engine.
-    ppl = perplexity(engine.runner, corpus_ids[: args.ppl_tokens], args.chunk_size)
+    forced = teacher_forced(
+        engine.runner,
+        corpus_ids[: args.ppl_tokens],
+        args.chunk_size,
+        reference=reference.logprobs if reference is not None else None,
+        keep_logprobs=reference is None,
+    )
     engine.kv_cache_manager.reset_prefix_cache()
     # 2) greedy agreement (+ throughput).
     rng = random.Random(1)
@@ -261,7 +324,7 @@ def run_setting(
     elapsed = time.perf_counter() - t0
     tokens = [o.outputs[0].token_ids for o in outs]
     num_gen = sum(len(t) for t in tokens)
-    prefix, overall = agreement(reference, tokens) if reference is not None else (None, None)
+    prefix, overall = agreement(reference.tokens, tokens) if reference is not None else (None, None)
     # 3) mid-context recall.
     cases = recall_cases(llm, corpus_ids, args.num_recall, args.recall_filler)
     ask = SamplingParams(temperature=0.0, max_tokens=8)
@@ -272,7 +335,9 @@ def run_setting(
     result = Result(
         setting=setting.name,
         kv_bytes_per_token=int(stats["kv_bytes_per_token"]),
-        perplexity=ppl,
+        perplexity=forced.perplexity,
+        kl_divergence=forced.kl_divergence,
+        top1_agreement=forced.top1_agreement,
         agreement_prefix=prefix,
         agreement_overall=overall,
         recall=hits / max(len(cases), 1),
@@ -286,27 +351,30 @@ def run_setting(
             "num_kv_blocks": stats["num_kv_blocks"],
         },
     )
-    return result, tokens
+    return result, reference or Reference(tokens, forced.logprobs or [])
 
 
 def format_table(results: list[Result]) -> str:
     """Markdown table; throughput relative to the first row."""
     base = results[0]
     head = (
-        "| setting | KV bytes/token | vs first | ppl | ppl vs first | greedy agree (prefix) "
+        "| setting | KV bytes/token | vs first | ppl | ppl vs first | KL vs first (nats) "
+        "| top-1 agree | greedy agree (prefix) "
         "| greedy agree (overall) | mid-context recall | peak KV of one recall request "
         "| KV blocks held in decode | gen tok/s | vs first |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     rows = [head]
     for r in results:
         agree_p = "ref" if r.agreement_prefix is None else f"{r.agreement_prefix:.3f}"
         agree_o = "ref" if r.agreement_overall is None else f"{r.agreement_overall:.3f}"
+        kl = "ref" if r.kl_divergence is None else f"{r.kl_divergence:.5f}"
+        top1 = "ref" if r.top1_agreement is None else f"{r.top1_agreement:.4f}"
         rows.append(
             f"| {r.setting} | {r.kv_bytes_per_token} | "
             f"{base.kv_bytes_per_token / r.kv_bytes_per_token:.2f}x smaller | "
             f"{r.perplexity:.3f} | {100 * (r.perplexity / base.perplexity - 1):+.2f}% | "
-            f"{agree_p} | {agree_o} | {r.recall:.2f} | "
+            f"{kl} | {top1} | {agree_p} | {agree_o} | {r.recall:.2f} | "
             f"{r.peak_request_kv_bytes / 2**20:.1f} MiB | {r.extra['decode_request_blocks']} | "
             f"{r.gen_tokens_per_s:.1f} | "
             f"{r.gen_tokens_per_s / base.gen_tokens_per_s:.2f}x |"
@@ -346,11 +414,10 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError("--settings is empty")
     text = CORPUS.read_text(encoding="utf-8")
     results: list[Result] = []
-    reference: list[list[int]] | None = None
+    reference: Reference | None = None
     for setting in settings:
         t0 = time.perf_counter()
-        result, tokens = run_setting(setting, args, text, reference)
-        reference = reference if reference is not None else tokens
+        result, reference = run_setting(setting, args, text, reference)
         results.append(result)
         print(
             f"[{setting.name}] done in {time.perf_counter() - t0:.0f}s: {asdict(result)}",

@@ -334,3 +334,18 @@ def test_bench_perplexity_through_the_cache() -> None:
     assert parse_setting("int8-w64s4").kv_window == 64
     with pytest.raises(ValueError, match="unknown"):
         parse_setting("int4")
+
+
+def test_bench_kl_divergence_and_top1_agreement_against_a_reference() -> None:
+    from kvserve.bench.accuracy import teacher_forced
+
+    tokens = [random.Random(6).randrange(97) for _ in range(60)]
+    ref = teacher_forced(_windowed_runner("auto", None, 0), tokens, 16, keep_logprobs=True)
+    assert ref.logprobs is not None and ref.kl_divergence is None
+    assert sum(len(x) for x in ref.logprobs) == len(tokens) - 1
+    same = teacher_forced(_windowed_runner("auto", None, 0), tokens, 16, reference=ref.logprobs)
+    assert same.kl_divergence == pytest.approx(0.0, abs=1e-9) and same.top1_agreement == 1.0
+    assert same.perplexity == ref.perplexity and same.logprobs is None
+    int8 = teacher_forced(_windowed_runner("int8", None, 0), tokens, 16, reference=ref.logprobs)
+    assert int8.kl_divergence is not None and 0 < int8.kl_divergence < 0.05
+    assert int8.top1_agreement is not None and 0.5 < int8.top1_agreement <= 1.0

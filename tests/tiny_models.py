@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-ARCHS = ("llama", "smollm", "mistral", "qwen2", "qwen3", "phi3")
+ARCHS = ("llama", "smollm", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2moe", "qwen3moe")
 
 # Small enough to build and run in milliseconds; GQA (4 query heads share 2 KV heads).
 TINY_DEFAULTS: dict[str, Any] = {
@@ -62,6 +62,22 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2": {"use_sliding_window": False, "sliding_window": None},
     "qwen3": {"use_sliding_window": False, "sliding_window": None},  # q/k norms, no bias
     "phi3": {"sliding_window": None},  # fused qkv_proj / gate_up_proj
+    # Mixture of experts: 4 experts, top 2 (Qwen2-MoE with its shared expert).
+    "mixtral": {"sliding_window": None, "num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2moe": {
+        "use_sliding_window": False,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+    },
+    "qwen3moe": {
+        "use_sliding_window": False,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+    },
 }
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -155,7 +171,16 @@ def embedded_reference_dir() -> str:
 
 
 def _hf_config(arch: str, overrides: dict[str, Any]) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
@@ -165,6 +190,9 @@ def _hf_config(arch: str, overrides: dict[str, Any]) -> Any:
         "qwen3": Qwen3Config,
         "mistral": MistralConfig,
         "phi3": Phi3Config,
+        "mixtral": MixtralConfig,
+        "qwen2moe": Qwen2MoeConfig,
+        "qwen3moe": Qwen3MoeConfig,
     }.get(arch, LlamaConfig)
     return config_cls(**kwargs)
 
@@ -208,6 +236,7 @@ def make_tiny_model(
     max_shard_size: str | int | None = None,
     dtype: str = "float32",
     tokenizer: bool = True,
+    fused_experts: bool = False,
     **overrides: Any,
 ) -> str:
     """Write a tiny random-weight HF model directory under ``tmp_dir``; returns its path.
@@ -217,7 +246,9 @@ def make_tiny_model(
     (num_hidden_layers, num_key_value_heads=1 for MQA, tie_word_embeddings, rope_theta,
     rope_scaling, initializer_range, ...). ``max_shard_size`` (e.g.
     "2MB") writes sharded safetensors with an index; ``dtype`` the stored dtype;
-    ``tokenizer=False`` skips the tokenizer files (no embedded GGUF needed).
+    ``tokenizer=False`` skips the tokenizer files (no embedded GGUF needed);
+    ``fused_experts`` saves a MoE model's experts stacked as transformers 5 holds them
+    (``experts.gate_up_proj`` / ``experts.down_proj``, ``save_original_format=False``).
     """
     model = _build_model(arch, seed, overrides)
     out = Path(tmp_dir) / name if name else _unique_dir(tmp_dir, f"tiny-{arch}")
@@ -226,6 +257,8 @@ def make_tiny_model(
     save_kwargs: dict[str, Any] = {}
     if max_shard_size is not None:
         save_kwargs["max_shard_size"] = max_shard_size
+    if fused_experts:
+        save_kwargs["save_original_format"] = False
     model.save_pretrained(out, **save_kwargs)
     if tokenizer:
         for file in Path(tiny_tokenizer_dir()).iterdir():

@@ -69,7 +69,7 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
         "num_experts": 4,
         "num_experts_per_tok": 2,
         "moe_intermediate_size": 32,
-        "shared_expert_intermediate_size": 48,
+        "shared_expert_intermediate_size": 64,
     },
     "qwen3moe": {
         "use_sliding_window": False,
@@ -300,7 +300,34 @@ _GGUF_LAYER_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    # Mixture of experts (transformers 5 holds the experts stacked: split by _moe_for_gguf).
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.experts.gate_proj": "ffn_gate_exps.weight",
+    "mlp.experts.up_proj": "ffn_up_exps.weight",
+    "mlp.experts.down_proj": "ffn_down_exps.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
 }
+_GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "mixtral": "llama"}
+_GGUF_ARCH |= {"qwen2moe": "qwen2moe", "qwen3moe": "qwen3moe"}
+
+
+def _moe_for_gguf(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' stacked ``experts.gate_up_proj`` [E, 2I, h] as llama.cpp's separate
+    gate and up stacks; the shared-expert gate [1, h] as the [h] llama.cpp loads."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state_dict.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            gate, up = tensor.chunk(2, dim=1)
+            out[name.replace("gate_up_proj", "gate_proj")] = gate
+            out[name.replace("gate_up_proj", "up_proj")] = up
+        elif name.endswith("shared_expert_gate.weight"):
+            out[name] = tensor.reshape(-1)
+        else:
+            out[name] = tensor
+    return out
 
 
 def gguf_tensor_name(hf_name: str) -> str:
@@ -349,9 +376,23 @@ def _gguf_metadata(gguf_arch: str, config: Any) -> dict[str, Any]:
         f"{a}.rope.freq_base": float(config.rope_parameters["rope_theta"]),
         f"{a}.attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
         f"{a}.vocab_size": config.vocab_size,
+        **_moe_metadata(a, config),
         "tokenizer.ggml.bos_token_id": config.bos_token_id,
         "tokenizer.ggml.eos_token_id": config.eos_token_id,
     }
+
+
+def _moe_metadata(a: str, config: Any) -> dict[str, Any]:
+    """The expert keys llama.cpp's converter writes (none for a dense model)."""
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0)
+    if not experts:
+        return {}
+    out = {f"{a}.expert_count": experts, f"{a}.expert_used_count": config.num_experts_per_tok}
+    if a != "llama":  # Mixtral's experts are intermediate_size wide
+        out[f"{a}.expert_feed_forward_length"] = config.moe_intermediate_size
+    if getattr(config, "shared_expert_intermediate_size", 0):
+        out[f"{a}.expert_shared_feed_forward_length"] = config.shared_expert_intermediate_size
+    return out
 
 
 def make_tiny_gguf(
@@ -369,10 +410,11 @@ def make_tiny_gguf(
     """Write a tiny random-weight llama.cpp-style GGUF under ``tmp_dir``; returns its path.
 
     Same weights as ``make_tiny_model(tmp_dir, arch, seed=seed, **overrides)``. ``arch``
-    "llama" / "smollm" / "mistral" are written as GGUF arch "llama" (q/k permuted), "qwen2",
-    "qwen3" and "phi3" under their own names as llama.cpp's converter writes them (Phi-3's
-    fused qkv as ``attn_qkv``, gate/up as ``ffn_up``, LongRoPE factors as
-    ``rope_factors_{long,short}`` tensors). 1-D tensors are F32; 2-D ones ``tensor_type``
+    "llama" / "smollm" / "mistral" / "mixtral" are written as GGUF arch "llama" (q/k
+    permuted), "qwen2", "qwen3", "phi3", "qwen2moe" and "qwen3moe" under their own names as
+    llama.cpp's converter writes them (Phi-3's fused qkv as ``attn_qkv``, gate/up as
+    ``ffn_up``, LongRoPE factors as ``rope_factors_{long,short}`` tensors, experts stacked as
+    ``ffn_{gate,up,down}_exps``, routers F32). 1-D tensors are F32; others ``tensor_type``
     (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, ...). For error tests: ``tensor_types``
     overrides the type per GGUF tensor name (types gguf cannot quantise get random bytes of
     the right size),
@@ -382,7 +424,8 @@ def make_tiny_gguf(
     from gguf import quants as gguf_quants
 
     state_dict, config = tiny_state_dict(arch, seed=seed, **overrides)
-    gguf_arch = arch if arch in ("qwen2", "qwen3", "phi3") else "llama"
+    gguf_arch = _GGUF_ARCH.get(arch, "llama")
+    state_dict = _moe_for_gguf(state_dict)
     path = Path(tmp_dir) / name if name else _unique_dir(tmp_dir, f"tiny-{arch}", ".gguf")
     path.parent.mkdir(parents=True, exist_ok=True)
     kv = _gguf_metadata(gguf_arch, config)
@@ -421,7 +464,9 @@ def make_tiny_gguf(
             data = _permute_for_gguf(data, config.num_attention_heads)
         elif gguf_arch == "llama" and gname.endswith("attn_k.weight"):
             data = _permute_for_gguf(data, config.num_key_value_heads)
-        type_name = (tensor_types or {}).get(gname, tensor_type if data.ndim == 2 else "F32")
+        # NOTE: llama.cpp keeps the routers (ffn_gate_inp*) in F32.
+        dense = data.ndim < 2 or "ffn_gate_inp" in gname
+        type_name = (tensor_types or {}).get(gname, "F32" if dense else tensor_type)
         qtype = GGMLQuantizationType[type_name]
         if qtype == GGMLQuantizationType.F32:
             writer.add_tensor(gname, data)

@@ -192,6 +192,13 @@ def check_stacked(
         )
 
 
+def stacked_names(name: str, arch: ModelArchConfig) -> list[str]:
+    """The per-expert names stacked tensor ``name`` gives (``unstack_experts``)."""
+    base, kind = _STACKED_RE.fullmatch(name).groups()  # type: ignore[union-attr]
+    kinds = ["gate_proj", "up_proj"] if kind == "gate_up_proj" else [kind]
+    return [f"{base}.{e}.{k}.weight" for e in range(arch.num_experts) for k in kinds]
+
+
 def unstack_experts(name: str, experts: list[Any], arch: ModelArchConfig) -> dict[str, Any]:
     """The per-expert tensors of stacked tensor ``name``, given its experts' 2-D slices in
     order (dense views or ``QuantizedWeight``s); a fused ``gate_up_proj`` split by rows."""

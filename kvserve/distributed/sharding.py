@@ -39,6 +39,14 @@ def validate_tp(arch: ModelArchConfig, tp_size: int, device: str = "cpu") -> Non
     """Raise ValueError naming the numbers when ``tp_size`` cannot shard ``arch`` here."""
     if tp_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tp_size}")
+    if tp_size > 1 and arch.num_experts:
+        # NOTE: the experts are not sharded yet (vLLM splits each expert's rows, or the
+        # experts, over the ranks); one process serves a MoE model.
+        raise ValueError(
+            f"tensor_parallel_size {tp_size}: a mixture-of-experts model ({arch.architecture}, "
+            f"{arch.num_experts} experts) cannot be sharded yet; serve it with "
+            "tensor_parallel_size 1"
+        )
     heads, kv_heads = arch.num_attention_heads, arch.num_key_value_heads
     if heads % tp_size:
         raise ValueError(

@@ -144,7 +144,7 @@ def test_quantized_gguf_experts_run_as_stored(tmp_path: Path, family: str) -> No
 def test_hf_more_experts_per_token_than_experts_is_named(tmp_path: Path) -> None:
     model_dir = make_tiny_model(tmp_path, "mixtral", tokenizer=False, **SMALL)
     edit_config(model_dir, num_experts_per_tok=5)
-    with pytest.raises(ModelLoadError, match=r"config\.json: .num_experts_per_tok' \(5\) exceeds"):
+    with pytest.raises(ModelLoadError, match=r"config\.json: 'num_experts_per_tok' \(5\) exceeds"):
         load_model(model_dir)
     edit_config(model_dir, num_experts_per_tok=2, num_local_experts=None)
     with pytest.raises(ValueError, match=r"config\.json: required key 'num_local_experts'"):

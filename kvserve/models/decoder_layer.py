@@ -247,7 +247,10 @@ class LlamaDecoderLayer(nn.Module):
             built.append(make(weight, getattr(self, f"{proj}_bias")))
             setattr(self, f"{proj}_proj", built[-1])
         if self.moe is not None:
-            built += self.moe.build_linears(make, q)
+            # NOTE: the experts take no method from the plan: a prepacked copy per expert
+            # would hold every expert twice (their parameters are not released), and the
+            # plan's shapes are the dense MLP's. torch.mm, or the int8-dot kernel on blocks.
+            built += self.moe.build_linears(lambda w, b: build_linear(w, b, **kw), q)
         self._linears_key = (w.dtype, w.device)
         self.linears_version = next(LINEAR_VERSIONS)
         return built

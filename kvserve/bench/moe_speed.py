@@ -12,7 +12,8 @@ Three ways to compute one layer's MLP over ``T`` tokens, timed at several ``T``:
 - ``dense``: one SwiGLU MLP of width ``k x inter``, the same active parameters per token as
   the MoE (the floor: every token reads the same weights).
 
-Each is the median of ``--reps`` calls after two warm-up calls, on ``--threads`` threads,
+Each is the median of ``--reps`` rounds (each round runs the three in turn) after two
+warm-up rounds, on ``--threads`` threads,
 fp32, the same ``Linear``s the engine builds (``torch.mm`` on the transposed weights).
 """
 
@@ -82,16 +83,21 @@ def make_dense(hidden: int, inter: int) -> Callable[[torch.Tensor, LayerOps], to
     return run
 
 
-def median_ms(fn: Callable[[], object], reps: int) -> float:
-    """Median wall time of ``fn`` in ms over ``reps`` calls after two warm-up calls."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+def median_ms(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    """Median wall time in ms of each of ``fns`` over ``reps`` rounds after two warm-up
+    rounds; each round runs every function once, in turn.
+
+    NOTE: interleaved so that a change in the machine's load (the 2-vCPU box is shared)
+    reaches every method alike instead of whichever ran then.
+    """
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for r in range(reps + 2):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            if r >= 2:
+                times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -133,14 +139,15 @@ def main(argv: list[str] | None = None) -> None:
     with torch.inference_mode():
         for num_tokens in args.tokens:
             x = torch.randn(num_tokens, args.hidden, generator=torch.Generator().manual_seed(2))
-            grouped = median_ms(lambda x=x: block.forward(x, ops), args.reps)
-            loop = (
-                f"{median_ms(lambda x=x: per_token(block, x), max(3, args.reps // 4)):.2f}"
-                if num_tokens <= args.per_token_max
-                else "-"
-            )
-            flat = median_ms(lambda x=x: dense(x, ops), args.reps)
-            print(f"| {num_tokens} | {grouped:.2f} | {loop} | {flat:.2f} |")
+            fns: dict[str, Callable[[], object]] = {
+                "grouped": lambda x=x: block.forward(x, ops),
+                "dense": lambda x=x: dense(x, ops),
+            }
+            if num_tokens <= args.per_token_max:
+                fns["loop"] = lambda x=x: per_token(block, x)
+            ms = median_ms(fns, args.reps)
+            loop = f"{ms['loop']:.2f}" if "loop" in ms else "-"
+            print(f"| {num_tokens} | {ms['grouped']:.2f} | {loop} | {ms['dense']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -224,3 +224,45 @@ def unstack_experts(name: str, experts: list[Any], arch: ModelArchConfig) -> dic
 def is_router(name: str) -> bool:
     """Whether ``name`` is a router weight (kept dense; see ``ROUTER_SUFFIXES``)."""
     return name.endswith(ROUTER_SUFFIXES)
+
+
+def hf_moe_config(arch: ModelArchConfig) -> dict[str, Any]:
+    """The MoE keys of an HF config.json for ``arch`` ({} for a dense model): what
+    ``hf_moe_fields`` reads back."""
+    if not arch.num_experts:
+        return {}
+    top_k = arch.num_experts_per_tok
+    if arch.architecture == "mixtral":
+        return {"num_local_experts": arch.num_experts, "num_experts_per_tok": top_k}
+    out: dict[str, Any] = {
+        "num_experts": arch.num_experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": arch.moe_intermediate_size,
+        "norm_topk_prob": arch.norm_topk_prob,
+        "decoder_sparse_step": arch.decoder_sparse_step,
+        "mlp_only_layers": list(arch.mlp_only_layers),
+    }
+    if arch.architecture == "qwen2moe":
+        out["shared_expert_intermediate_size"] = arch.shared_expert_intermediate_size
+        out["qkv_bias"] = arch.attention_bias
+    return out
+
+
+def checkpoint_names(state_dict: dict[str, Any], arch: ModelArchConfig) -> dict[str, Any]:
+    """``state_dict`` under the names a checkpoint of the family holds: Mixtral's experts as
+    ``block_sparse_moe.experts.{e}.w1/w3/w2`` (the inverse of ``canonical_name``)."""
+    if arch.architecture != "mixtral":
+        return state_dict
+    inverse = {v: k for k, v in _MIXTRAL_PROJ.items()}
+    out: dict[str, Any] = {}
+    for name, tensor in state_dict.items():
+        match = re.fullmatch(r"(model\.layers\.\d+\.)mlp\.(gate|experts\.\d+\.\w+)\.weight", name)
+        if match is None:
+            out[name] = tensor
+            continue
+        rest = match.group(2)
+        if rest != "gate":
+            _, e, proj = rest.split(".")
+            rest = f"experts.{e}.{inverse[proj]}"
+        out[f"{match.group(1)}block_sparse_moe.{rest}.weight"] = tensor
+    return out

@@ -182,3 +182,24 @@ def test_tensor_parallel_refuses_experts() -> None:
     with pytest.raises(ValueError, match="mixture-of-experts"):
         validate_tp(_arch(), 2)
     validate_tp(_arch(), 1)  # one process serves it
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2moe"])
+def test_written_hf_dir_loads_in_transformers(tmp_path: Path, family: str) -> None:
+    """``write_hf_dir`` of a MoE GGUF (the export the peers read): transformers loads the
+    weights of the HF twin, and our loader reads back the same architecture and weights."""
+    from transformers import AutoModelForCausalLM
+
+    from kvserve.models.export import write_hf_dir
+
+    loaded = load_model(make_tiny_gguf(tmp_path, family, tensor_type="F32", **SMALL))
+    out = str(tmp_path / "exported")
+    write_hf_dir(loaded.arch, loaded.state_dict, out, pad_token_id=2)
+    twin = make_tiny_model(tmp_path, family, tokenizer=False, **SMALL)
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    want = AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32).state_dict()
+    assert sorted(theirs) == sorted(want)
+    assert all(torch.equal(t, want[n]) for n, t in theirs.items())
+    again = load_model(out)
+    assert dataclasses.replace(again.arch, rms_norm_eps=loaded.arch.rms_norm_eps) == loaded.arch
+    assert all(torch.equal(t, loaded.state_dict[n]) for n, t in again.state_dict.items())

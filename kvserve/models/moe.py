@@ -79,6 +79,9 @@ class SparseMoeBlock(nn.Module):
         self.gate_up_projs: list[Linear] = []
         self.down_projs: list[Linear] = []
         self.shared_projs: tuple[Linear, Linear] | None = None
+        # Tensor parallel: sums the ranks' partial outputs (each rank holds a slice of every
+        # expert's width), set by ``distributed/tp_model.py``; None in one process.
+        self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         router = self.router
@@ -207,7 +210,7 @@ class SparseMoeBlock(nn.Module):
             shared = down(self._act(gate_up(x), ops))  # [T, h]
             gate = torch.sigmoid(logits[:, self.num_experts :]).to(shared.dtype)  # [T, 1]
             out.add_(shared.mul_(gate))
-        return out
+        return out if self.all_reduce is None else self.all_reduce(out)
 
     @staticmethod
     def _act(gate_up: torch.Tensor, ops: LayerOps) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Mixture of experts (``kvserve/models/moe.py``, ``moe_weights.py``): the grouped MoE
 against a per-token loop, GGUF twins of Mixtral / Qwen2-MoE / Qwen3-MoE (F32 bit for bit,
-quantized experts run as stored), the checkpoint layouts, and the bad-input errors."""
+quantized experts run as stored), the checkpoint layouts, tensor-parallel slices of the
+experts, and the bad-input errors."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.config import ModelArchConfig
-from kvserve.distributed.sharding import validate_tp
+from kvserve.distributed.sharding import OVERSUBSCRIBE_ENV, ShardSpec, validate_tp
 from kvserve.models import ModelLoadError, load_model
+from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.moe import SparseMoeBlock
 from kvserve.models.quant import QuantizedWeight, quantize_dense
 from kvserve.models.quant_model import quantized_nbytes
@@ -178,10 +180,34 @@ def test_gguf_missing_expert_tensor_and_bad_counts_are_named(tmp_path: Path) -> 
         load_model(path)
 
 
-def test_tensor_parallel_refuses_experts() -> None:
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        validate_tp(_arch(), 2)
-    validate_tp(_arch(), 1)  # one process serves it
+@pytest.mark.parametrize("family", ["qwen2moe", "mixtral"])
+@torch.no_grad()
+def test_tensor_parallel_shards_sum_to_the_full_experts(
+    tmp_path: Path, family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two ranks' slices of every expert (and the shared one), run on the same input and
+    summed (what the all-reduce does), give the whole MoE block's output."""
+    monkeypatch.setenv(OVERSUBSCRIBE_ENV, "1")  # a 1-core runner may check 2 ranks too
+    loaded = load_model(make_tiny_model(tmp_path, family, tokenizer=False, **SMALL))
+    validate_tp(loaded.arch, 2)
+
+    def model(arch: ModelArchConfig, state_dict: dict) -> LlamaForCausalLM:
+        m = LlamaForCausalLM(arch)
+        m.load_weights(state_dict)
+        m.ensure_linears()
+        return m
+
+    full = model(loaded.arch, loaded.state_dict)
+    specs = [ShardSpec(loaded.arch, 2, rank) for rank in range(2)]
+    ranks = [model(s.local_arch(), s.shard_state_dict(loaded.state_dict)) for s in specs]
+    assert ranks[1].layers[1].moe.inter == loaded.arch.moe_intermediate_size // 2
+    x = torch.randn(11, loaded.arch.hidden_size, generator=torch.Generator().manual_seed(3))
+    want = full.layers[1].moe.forward(x, TORCH_OPS)
+    got = sum(r.layers[1].moe.forward(x, TORCH_OPS) for r in ranks)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    bad = dataclasses.replace(loaded.arch, moe_intermediate_size=33)
+    with pytest.raises(ValueError, match="does not divide the expert MLP width 33"):
+        validate_tp(bad, 2)
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2moe"])

@@ -122,7 +122,10 @@ class LlamaDecoderLayer(nn.Module):
         self.num_heads = arch.num_attention_heads
         self.num_kv_heads = arch.num_key_value_heads
         self.head_dim = d
-        self.intermediate_size = arch.intermediate_size
+        # NOTE: the step's gate/up buffers (``step_views``) serve the dense MLPs only: a
+        # model whose every layer routes to experts (Mixtral) needs none of that width.
+        dense_mlp = any(not arch.is_moe_layer(i) for i in range(arch.num_hidden_layers))
+        self.intermediate_size = arch.intermediate_size if dense_mlp else 0
         self.eps = arch.rms_norm_eps
         self.q_size = self.num_heads * d
         self.kv_size = self.num_kv_heads * d

@@ -187,9 +187,9 @@ class SparseMoeBlock(nn.Module):
         order = torch.argsort(flat, stable=True)  # pair rows grouped by expert
         tokens = torch.div(order, k, rounding_mode="floor")  # [T k] token of each pair row
         if isinstance(x, FakeTensor):
-            # NOTE: traced (memory plan): the counts are data. One expert taking every row
-            # sizes each buffer for the worst step (an expert's rows never exceed T k).
-            counts = [num_tokens * k] + [0] * (self.num_experts - 1)
+            # NOTE: traced (memory plan): the counts are data. Every token choosing the same
+            # k experts is the worst step: an expert never gets more than T rows.
+            counts = [num_tokens] * k + [0] * (self.num_experts - k)
         else:
             counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         rows = x.index_select(0, tokens)  # [T k, h] grouped by expert

@@ -171,6 +171,20 @@ def test_hf_stacked_experts_of_the_wrong_count_are_named(tmp_path: Path) -> None
         load_model(model_dir)
 
 
+def test_hf_missing_expert_tensor_is_named(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    model_dir = make_tiny_model(tmp_path, "qwen3moe", tokenizer=False, **SMALL)
+    path = f"{model_dir}/model.safetensors"
+    tensors = load_file(path)
+    del tensors["model.layers.1.mlp.experts.3.down_proj.weight"]
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(
+        ModelLoadError, match=r"1 tensor\(s\) missing: model\.layers\.1\.mlp\.experts\.3\.down"
+    ):
+        load_model(model_dir)
+
+
 def test_gguf_missing_expert_tensor_and_bad_counts_are_named(tmp_path: Path) -> None:
     path = make_tiny_gguf(tmp_path, "qwen3moe", drop_tensors=("blk.1.ffn_up_exps.weight",), **SMALL)
     with pytest.raises(ValueError, match=r"\.gguf: 4 tensor\(s\) missing: model\.layers\.1\."):

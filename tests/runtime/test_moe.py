@@ -243,3 +243,29 @@ def test_written_hf_dir_loads_in_transformers(tmp_path: Path, family: str) -> No
     again = load_model(out)
     assert dataclasses.replace(again.arch, rms_norm_eps=loaded.arch.rms_norm_eps) == loaded.arch
     assert all(torch.equal(t, loaded.state_dict[n]) for n, t in again.state_dict.items())
+
+
+@pytest.mark.parametrize("family", ["qwen2moe", "qwen3moe"])
+def test_transformers_reads_the_same_gguf_experts(tmp_path: Path, family: str) -> None:
+    """transformers' own GGUF reader on our test files: the experts stacked, routers and the
+    shared-expert gate as llama.cpp writes them (the twin's weights, F16-rounded where the
+    file holds F16). NOTE: transformers does not read the experts' widths from GGUF
+    metadata (``expert_feed_forward_length``); they are passed in."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    pad = {"tokenizer.ggml.padding_token_id": 2}
+    path = make_tiny_gguf(tmp_path, family, tensor_type="F16", metadata=pad, **SMALL)
+    widths = {"moe_intermediate_size": 32, "norm_topk_prob": family == "qwen3moe"}
+    if family == "qwen2moe":
+        widths["shared_expert_intermediate_size"] = 64
+    theirs = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32, **widths
+    ).state_dict()
+    twin = make_tiny_model(tmp_path, family, tokenizer=False, **SMALL)
+    want = AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32).state_dict()
+    assert sorted(theirs) == sorted(want)
+    for name, tensor in theirs.items():
+        exact = want[name]
+        assert torch.equal(tensor, exact) or torch.equal(tensor, exact.half().float()), name

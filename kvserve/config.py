@@ -22,10 +22,12 @@ class ModelArchConfig:
     One decoder serves every family; the fields say where they differ: q/k/v biases
     (``attention_bias``: Qwen2), per-head q/k RMSNorm before RoPE (``qk_norm``: Qwen3), the
     RoPE variant (``rope_scaling``), a sliding window (Mistral, Phi-3). Phi-3's fused
-    ``qkv_proj`` / ``gate_up_proj`` tensors are split by the loaders.
+    ``qkv_proj`` / ``gate_up_proj`` tensors are split by the loaders. A mixture of experts
+    (Mixtral, Qwen2-MoE, Qwen3-MoE) replaces the MLP of the layers ``is_moe_layer`` names
+    with ``num_experts`` routed experts (``models/moe.py``).
     """
 
-    architecture: str  # "llama", "mistral", "qwen2", "qwen3", "phi3"
+    architecture: str  # "llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen*moe"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -43,6 +45,23 @@ class ModelArchConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # Mixture of experts; 0 experts: every MLP is dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k experts per token
+    moe_intermediate_size: int = 0  # each expert's MLP width
+    norm_topk_prob: bool = True  # renormalize the top-k routing weights to sum to 1
+    shared_expert_intermediate_size: int = 0  # qwen2moe: a sigmoid-gated shared expert
+    decoder_sparse_step: int = 1  # layer i has experts when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here (a dense MLP)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` runs routed experts instead of a dense MLP (as
+        transformers' Qwen2-MoE / Qwen3-MoE decide it; Mixtral: every layer)."""
+        return (
+            self.num_experts > 0
+            and (layer + 1) % self.decoder_sparse_step == 0
+            and layer not in self.mlp_only_layers
+        )
 
     def kv_bytes_per_token(self, bytes_per_element: float) -> int:
         """2 (K and V) x layers x kv_heads x head_dim x bytes: the seed's formula."""

@@ -53,6 +53,12 @@ def validate_tp(arch: ModelArchConfig, tp_size: int, device: str = "cpu") -> Non
         raise ValueError(
             f"tensor_parallel_size {tp_size} does not divide the MLP width {arch.intermediate_size}"
         )
+    for what, width in (
+        ("expert MLP width", arch.moe_intermediate_size),
+        ("shared expert's MLP width", arch.shared_expert_intermediate_size),
+    ):
+        if arch.num_experts and width % tp_size:
+            raise ValueError(f"tensor_parallel_size {tp_size} does not divide the {what} {width}")
     available, what = available_devices(device)
     oversubscribe = not device.startswith("cuda") and os.environ.get(OVERSUBSCRIBE_ENV) == "1"
     if tp_size > available and not oversubscribe:
@@ -130,6 +136,11 @@ class ShardSpec:
             num_key_value_heads=self.num_kv_heads,
             intermediate_size=self.intermediate,
             vocab_size=self.vocab_per_rank,
+            # NOTE: every rank holds every expert, a 1/N slice of each one's width (vLLM's
+            # tensor-parallel MoE); the router is replicated, so all ranks route alike.
+            moe_intermediate_size=self.arch.moe_intermediate_size // self.tp_size,
+            shared_expert_intermediate_size=self.arch.shared_expert_intermediate_size
+            // self.tp_size,
         )
 
     def shard_state_dict(self, state_dict: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -156,6 +167,13 @@ class ShardSpec:
         inter: tuple[int, int],
     ) -> torch.Tensor:
         base = name.rsplit(".", 1)[0]
+        if ".mlp.experts." in name or ".mlp.shared_expert." in name:
+            width = (
+                self.arch.moe_intermediate_size
+                if ".mlp.experts." in name
+                else self.arch.shared_expert_intermediate_size
+            ) // self.tp_size
+            inter = (self.rank * width, (self.rank + 1) * width)  # the expert's own width
         if name.endswith(("embed_tokens.weight", "lm_head.weight")):
             rows = t[self.vocab_start : self.vocab_end]  # [<= V/N, hidden]
             pad = self.vocab_per_rank - rows.shape[0]

@@ -3,7 +3,8 @@
 ``TPLlamaForCausalLM`` is the ordinary ``LlamaForCausalLM`` built with the rank's shapes
 (``ShardSpec.local_arch``) and loaded with the rank's slices, with three changes: the
 embedding looks up only the rank's vocabulary rows and all-reduces the result; the o and down
-projections all-reduce their partial outputs (row-parallel); the lm_head's logits are
+projections all-reduce their partial outputs (row-parallel; a MoE layer's expert block
+all-reduces its output once, each rank holding a slice of every expert); the lm_head's logits are
 gathered on rank 0. The attention, norms and the per-step code are the single-process ones.
 """
 
@@ -45,7 +46,8 @@ class RowParallelLinear:
 
 
 class TPDecoderLayer(LlamaDecoderLayer):
-    """A decoder layer whose o and down projections all-reduce (set on a built layer)."""
+    """A decoder layer whose o and down projections (or MoE block) all-reduce (set on a
+    built layer)."""
 
     tp_group: TPGroup
 
@@ -53,7 +55,10 @@ class TPDecoderLayer(LlamaDecoderLayer):
         """The base projections (built from this rank's weights), o and down wrapped."""
         built = super().build_linears()
         self.o_proj = RowParallelLinear(self.o_proj, self.tp_group)  # type: ignore[assignment]
-        self.down_proj = RowParallelLinear(self.down_proj, self.tp_group)  # type: ignore[assignment]
+        if self.moe is None:
+            self.down_proj = RowParallelLinear(self.down_proj, self.tp_group)  # type: ignore[assignment]
+        else:  # the partial outputs of every expert (and the shared one), summed once
+            self.moe.all_reduce = self.tp_group.all_reduce_
         return built
 
 

@@ -1,7 +1,8 @@
 """One Llama-family decoder layer: pre-norm attention (fused qkv) + SwiGLU MLP (fused gate/up).
 
 The parts a family adds are taken where its ``ModelArchConfig`` asks: q/k/v biases (Qwen2),
-an RMSNorm over each q and k head before RoPE (Qwen3, ``head_rms_norm_``).
+an RMSNorm over each q and k head before RoPE (Qwen3, ``head_rms_norm_``), routed experts in
+place of the dense MLP (Mixtral, Qwen-MoE: ``moe.SparseMoeBlock``).
 
 ``LlamaDecoderLayer`` holds the layer's weights (linear weights stored transposed, see
 ``linear_param``) and builds one ``Linear`` per projection (``PROJECTIONS``) from them on first
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from kvserve.config import ModelArchConfig
+from kvserve.models.moe import SparseMoeBlock
 from kvserve.runtime.attention.interface import AttentionBackend
 from kvserve.runtime.attention.metadata import AttentionMetadata
 from kvserve.runtime.autotune.candidates import build_linear
@@ -112,13 +114,18 @@ class LlamaDecoderLayer(nn.Module):
         *,
         dtype: torch.dtype,
         device: torch.device,
+        layer_idx: int = 0,
     ) -> None:
+        """``layer_idx``: the layer's index in the model (which layers route to experts)."""
         super().__init__()
         hidden, d = arch.hidden_size, arch.head_dim
         self.num_heads = arch.num_attention_heads
         self.num_kv_heads = arch.num_key_value_heads
         self.head_dim = d
-        self.intermediate_size = arch.intermediate_size
+        # NOTE: the step's gate/up buffers (``step_views``) serve the dense MLPs only: a
+        # model whose every layer routes to experts (Mixtral) needs none of that width.
+        dense_mlp = any(not arch.is_moe_layer(i) for i in range(arch.num_hidden_layers))
+        self.intermediate_size = arch.intermediate_size if dense_mlp else 0
         self.eps = arch.rms_norm_eps
         self.q_size = self.num_heads * d
         self.kv_size = self.num_kv_heads * d
@@ -138,9 +145,17 @@ class LlamaDecoderLayer(nn.Module):
         self.o_weight = linear_param(hidden, self.q_size, **kw)
         self.register_parameter("o_bias", None)
         self.post_attention_layernorm = empty_param(hidden, **kw)
-        self.gate_up_weight = linear_param(2 * arch.intermediate_size, hidden, **kw)
+        # The projections this layer holds (``<name>_weight`` / ``<name>_proj``): a MoE layer's
+        # MLP is its ``moe`` block's experts instead of gate_up / down.
+        self.projections: tuple[str, ...] = PROJECTIONS
+        self.moe: SparseMoeBlock | None = None
+        if arch.is_moe_layer(layer_idx):
+            self.projections = PROJECTIONS[:2]
+            self.moe = SparseMoeBlock(arch, **kw)
+        else:
+            self.gate_up_weight = linear_param(2 * arch.intermediate_size, hidden, **kw)
+            self.down_weight = linear_param(hidden, arch.intermediate_size, **kw)
         self.register_parameter("gate_up_bias", None)
-        self.down_weight = linear_param(hidden, arch.intermediate_size, **kw)
         self.register_parameter("down_bias", None)
         # The kernels: norms/RoPE/SiLU (set by the model) and one Linear per projection,
         # built from the weights on first use after a load or a dtype/device move.
@@ -183,7 +198,7 @@ class LlamaDecoderLayer(nn.Module):
         """
         self.ensure_linears()
         freed = 0
-        for proj in PROJECTIONS:
+        for proj in self.projections:
             lin: Linear = getattr(self, f"{proj}_proj")
             if proj in self.quantized or proj in self.released or not lin.can_free_source():
                 continue
@@ -208,8 +223,17 @@ class LlamaDecoderLayer(nn.Module):
             setattr(self, f"{proj}_weight", weight)
         self.released.clear()
 
+    def linears(self) -> list[Linear]:
+        """Every projection of the layer (the experts' too), built first where needed."""
+        self.ensure_linears()
+        built = [getattr(self, f"{proj}_proj") for proj in self.projections]
+        if self.moe is not None:
+            built += [*self.moe.gate_up_projs, *self.moe.down_projs, *(self.moe.shared_projs or ())]
+        return built
+
     def build_linears(self) -> list[Linear]:
-        """Build the four projections from the weights (per ``linear_plan``); returns them."""
+        """Build the projections from the weights (per ``linear_plan``; four, or qkv and o and
+        the experts' in a MoE layer); returns them."""
         self.restore_weights()
         w = self.qkv_weight
         kw = {"act_dtype": w.dtype, "device": w.device}
@@ -220,13 +244,19 @@ class LlamaDecoderLayer(nn.Module):
             return build_linear(weight, bias, choice=choice, **kw)
 
         q = self.quantized
-        self.qkv_proj = make(q.get("qkv", self.qkv_weight), self.qkv_bias)
-        self.o_proj = make(q.get("o", self.o_weight), self.o_bias)
-        self.gate_up_proj = make(q.get("gate_up", self.gate_up_weight), self.gate_up_bias)
-        self.down_proj = make(q.get("down", self.down_weight), self.down_bias)
+        built = []
+        for proj in self.projections:
+            weight = q.get(proj, getattr(self, f"{proj}_weight"))
+            built.append(make(weight, getattr(self, f"{proj}_bias")))
+            setattr(self, f"{proj}_proj", built[-1])
+        if self.moe is not None:
+            # NOTE: the experts take no method from the plan: a prepacked copy per expert
+            # would hold every expert twice (their parameters are not released), and the
+            # plan's shapes are the dense MLP's. torch.mm, or the int8-dot kernel on blocks.
+            built += self.moe.build_linears(lambda w, b: build_linear(w, b, **kw), q)
         self._linears_key = (w.dtype, w.device)
         self.linears_version = next(LINEAR_VERSIONS)
-        return [self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj]
+        return built
 
     def step_views(self, ws: Workspace, hidden: torch.Tensor) -> StepViews:
         """This step's ``StepViews`` for ``hidden`` [T, hidden], in ``ws``'s buffers."""
@@ -292,6 +322,8 @@ class LlamaDecoderLayer(nn.Module):
         o = self.o_proj(rows, x, out_is_hint=True, out_rows_free=True)
         # hidden += o-projection, then x = norm(hidden)
         ops.add_rms_norm(hidden, o, self.post_attention_layernorm, self.eps, x, ws)
+        if self.moe is not None:
+            return self.moe.forward(x, ops)  # [T, hidden] routed experts (moe.py)
         # NOTE: a kernel that allocates its output (oneDNN) hands it over instead of copying
         # it into the workspace: at a 2048-token prefill chunk that copy was 12.6 MB a layer.
         gate_up = self.gate_up_proj(x, sv.gate_up, out_is_hint=True, out_rows_free=True)  # [T, 2 I]

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from kvserve.config import ModelArchConfig
 from kvserve.models.loader import load_model
+from kvserve.models.moe_weights import checkpoint_names, hf_moe_config
 from kvserve.models.weights import FUSED_CHECKPOINT_ARCHS, join_fused, resolve_dtype
 
 _HF_ARCH_NAMES = {
@@ -23,6 +24,9 @@ _HF_ARCH_NAMES = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
+    "mixtral": ("MixtralForCausalLM", "mixtral"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
 
 
@@ -63,14 +67,15 @@ def hf_config_dict(arch: ModelArchConfig, dtype: torch.dtype) -> dict[str, Any]:
         "bos_token_id": arch.bos_token_id,
         "eos_token_id": arch.eos_token_id,
         "torch_dtype": dtype_name,
+        **hf_moe_config(arch),
     }
     if arch.architecture == "llama":
         config.update(attention_bias=False, mlp_bias=False)
-    if arch.architecture in ("mistral", "qwen2", "qwen3", "phi3"):
+    if arch.architecture != "llama":
         config["sliding_window"] = arch.sliding_window
-    if arch.architecture in ("qwen2", "qwen3"):
+    if arch.architecture in ("qwen2", "qwen3", "qwen2moe", "qwen3moe"):
         config["use_sliding_window"] = arch.sliding_window is not None
-    if arch.architecture == "qwen3":
+    if arch.architecture in ("qwen3", "qwen3moe"):
         config["attention_bias"] = False
     original = (arch.rope_scaling or {}).get("original_max_position_embeddings")
     if arch.architecture == "phi3" and original is not None:
@@ -86,10 +91,12 @@ def write_hf_dir(
     pad_token_id: int | None = None,
 ) -> None:
     """Write config.json, generation_config.json and model.safetensors for these weights
-    (Phi-3's q/k/v and gate/up fused again, as its checkpoints hold them)."""
+    (Phi-3's q/k/v and gate/up fused again, Mixtral's experts named ``w1/w2/w3``, as their
+    checkpoints hold them)."""
     os.makedirs(out_dir, exist_ok=True)
     if arch.architecture in FUSED_CHECKPOINT_ARCHS:
         state_dict = join_fused(state_dict)
+    state_dict = checkpoint_names(state_dict, arch)
     dtypes = {t.dtype for t in state_dict.values()}
     if len(dtypes) != 1:
         raise ValueError(f"state_dict mixes dtypes {sorted(map(str, dtypes))}")

@@ -8,7 +8,7 @@ same bit for bit. It takes a step when:
 
 - the layers run the native layer ops and are plain ``LlamaDecoderLayer`` s (not the
   tensor-parallel ones, which all-reduce between them) without q/k norms (Qwen3's run
-  between the projection and RoPE, which the native call does not);
+  between the projection and RoPE, which the native call does not) or routed experts;
 - every projection of every layer runs one of these methods at this step's row count, with
   no bias: the int8-dot kernel (``QuantKernelMethod``), AMX bf16 on the blocks
   (``QuantAmxBf16Method``), AMX int8 on an int8 copy (``QuantAmxInt8Method``), a split of
@@ -140,8 +140,11 @@ def _int8_dot_codes(method: QuantKernelMethod) -> list[int]:
 def build_fused_layers(layers: list[LlamaDecoderLayer], num_rows: int) -> FusedLayers | None:
     """The arguments for a step of ``num_rows`` rows, or None when some projection of some
     layer runs another method (or has a bias) at that row count, or some layer is not a
-    plain ``LlamaDecoderLayer`` without q/k norms."""
-    if any(type(layer) is not LlamaDecoderLayer or layer.qk_norm is not None for layer in layers):
+    plain ``LlamaDecoderLayer`` without q/k norms or experts (``moe``)."""
+    if any(
+        type(layer) is not LlamaDecoderLayer or layer.qk_norm is not None or layer.moe is not None
+        for layer in layers
+    ):
         return None
     weights: list[torch.Tensor] = []
     codes: list[int] = []

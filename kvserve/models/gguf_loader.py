@@ -11,6 +11,13 @@ from kvserve.config import ModelArchConfig
 from kvserve.models.dequant import dequantize, single_threaded
 from kvserve.models.errors import ModelLoadError
 from kvserve.models.gguf_reader import GGUFArray, GGUFFile, GGUFTensorInfo, read_gguf
+from kvserve.models.moe_weights import (
+    check_stacked,
+    gguf_moe_fields,
+    is_stacked,
+    stacked_names,
+    unstack_experts,
+)
 from kvserve.models.quant import (
     DENSE_GGUF_TYPES,
     KERNEL_QTYPES,
@@ -29,7 +36,15 @@ from kvserve.models.weights import (
 
 # GGUF general.architecture -> our architecture name. NOTE: llama.cpp's converter writes
 # Mistral / SmolLM checkpoints as "llama" (with permuted q/k), so there is no "mistral" here.
-SUPPORTED_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+# A "llama" file with experts (``llama.expert_count``) is Mixtral.
+SUPPORTED_GGUF_ARCHS = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    "qwen2moe": "qwen2moe",
+    "qwen3moe": "qwen3moe",
+}
 # Phi-3's LongRoPE factors, stored as tensors (read into the config, not weights).
 _ROPE_FACTOR_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 # NOTE: Llama 3.x's llama3 RoPE scaling, as llama.cpp's converter stores it: one divisor per
@@ -57,6 +72,16 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # Mixture of experts: the router, the experts stacked [E, out, in] (split at load,
+    # moe_weights.py) and Qwen2-MoE's shared expert with its gate.
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj",
+    "ffn_up_exps.weight": "mlp.experts.up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
@@ -119,11 +144,15 @@ def gguf_arch_config(gguf: GGUFFile) -> ModelArchConfig:
         else:
             raise ModelLoadError(f"{path}: cannot tell the vocabulary size")
     sliding = get("attention.sliding_window", None, required=False)
+    moe = gguf_moe_fields(md, gguf_arch, set(gguf.tensors), size("block_count"), path)
+    name = "mixtral" if moe and gguf_arch == "llama" else SUPPORTED_GGUF_ARCHS[gguf_arch]
+    # NOTE: a Qwen-MoE file may carry only the experts' width (every layer routed).
+    ffn = get("feed_forward_length", None, required=not moe) or moe["moe_intermediate_size"]
     return ModelArchConfig(
-        architecture=SUPPORTED_GGUF_ARCHS[gguf_arch],
+        architecture=name,
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=size("feed_forward_length"),
+        intermediate_size=positive_int(ffn, f"{gguf_arch}.feed_forward_length", path),
         num_hidden_layers=size("block_count"),
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
@@ -134,12 +163,13 @@ def gguf_arch_config(gguf: GGUFFile) -> ModelArchConfig:
         rope_scaling=_rope_scaling(gguf, gguf_arch, head_dim, size("context_length")),
         # NOTE: llama.cpp's converter drops output.weight when it equals the embedding.
         tie_word_embeddings="output.weight" not in gguf.tensors,
-        attention_bias=gguf_arch == "qwen2",
-        qk_norm=gguf_arch == "qwen3",
+        attention_bias=gguf_arch in ("qwen2", "qwen2moe"),
+        qk_norm=gguf_arch in ("qwen3", "qwen3moe"),
         # NOTE: a window past the context (Phi-3-128k's 262144) never slides.
         sliding_window=int(sliding) if sliding and sliding < size("context_length") else None,
         bos_token_id=_opt_int(md.get("tokenizer.ggml.bos_token_id")),
         eos_token_id=_opt_int(md.get("tokenizer.ggml.eos_token_id")),
+        **moe,
     )
 
 
@@ -238,6 +268,7 @@ def load_gguf(
     # Validate every name and shape before spending time on dequantisation.
     gguf_arch = gguf.metadata["general.architecture"]
     names: dict[str, str] = {}
+    provided: set[str] = set()  # the HF names the tensors give (stacked experts: each)
     for name, info in gguf.tensors.items():
         if name in _ROPE_FACTOR_TENSORS or name == _ROPE_FREQS:
             continue  # read into arch.rope_scaling
@@ -246,9 +277,15 @@ def load_gguf(
             raise ModelLoadError(
                 f"{path}: unexpected GGUF tensor {name!r} for a llama-family model"
             )
-        check_shape(target, info.shape, expected, path, label=f"{name!r} ({target})")
+        label = f"{name!r} ({target})"
+        if is_stacked(target):
+            check_stacked(target, info.shape, arch, path, label=label)
+            provided.update(stacked_names(target, arch))
+        else:
+            check_shape(target, _hf_shape(target, info.shape), expected, path, label=label)
+            provided.add(target)
         names[target] = name
-    check_complete(names, expected, path)
+    check_complete(provided, expected, path)
 
     # NOTE: only the "llama" converter permutes q/k (interleaved RoPE); qwen2 uses NeoX RoPE.
     permuted = gguf_arch == "llama"
@@ -256,13 +293,38 @@ def load_gguf(
     with single_threaded():
         for target, name in names.items():
             info = gguf.tensors[name]
+            if is_stacked(target):  # one 2-D tensor per expert: whole rows of blocks
+                experts = [
+                    _load_tensor(_expert(info, e, arch.num_experts), dtype, quantization, path)
+                    for e in range(arch.num_experts)
+                ]
+                state_dict.update(unstack_experts(target, experts, arch))
+                continue
             tensor = _load_tensor(info, dtype, quantization, path)
+            if target.endswith(".shared_expert_gate.weight") and tensor.dim() == 1:
+                tensor = tensor.reshape(1, -1)  # llama.cpp's [h] for HF's [1, h]
             if permuted and ".self_attn.q_proj." in target:
                 tensor = _unpermute(tensor, arch.num_attention_heads)
             elif permuted and ".self_attn.k_proj." in target:
                 tensor = _unpermute(tensor, arch.num_key_value_heads)
             state_dict[target] = tensor
     return arch, split_fused(state_dict, arch)
+
+
+def _hf_shape(target: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The HF shape of a GGUF tensor's ``shape`` (llama.cpp may write Qwen2-MoE's
+    shared-expert gate ``[1, h]`` as ``[h]``)."""
+    if target.endswith(".shared_expert_gate.weight") and len(shape) == 1:
+        return (1, *shape)
+    return shape
+
+
+def _expert(info: GGUFTensorInfo, index: int, num_experts: int) -> GGUFTensorInfo:
+    """Expert ``index``'s 2-D slice of a stacked ``[E, out, in]`` tensor (its bytes: the
+    rows of blocks of one expert are contiguous)."""
+    size = info.data.size // num_experts
+    data = info.data[index * size : (index + 1) * size]
+    return GGUFTensorInfo(f"{info.name}[{index}]", info.shape[1:], info.ggml_type, data)
 
 
 def _load_tensor(

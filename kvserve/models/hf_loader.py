@@ -11,6 +11,13 @@ from safetensors import SafetensorError, safe_open
 
 from kvserve.config import ModelArchConfig
 from kvserve.models.errors import ModelFileNotFoundError, ModelLoadError
+from kvserve.models.moe_weights import (
+    canonical_name,
+    check_stacked,
+    hf_moe_fields,
+    is_stacked,
+    unstack_experts,
+)
 from kvserve.models.rope import check_rope_scaling, rope_type
 from kvserve.models.weights import (
     check_complete,
@@ -29,8 +36,14 @@ SUPPORTED_HF_ARCHS = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2moe",
+    "Qwen3MoeForCausalLM": "qwen3moe",
 }
-_MODEL_TYPES = {name: name for name in SUPPORTED_HF_ARCHS.values()}
+_MODEL_TYPES = {name: name for name in SUPPORTED_HF_ARCHS.values()} | {
+    "qwen2_moe": "qwen2moe",
+    "qwen3_moe": "qwen3moe",
+}
 # RoPE types whose pretraining context transformers takes from `original_max_position_embeddings`.
 _ORIGINAL_LEN_TYPES = ("llama3", "yarn", "longrope")
 # Tensors some checkpoints carry that the model recomputes: skipped, never an error.
@@ -73,7 +86,9 @@ def hf_arch_config(config: dict[str, Any], path: str) -> ModelArchConfig:
         )
     if config.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"{path}: hidden_act {config['hidden_act']!r} is not supported")
-    if arch != "qwen2" and (config.get("attention_bias") or config.get("mlp_bias")):
+    if arch not in ("qwen2", "qwen2moe") and (
+        config.get("attention_bias") or config.get("mlp_bias")
+    ):
         raise ModelLoadError(f"{path}: attention_bias / mlp_bias on {arch} is not supported")
 
     def req(key: str) -> int:
@@ -104,18 +119,18 @@ def hf_arch_config(config: dict[str, Any], path: str) -> ModelArchConfig:
         num_key_value_heads=num_kv_heads,
         head_dim=head_dim,
         max_position_embeddings=req("max_position_embeddings"),
-        rms_norm_eps=float(
-            config.get("rms_norm_eps", 1e-6 if arch in ("qwen2", "qwen3") else 1e-5)
-        ),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6 if arch.startswith("qwen") else 1e-5)),
         rope_theta=float(rope_theta),
         rope_scaling=rope_scaling,
         tie_word_embeddings=_flag(config, "tie_word_embeddings", path),
-        attention_bias=arch == "qwen2",
-        qk_norm=arch == "qwen3",
+        # NOTE: Qwen2-MoE names its q/k/v bias flag qkv_bias (on unless false).
+        attention_bias=arch == "qwen2" or (arch == "qwen2moe" and config.get("qkv_bias", True)),
+        qk_norm=arch in ("qwen3", "qwen3moe"),
         sliding_window=int(sliding) if sliding else None,
         bos_token_id=_first_int(config.get("bos_token_id")),
         # NOTE: Llama-3 style configs list several eos ids; the first is the primary one.
         eos_token_id=_first_int(config.get("eos_token_id")),
+        **hf_moe_fields(config, arch, path),
     )
 
 
@@ -170,7 +185,7 @@ def _sliding_window(config: dict[str, Any], arch: str, path: str) -> int | None:
     window = config.get("sliding_window")
     if arch == "llama" or not window:
         return None
-    if arch in ("mistral", "phi3"):
+    if arch in ("mistral", "phi3", "mixtral"):
         return int(window)
     # NOTE: Qwen2 / Qwen3 configs carry sliding_window but leave it off unless
     # use_sliding_window, and then only layers >= max_window_layers slide (spelled out in
@@ -236,8 +251,15 @@ def load_hf_dir(
                         continue
                     if name == "lm_head.weight" and arch.tie_word_embeddings:
                         continue  # NOTE: tied: the model reuses the embedding, as HF does.
-                    check_shape(name, tuple(f.get_slice(name).get_shape()), expected, file)
-                    state_dict[name] = f.get_tensor(name).to(dtype)
+                    target = canonical_name(name)
+                    shape = tuple(f.get_slice(name).get_shape())
+                    if is_stacked(target):  # [E, ...]: one tensor per expert (views)
+                        check_stacked(target, shape, arch, file, label=repr(name))
+                        experts = list(f.get_tensor(name).to(dtype).unbind(0))
+                        state_dict.update(unstack_experts(target, experts, arch))
+                        continue
+                    check_shape(target, shape, expected, file, label=repr(name))
+                    state_dict[target] = f.get_tensor(name).to(dtype)
         except (SafetensorError, OSError) as e:
             if isinstance(e, FileNotFoundError):
                 raise ModelFileNotFoundError(f"{file}: missing") from e

@@ -1,8 +1,9 @@
 """Llama-family causal LM (Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM) over a paged KV cache.
 
 One model class serves every family: ``ModelArchConfig`` says where they differ (q/k/v
-biases, per-head q/k norms, the RoPE variant, a sliding window) and the decoder layer takes
-the parts it names; the loaders hand every family's weights over under the same names.
+biases, per-head q/k norms, the RoPE variant, a sliding window, routed experts: Mixtral and
+Qwen-MoE) and the decoder layer takes the parts it names; the loaders hand every family's
+weights over under the same names.
 
 The forward pass works on one flattened (ragged) batch of ``T`` tokens from many sequences:
 no padding in the linear layers. Attention goes through an ``AttentionBackend`` that writes
@@ -80,7 +81,8 @@ class LlamaForCausalLM(nn.Module):
         kw = {"dtype": dtype, "device": device}
         self.embed_tokens = empty_param(arch.vocab_size, arch.hidden_size, **kw)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, attn_backend, **kw) for _ in range(arch.num_hidden_layers)
+            LlamaDecoderLayer(arch, attn_backend, layer_idx=i, **kw)
+            for i in range(arch.num_hidden_layers)
         )
         self.norm = empty_param(arch.hidden_size, **kw)
         self.lm_head = (
@@ -155,14 +157,7 @@ class LlamaForCausalLM(nn.Module):
     def linears(self) -> list[Linear]:
         """Every projection and the lm_head, as built now (built first where needed)."""
         self.ensure_linears()
-        return [
-            *(
-                p
-                for lay in self.layers
-                for p in (lay.qkv_proj, lay.o_proj, lay.gate_up_proj, lay.down_proj)
-            ),
-            self.lm_head_proj,
-        ]
+        return [*(p for lay in self.layers for p in lay.linears()), self.lm_head_proj]
 
     def release_packed_weights(self) -> int:
         """Free the layers' weight parameters that only a prepacked copy reads (see
@@ -363,6 +358,9 @@ class LlamaForCausalLM(nn.Module):
                 layer.qk_norm[heads + 1 :].copy_(layer.qk_norm[heads])
             take(p + "self_attn.o_proj.weight", layer.o_weight)
             layer.o_bias = optional_bias(p + "self_attn.o_proj.bias", self.arch.hidden_size)
+            if layer.moe is not None:  # router and experts (moe.py)
+                layer.moe.load(take, sd, p + "mlp.", quantized, layer.quantized)
+                continue
             inter = layer.intermediate_size
             take(p + "mlp.gate_proj.weight", layer.gate_up_weight[:inter])
             take(p + "mlp.up_proj.weight", layer.gate_up_weight[inter:])

@@ -7,7 +7,8 @@ from typing import Any
 import torch
 
 from kvserve.config import ModelArchConfig
-from kvserve.models.errors import ModelLoadError
+from kvserve.models.errors import ModelLoadError, positive_int  # noqa: F401 - re-exported
+from kvserve.models.moe_weights import moe_layer_shapes
 
 SUPPORTED_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -26,21 +27,6 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if dtype not in SUPPORTED_DTYPES.values():
         raise ValueError(f"dtype must be one of {sorted(SUPPORTED_DTYPES)}, got {dtype!r}")
     return dtype
-
-
-def positive_int(value: object, key: str, path: str) -> int:
-    """``value`` (a config or metadata entry) as an int >= 1.
-
-    Raises ``ModelLoadError`` naming ``path`` and ``key`` otherwise: a zero head count
-    would divide by zero, a zero context length would reach the engine as a bad
-    ``max_model_len`` the user never gave.
-    """
-    # NOTE: a float with an integral value (64.0) is accepted, as int() always did.
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ModelLoadError(f"{path}: {key!r} must be a positive integer, got {value!r}")
-    return value
 
 
 def check_heads(num_heads: int, num_kv_heads: int, key: str, path: str) -> None:
@@ -63,7 +49,8 @@ def expected_shapes(
     """Every tensor of the model under its HF name, with its shape (``[out, in]`` for linears).
 
     ``lm_head.weight`` is absent when the embeddings are tied; q/k/v biases are present only
-    when ``arch.attention_bias`` (qwen2), q/k norms only when ``arch.qk_norm`` (qwen3).
+    when ``arch.attention_bias`` (qwen2), q/k norms only when ``arch.qk_norm`` (qwen3); a
+    MoE layer has its router and per-expert tensors instead of the dense MLP's.
     ``checkpoint``: the names as a checkpoint of the family stores them (Phi-3's fused
     ``qkv_proj`` / ``gate_up_proj``); False: as ``split_fused`` hands them to the model.
     """
@@ -90,12 +77,15 @@ def expected_shapes(
             shapes[p + "self_attn.q_norm.weight"] = (arch.head_dim,)
             shapes[p + "self_attn.k_norm.weight"] = (arch.head_dim,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
-        if fused:
+        if arch.is_moe_layer(layer):
+            shapes.update(moe_layer_shapes(arch, p))  # router and experts (moe_weights.py)
+        elif fused:
             shapes[p + "mlp.gate_up_proj.weight"] = (2 * i, h)
         else:
             shapes[p + "mlp.gate_proj.weight"] = (i, h)
             shapes[p + "mlp.up_proj.weight"] = (i, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, i)
+        if not arch.is_moe_layer(layer):
+            shapes[p + "mlp.down_proj.weight"] = (h, i)
     shapes["model.norm.weight"] = (h,)
     if not arch.tie_word_embeddings:
         shapes["lm_head.weight"] = (v, h)

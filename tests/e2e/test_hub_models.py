@@ -23,7 +23,8 @@ from kvserve.models.hub import hub_id_of_path, parse_hub_id
 from kvserve.models.loader import resolve_model
 from kvserve.models.quant_model import model_id
 from kvserve.server.app import build_app
-from tests.tiny_models import make_tiny_gguf, make_tiny_model
+from tests.tiny_gguf import make_tiny_gguf
+from tests.tiny_models import make_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 REVISION = "0123456789abcdef0123456789abcdef01234567"

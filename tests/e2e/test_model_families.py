@@ -95,7 +95,23 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any], int, tuple[int, ...]
         128,
         (22, 25, 30, 41),
     ),
+    # Mixture of experts (4 experts, top 2), in a KV pool small enough to preempt.
+    # Mixtral's experts stacked as transformers 5 holds them (experts.gate_up_proj).
+    "mixtral": ("mixtral", {}, {"fused_experts": True}, 128, (3, 9, 20, 31)),
+    # Qwen2-MoE: q/k/v biases, a sigmoid-gated shared expert, top-k weights not renormalized.
+    "qwen2moe": (
+        "qwen2moe",
+        {},
+        {"max_shard_size": "200KB", "dtype": "bfloat16"},
+        128,
+        (3, 9, 20, 31),
+    ),
+    # Qwen3-MoE: q/k norms, renormalized top-k, layer 0 a dense MLP (mlp_only_layers).
+    "qwen3moe": ("qwen3moe", {"mlp_only_layers": [0]}, {}, 128, (3, 9, 20, 31)),
 }
+# Cases served in a pool of this many 4-token blocks (the others: 96), so that requests are
+# preempted (recompute) and served again.
+PREEMPT_BLOCKS = {"mixtral": 20, "qwen2moe": 20, "qwen3moe": 20}
 
 
 def longrope(head_dim: int = 16) -> dict[str, Any]:
@@ -137,7 +153,7 @@ def test_family_matches_transformers(tmp_path: Path, case: str) -> None:
         quantization="none",
         kernel_selection="off",
         block_size=4,
-        num_kv_blocks=96,
+        num_kv_blocks=PREEMPT_BLOCKS.get(case, 96),
         max_num_batched_tokens=16,
         max_model_len=max_model_len,
     )
@@ -149,6 +165,8 @@ def test_family_matches_transformers(tmp_path: Path, case: str) -> None:
     first = llm.generate(prompts, params, use_tqdm=False)
     again = llm.generate(prompts, params, use_tqdm=False)  # prefix-cache hits this time
     assert llm.stats()["prefix_hit_rate"] > 0
+    if case in PREEMPT_BLOCKS:
+        assert llm.stats()["preemptions"] > 0
     worst = 0.0
     for prompt, out, out2 in zip(prompts, first, again, strict=True):
         got = out.outputs[0]

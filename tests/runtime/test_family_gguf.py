@@ -18,7 +18,8 @@ from kvserve.models.rope import compute_rope
 from kvserve.runtime.attention.metadata import SeqSpec, build_attention_metadata
 from kvserve.runtime.kv_cache import KVCache
 from tests.runtime.runtime_testutil import hf_logits
-from tests.tiny_models import make_tiny_gguf, make_tiny_model
+from tests.tiny_gguf import make_tiny_gguf
+from tests.tiny_models import make_tiny_model
 
 SMALL = {"vocab_size": 256}
 LONGROPE = {

@@ -35,7 +35,7 @@ from kvserve.runtime.linear import (
     OneDnnPrepackedMethod,
 )
 from kvserve.runtime.native import quant_ops
-from tests.tiny_models import make_tiny_gguf
+from tests.tiny_gguf import make_tiny_gguf
 
 pytestmark = pytest.mark.skipif(
     not (native.load() and quant_ops.load()), reason="native kernels unavailable"

@@ -15,7 +15,7 @@ from kvserve.models.errors import ModelFileNotFoundError, ModelLoadError
 from kvserve.models.generation_config import GGUF_KEYS, load_generation_defaults
 from kvserve.models.gguf_reader import read_gguf
 from kvserve.models.loader import default_model_path
-from tests.tiny_models import make_tiny_gguf
+from tests.tiny_gguf import make_tiny_gguf
 
 
 def _folder(tmp_path: Path, config: dict) -> str:

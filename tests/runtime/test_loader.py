@@ -21,12 +21,11 @@ from kvserve.models import (
 )
 from kvserve.models.dequant import single_threaded
 from kvserve.models.gguf_loader import unpermute_rope
+from tests.tiny_gguf import _permute_for_gguf, make_tiny_gguf
 from tests.tiny_models import (
-    _permute_for_gguf,
     edit_config,
     embedded_gguf_path,
     embedded_reference_dir,
-    make_tiny_gguf,
     make_tiny_model,
     tiny_state_dict,
     tiny_tokenizer_dir,

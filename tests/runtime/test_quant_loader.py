@@ -15,7 +15,8 @@ from kvserve.models.errors import ModelLoadError
 from kvserve.models.gguf_loader import load_gguf
 from kvserve.models.loader import load_model
 from kvserve.models.quant import QuantizedWeight, from_gguf, quantize_dense
-from tests.tiny_models import make_tiny_gguf, make_tiny_model
+from tests.tiny_gguf import make_tiny_gguf
+from tests.tiny_models import make_tiny_model
 
 Q = GGMLQuantizationType
 # NOTE: K-quant rows hold super-blocks of 256 values: hidden and intermediate sizes must be

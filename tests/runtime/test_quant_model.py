@@ -31,7 +31,8 @@ from kvserve.runtime.amx_linear import amx_available
 from kvserve.runtime.attention.metadata import SeqSpec, build_attention_metadata
 from kvserve.runtime.autotune.candidates import onednn_available, onednn_supports
 from kvserve.runtime.native import quant_ops
-from tests.tiny_models import make_tiny_gguf, make_tiny_model
+from tests.tiny_gguf import make_tiny_gguf
+from tests.tiny_models import make_tiny_model
 
 CPU = torch.device("cpu")
 NUM_TOKENS = 20

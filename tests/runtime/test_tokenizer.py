@@ -138,7 +138,8 @@ def test_model_without_tokenizer_raises_naming_it(tmp_path) -> None:
     """A GGUF without tokenizer metadata, or an HF directory without tokenizer files, is a
     ValueError naming the file (it used to be a KeyError traceback / transformers' note
     about sentencepiece)."""
-    from tests.tiny_models import make_tiny_gguf, make_tiny_model
+    from tests.tiny_gguf import make_tiny_gguf
+    from tests.tiny_models import make_tiny_model
 
     path = make_tiny_gguf(tmp_path / "gguf", "llama", vocab_size=512)
     with pytest.raises(ValueError, match=r"tiny-llama\.gguf: no tokenizer in its metadata"):

@@ -11,7 +11,7 @@ import torch
 
 from kvserve.runtime.native import quant_ops
 from tests.runtime.test_quant_model import assert_close_to_twin, build, kernel_name, logits
-from tests.tiny_models import make_tiny_gguf
+from tests.tiny_gguf import make_tiny_gguf
 
 
 @pytest.mark.skipif(not quant_ops.load(), reason="quantized kernels unavailable")

@@ -11,6 +11,7 @@ from safetensors import SafetensorError, safe_open
 
 from kvserve.config import ModelArchConfig
 from kvserve.models.errors import ModelFileNotFoundError, ModelLoadError
+from kvserve.models.gemma_config import GEMMA_ARCHS, gemma_hf_fields
 from kvserve.models.rope import check_rope_scaling, rope_type
 from kvserve.models.weights import (
     check_complete,
@@ -29,8 +30,10 @@ SUPPORTED_HF_ARCHS = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",  # the text model (Gemma3TextConfig)
 }
-_MODEL_TYPES = {name: name for name in SUPPORTED_HF_ARCHS.values()}
+_MODEL_TYPES = {name: name for name in SUPPORTED_HF_ARCHS.values()} | {"gemma3_text": "gemma3"}
 # RoPE types whose pretraining context transformers takes from `original_max_position_embeddings`.
 _ORIGINAL_LEN_TYPES = ("llama3", "yarn", "longrope")
 # Tensors some checkpoints carry that the model recomputes: skipped, never an error.
@@ -71,7 +74,7 @@ def hf_arch_config(config: dict[str, Any], path: str) -> ModelArchConfig:
             f"{path}: unsupported model_type {config.get('model_type')!r} and no architectures "
             f"(supported: {', '.join(sorted(SUPPORTED_HF_ARCHS))})"
         )
-    if config.get("hidden_act", "silu") != "silu":
+    if arch not in GEMMA_ARCHS and config.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"{path}: hidden_act {config['hidden_act']!r} is not supported")
     if arch != "qwen2" and (config.get("attention_bias") or config.get("mlp_bias")):
         raise ModelLoadError(f"{path}: attention_bias / mlp_bias on {arch} is not supported")
@@ -88,13 +91,17 @@ def hf_arch_config(config: dict[str, Any], path: str) -> ModelArchConfig:
     num_kv_heads = opt("num_key_value_heads", num_heads)
     check_heads(num_heads, num_kv_heads, "num_key_value_heads", path)
     head_dim = opt("head_dim", hidden // num_heads)
-    rope_params = config.get("rope_parameters") or {}
-    rope_theta = config.get("rope_theta", rope_params.get("rope_theta", 10000.0))
-    rope_scaling = _rope_scaling(config, arch, head_dim, path)
+    extra: dict[str, Any] = {}
+    rope_config = config
+    if arch in GEMMA_ARCHS:
+        extra, rope_config = gemma_hf_fields(config, arch, req("num_hidden_layers"), path)
+    rope_params = rope_config.get("rope_parameters") or {}
+    rope_theta = rope_config.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+    rope_scaling = _rope_scaling(rope_config, arch, head_dim, path)
     sliding = _sliding_window(config, arch, path)
     if sliding is not None and sliding >= int(config.get("max_position_embeddings") or 0) > 0:
         sliding = None  # NOTE: a window past the context (Phi-3-128k's 262144) never slides
-    return ModelArchConfig(
+    fields: dict[str, Any] = dict(
         architecture=arch,
         vocab_size=req("vocab_size"),
         hidden_size=hidden,
@@ -105,7 +112,7 @@ def hf_arch_config(config: dict[str, Any], path: str) -> ModelArchConfig:
         head_dim=head_dim,
         max_position_embeddings=req("max_position_embeddings"),
         rms_norm_eps=float(
-            config.get("rms_norm_eps", 1e-6 if arch in ("qwen2", "qwen3") else 1e-5)
+            config.get("rms_norm_eps", 1e-6 if arch in ("qwen2", "qwen3", *GEMMA_ARCHS) else 1e-5)
         ),
         rope_theta=float(rope_theta),
         rope_scaling=rope_scaling,
@@ -117,6 +124,10 @@ def hf_arch_config(config: dict[str, Any], path: str) -> ModelArchConfig:
         # NOTE: Llama-3 style configs list several eos ids; the first is the primary one.
         eos_token_id=_first_int(config.get("eos_token_id")),
     )
+    try:
+        return ModelArchConfig(**(fields | extra))
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from e
 
 
 def _rope_scaling(
@@ -168,8 +179,8 @@ def _flag(config: dict[str, Any], key: str, path: str) -> bool:
 def _sliding_window(config: dict[str, Any], arch: str, path: str) -> int | None:
     """The attention window, or None; every layer must use the same kind of attention."""
     window = config.get("sliding_window")
-    if arch == "llama" or not window:
-        return None
+    if arch in ("llama", *GEMMA_ARCHS) or not window:
+        return None  # Gemma's: gemma_config.py
     if arch in ("mistral", "phi3"):
         return int(window)
     # NOTE: Qwen2 / Qwen3 configs carry sliding_window but leave it off unless

@@ -307,7 +307,7 @@ def _plan_cached(
             fake_mode=fake_mode,
             device=device,
             dtype=dtype,
-            sliding_window=arch.sliding_window,
+            sliding_window=arch.shared_window,
             num_threads=num_threads,
         )
         gemm_shapes |= rec.gemm_shapes

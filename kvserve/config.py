@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -86,6 +87,14 @@ class ModelArchConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0 or None, got {value!r}")
+
+    def with_num_layers(self, num_layers: int) -> ModelArchConfig:
+        """This config with ``num_layers`` layers (their ``layer_types`` the first ones,
+        the pattern repeated past the end)."""
+        types = self.layer_types
+        if types is not None:
+            types = tuple(types[i % len(types)] for i in range(num_layers))
+        return dataclasses.replace(self, num_hidden_layers=num_layers, layer_types=types)
 
     def layer_window(self, layer: int) -> int | None:
         """The attention window of layer ``layer`` (None: it attends over everything)."""

@@ -8,6 +8,10 @@ through prefix-cache hits; transformers (fp32, the same weights) is the referenc
 by teacher forcing as in ``test_hf_reference.py``: the greedy tokens must be its argmax at
 every position and each returned top-5 log-probability within 1e-4 of its own.
 
+The Gemma cases run three layers (sliding, full, sliding) with a window of 8 tokens under
+prompts of 15 to 43, so every sliding layer's window cuts; their KV pool is small enough
+that a request is preempted (and recomputed) on the way.
+
 NOTE: 1e-4: both sides compute in fp32 from identical weights, differing in summation order
 only (fused projections, paged attention); the observed worst is printed.
 """
@@ -95,7 +99,34 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any], int, tuple[int, ...]
         128,
         (22, 25, 30, 41),
     ),
+    # Soft caps tight enough to bite (scores and logits of a few units), scale 24 ** -0.5.
+    "gemma2": (
+        "gemma2",
+        {
+            "num_hidden_layers": 3,
+            "sliding_window": 8,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 5.0,
+        },
+        {},
+        128,
+        (3, 9, 20, 31),
+    ),
+    # Local RoPE base 100 on the sliding layers, linear scaling on the full one; sharded bf16.
+    "gemma3": (
+        "gemma3",
+        {
+            "num_hidden_layers": 3,
+            "sliding_window": 8,
+            "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+        },
+        {"max_shard_size": "200KB", "dtype": "bfloat16"},
+        128,
+        (3, 9, 20, 31),
+    ),
 }
+# Cases served from a KV pool small enough for a preemption (blocks of 4 tokens).
+SMALL_POOL = {"gemma2": 22, "gemma3": 22}
 
 
 def longrope(head_dim: int = 16) -> dict[str, Any]:
@@ -137,7 +168,7 @@ def test_family_matches_transformers(tmp_path: Path, case: str) -> None:
         quantization="none",
         kernel_selection="off",
         block_size=4,
-        num_kv_blocks=96,
+        num_kv_blocks=SMALL_POOL.get(case, 96),
         max_num_batched_tokens=16,
         max_model_len=max_model_len,
     )
@@ -149,6 +180,8 @@ def test_family_matches_transformers(tmp_path: Path, case: str) -> None:
     first = llm.generate(prompts, params, use_tqdm=False)
     again = llm.generate(prompts, params, use_tqdm=False)  # prefix-cache hits this time
     assert llm.stats()["prefix_hit_rate"] > 0
+    if case in SMALL_POOL:
+        assert llm.stats()["preemptions"] > 0
     worst = 0.0
     for prompt, out, out2 in zip(prompts, first, again, strict=True):
         got = out.outputs[0]

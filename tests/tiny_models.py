@@ -35,6 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvserve.models.gemma_config import default_layer_types
+
 ARCHS = ("llama", "smollm", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 GEMMA_ARCHS = ("gemma2", "gemma3")
 
@@ -299,7 +301,15 @@ _GGUF_LAYER_NAMES = {
 }
 
 
-def gguf_tensor_name(hf_name: str) -> str:
+# Gemma's four norms a layer, as llama.cpp names them (its ffn_norm is the pre-MLP one).
+_GGUF_GEMMA_NORMS = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+
+
+def gguf_tensor_name(hf_name: str, gguf_arch: str = "llama") -> str:
     """The llama.cpp name of an HF tensor name (model.layers.3.mlp.up_proj.weight -> ...)."""
     fixed = {
         "model.embed_tokens.weight": "token_embd.weight",
@@ -309,6 +319,8 @@ def gguf_tensor_name(hf_name: str) -> str:
     if hf_name in fixed:
         return fixed[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
+    if gguf_arch in GEMMA_ARCHS and rest in _GGUF_GEMMA_NORMS:
+        return f"blk.{layer}.{_GGUF_GEMMA_NORMS[rest]}"
     return f"blk.{layer}.{_GGUF_LAYER_NAMES[rest]}"
 
 
@@ -322,6 +334,35 @@ def _gguf_metadata(gguf_arch: str, config: Any) -> dict[str, Any]:
         if rope.get("original_max_position_embeddings"):
             original = rope["original_max_position_embeddings"]
             extra[f"{a}.rope.scaling.original_context_length"] = original
+    if a in GEMMA_ARCHS:  # as convert_hf_to_gguf.py's Gemma2Model / Gemma3Model write them
+        if config.sliding_window:
+            extra[f"{a}.attention.sliding_window"] = config.sliding_window
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(config, key, None) is not None:
+                extra[f"{a}.{key}"] = float(getattr(config, key))
+        # NOTE: not written by the converter (llama.cpp derives them); only where the tiny
+        # model differs from that: an attention scale not head_dim's, a local RoPE base
+        # other than 10000 (the keys llama.cpp reads where present).
+        if config.query_pre_attn_scalar != config.head_dim:
+            extra[f"{a}.attention.scale"] = float(config.query_pre_attn_scalar) ** -0.5
+        local = (rope.get("sliding_attention") or {}).get("rope_theta", 10000.0)
+        if a == "gemma3" and local != 10000.0:
+            extra[f"{a}.rope.freq_base_swa"] = float(local)
+        types = tuple(config.layer_types)
+        if types != default_layer_types(a, len(types)):  # llama.cpp's fixed pattern (2 / 6)
+            periods = [
+                n
+                for n in range(1, len(types) + 2)
+                if default_layer_types(a, len(types), n) == types
+            ]
+            if not periods:
+                raise ValueError(f"layer_types {types} have no period a GGUF file can state")
+            extra[f"{a}.attention.sliding_window_pattern"] = periods[0]
+        if a == "gemma3":
+            rope = rope.get("full_attention") or {}
+            if rope.get("rope_type") == "linear":
+                extra[f"{a}.rope.scaling.type"] = "linear"
+                extra[f"{a}.rope.scaling.factor"] = float(rope["factor"])
     if a == "phi3":  # as convert_hf_to_gguf.py's Phi3MiniModel writes them
         original = rope.get("original_max_position_embeddings", config.max_position_embeddings)
         extra[f"{a}.rope.scaling.original_context_length"] = original
@@ -342,7 +383,7 @@ def _gguf_metadata(gguf_arch: str, config: Any) -> dict[str, Any]:
         f"{a}.attention.key_length": config.head_dim,
         f"{a}.attention.value_length": config.head_dim,
         f"{a}.rope.dimension_count": config.head_dim,
-        f"{a}.rope.freq_base": float(config.rope_parameters["rope_theta"]),
+        f"{a}.rope.freq_base": float(rope["rope_theta"]),
         f"{a}.attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
         f"{a}.vocab_size": config.vocab_size,
         "tokenizer.ggml.bos_token_id": config.bos_token_id,
@@ -378,7 +419,7 @@ def make_tiny_gguf(
     from gguf import quants as gguf_quants
 
     state_dict, config = tiny_state_dict(arch, seed=seed, **overrides)
-    gguf_arch = arch if arch in ("qwen2", "qwen3", "phi3") else "llama"
+    gguf_arch = arch if arch in ("qwen2", "qwen3", "phi3", *GEMMA_ARCHS) else "llama"
     path = Path(tmp_dir) / name if name else _unique_dir(tmp_dir, f"tiny-{arch}", ".gguf")
     path.parent.mkdir(parents=True, exist_ok=True)
     kv = _gguf_metadata(gguf_arch, config)
@@ -409,10 +450,12 @@ def make_tiny_gguf(
             if f"rope_factors_{kind}.weight" not in drop_tensors:
                 writer.add_tensor(f"rope_factors_{kind}.weight", factors)
     for hf_name, tensor in state_dict.items():
-        gname = gguf_tensor_name(hf_name)
+        gname = gguf_tensor_name(hf_name, gguf_arch)
         if gname in drop_tensors:
             continue
         data = tensor.numpy().astype(np.float32)
+        if gguf_arch in GEMMA_ARCHS and hf_name.endswith("norm.weight"):
+            data = data + np.float32(1.0)  # NOTE: the converter stores Gemma's norms as w + 1
         if gguf_arch == "llama" and gname.endswith("attn_q.weight"):
             data = _permute_for_gguf(data, config.num_attention_heads)
         elif gguf_arch == "llama" and gname.endswith("attn_k.weight"):

@@ -188,45 +188,49 @@ def _rope(config: dict[str, Any], arch: str, path: str) -> tuple[dict[str, Any],
 
 
 def gemma_gguf_fields(
-    get: Any, arch: str, num_layers: int, hidden: int, num_heads: int, head_dim: int, path: str
+    get: Any, arch: str, num_layers: int, shapes: tuple[int, int, int, int], path: str
 ) -> dict[str, Any]:
-    """The ``ModelArchConfig`` fields of a ``gemma2`` / ``gemma3`` GGUF file; ``get(key,
-    default)`` reads ``{arch}.{key}`` (None where absent).
+    """The ``ModelArchConfig`` fields of a ``gemma2`` / ``gemma3`` GGUF file; ``get(key)``
+    reads ``{arch}.{key}`` (None where absent); ``shapes``: (hidden size, attention heads,
+    head size, context length).
 
-    As llama.cpp reads these files: the layer pattern is fixed per architecture unless the
-    file lists it (``attention.sliding_window_pattern``, one flag per layer); the attention
-    scale is ``attention.scale`` where stored, else that of the 27B models (the scalar
-    ``hidden_size / num_heads``: 46 layers for Gemma 2, 62 for Gemma 3) or ``head_dim``; the
-    sliding layers' RoPE base is ``rope.freq_base_swa``, else 10000 (Gemma 3).
+    As llama.cpp reads these files: the layer pattern is fixed per architecture (2: every
+    other layer slides; 6: five of six) unless ``attention.sliding_window_pattern`` gives
+    the period; the attention scale is ``attention.scale`` where stored, else that of the
+    27B models (``hidden_size / num_heads``: 46 layers for Gemma 2, 62 for Gemma 3) or
+    ``head_dim ** -0.5``; the sliding layers' RoPE base is ``rope.freq_base_swa``, else 10000
+    (Gemma 3). llama.cpp's converter stores every norm weight as ``w + 1`` (the loader
+    takes 1 off again).
     """
-    window = get("attention.sliding_window", None)
-    flags = get("attention.sliding_window_pattern", None)
-    if flags is None:
-        layer_types = default_layer_types(arch, num_layers)
-    else:
-        values = list(flags) if not isinstance(flags, (int, float)) else None
-        if values is None or len(values) != num_layers:
-            raise ModelLoadError(
-                f"{path}: GGUF metadata key '{arch}.attention.sliding_window_pattern' must list "
-                f"one flag for each of the {num_layers} layers"
-            )
-        layer_types = tuple("sliding_attention" if v else "full_attention" for v in values)
+    hidden, num_heads, head_dim, context = shapes
+    key = f"{arch}.attention.sliding_window_pattern"
+    pattern = get("attention.sliding_window_pattern")
+    if pattern is not None and (isinstance(pattern, bool) or not isinstance(pattern, int)):
+        raise ModelLoadError(
+            f"{path}: GGUF metadata key {key!r}: only a period (an integer) is supported"
+        )
+    if pattern is not None and pattern < 1:
+        raise ModelLoadError(f"{path}: GGUF metadata key {key!r} must be >= 1, got {pattern}")
+    layer_types: tuple[str, ...] | None = default_layer_types(arch, num_layers, pattern)
+    window = get("attention.sliding_window")
+    if window is not None and window >= context:
+        window = None  # NOTE: a window at or past the context never slides
     if not window or "sliding_attention" not in layer_types:
         window, layer_types = None, None
     elif "full_attention" not in layer_types:
         layer_types = None
-    scale = get("attention.scale", None)
-    if scale is not None:
+    scale = get("attention.scale")
+    if scale:
         query_pre_attn_scalar = 1.0 / float(scale) ** 2
     else:
         big = num_layers == {"gemma2": 46, "gemma3": 62}[arch]
         query_pre_attn_scalar = float(hidden // num_heads if big else head_dim)
     local_theta = None
     if arch == "gemma3" and layer_types is not None:
-        local_theta = float(get("rope.freq_base_swa", None) or 10_000.0)
+        local_theta = float(get("rope.freq_base_swa") or 10_000.0)
     caps = {
-        key: float(v) if (v := get(key, None)) else None
-        for key in ("attn_logit_softcapping", "final_logit_softcapping")
+        name: float(value) if (value := get(name)) else None
+        for name in ("attn_logit_softcapping", "final_logit_softcapping")
     }
     return {
         **shared_fields(),

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvserve.config import ModelArchConfig
+from kvserve.models.gemma_config import GEMMA_ARCHS, gemma_hf_config
 from kvserve.models.loader import load_model
 from kvserve.models.weights import FUSED_CHECKPOINT_ARCHS, join_fused, resolve_dtype
 
@@ -23,6 +24,8 @@ _HF_ARCH_NAMES = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
 
 
@@ -64,6 +67,8 @@ def hf_config_dict(arch: ModelArchConfig, dtype: torch.dtype) -> dict[str, Any]:
         config["use_sliding_window"] = arch.sliding_window is not None
     if arch.architecture == "qwen3":
         config["attention_bias"] = False
+    if arch.architecture in GEMMA_ARCHS:
+        config.update(gemma_hf_config(arch))
     original = (arch.rope_scaling or {}).get("original_max_position_embeddings")
     if arch.architecture == "phi3" and original is not None:
         config["original_max_position_embeddings"] = original  # NOTE: Phi-3 keeps it here

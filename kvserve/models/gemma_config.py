@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvserve.config import LAYER_TYPES
+from kvserve.config import LAYER_TYPES, ModelArchConfig
 from kvserve.models.errors import ModelLoadError
 
 GEMMA_ARCHS = ("gemma2", "gemma3")
@@ -222,6 +222,9 @@ def gemma_gguf_fields(
     scale = get("attention.scale")
     if scale:
         query_pre_attn_scalar = 1.0 / float(scale) ** 2
+        if abs(query_pre_attn_scalar - round(query_pre_attn_scalar)) < 1e-5 * query_pre_attn_scalar:
+            # NOTE: the scale is stored in float32; the scalars Gemma configs give are integers.
+            query_pre_attn_scalar = float(round(query_pre_attn_scalar))
     else:
         big = num_layers == {"gemma2": 46, "gemma3": 62}[arch]
         query_pre_attn_scalar = float(hidden // num_heads if big else head_dim)
@@ -241,3 +244,32 @@ def gemma_gguf_fields(
         "qk_norm": arch == "gemma3",
         **caps,
     }
+
+
+def gemma_hf_config(arch: ModelArchConfig) -> dict[str, Any]:
+    """The Gemma keys of an HF ``config.json`` for ``arch`` (what ``gemma_hf_fields``
+    reads back; transformers 4 style keys, which transformers 5 converts on load)."""
+    layer_types = arch.layer_types or tuple(
+        "sliding_attention" if arch.sliding_window else "full_attention"
+        for _ in range(arch.num_hidden_layers)
+    )
+    config: dict[str, Any] = {
+        "hidden_act": GELU_TANH,
+        "hidden_activation": GELU_TANH,
+        # NOTE: transformers' config classes take an integer here (what the family uses).
+        "query_pre_attn_scalar": _int_if_whole(arch.query_pre_attn_scalar or arch.head_dim),
+        "attn_logit_softcapping": arch.attn_logit_softcapping,
+        "final_logit_softcapping": arch.final_logit_softcapping,
+        "sliding_window": arch.sliding_window,
+        "layer_types": list(layer_types),
+        "attention_bias": False,
+    }
+    if arch.architecture == "gemma3":
+        config["rope_local_base_freq"] = (
+            arch.local_rope_theta or _DEFAULTS["gemma3"]["rope_local_base_freq"]
+        )
+    return config
+
+
+def _int_if_whole(value: float) -> float | int:
+    return int(value) if float(value).is_integer() else value

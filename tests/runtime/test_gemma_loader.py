@@ -261,3 +261,26 @@ def test_gemma2_defaults_when_keys_are_left_out(tmp_path: Path) -> None:
     assert arch.query_pre_attn_scalar == 256.0 and arch.sliding_window == 4096
     assert arch.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
     assert arch.tie_word_embeddings and arch.hidden_act == "gelu_pytorch_tanh"
+
+
+@pytest.mark.parametrize("case", ["gemma2-scale", "gemma3-linear"])
+def test_exported_gemma_loads_in_transformers(tmp_path: Path, case: str) -> None:
+    """``write_hf_dir`` (what ``export_hf_dir`` writes from a GGUF): transformers computes
+    the same logits from it as the HF twin, and our HF loader reads back the same model."""
+    from transformers import AutoModelForCausalLM
+
+    from kvserve.models.export import write_hf_dir
+
+    family, overrides = CASES[case]
+    kw = {**SMALL, **_copy(overrides)}
+    hf_dir = make_tiny_model(tmp_path, family, tokenizer=False, **kw)
+    loaded = load_model(make_tiny_gguf(tmp_path, family, tensor_type="F32", **_copy(kw)))
+    out = str(tmp_path / "exported")
+    write_hf_dir(loaded.arch, loaded.state_dict, out, pad_token_id=0)
+    again = load_model(out)
+    assert again.arch == loaded.arch
+    ids = torch.arange(5, 60, 3)
+    with torch.inference_mode():
+        got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(ids[None]).logits
+        want = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)(ids[None]).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)

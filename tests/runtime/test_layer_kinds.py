@@ -164,3 +164,12 @@ def test_triton_applies_scale_and_routes_soft_cap(cap: float | None) -> None:
     )
     out = TritonBackend().forward(data["q"], data["k"], data["v"], cache0.clone(), meta)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+
+
+def test_tensor_parallel_refuses_gemma() -> None:
+    from kvserve.distributed.sharding import validate_tp
+
+    gemma = _arch(scale_embeddings=True, norm_weight_offset=1.0, sandwich_norms=True)
+    with pytest.raises(ValueError, match="does not serve gemma3 models yet"):
+        validate_tp(gemma, 2)
+    validate_tp(gemma, 1)

@@ -23,6 +23,7 @@ a step at once ``fused_layers.py``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -113,9 +114,10 @@ class LlamaForCausalLM(nn.Module):
             for i in range(arch.num_hidden_layers)
         ]
         # The attention scale (None: head_dim ** -0.5) and score soft cap every layer uses.
-        self.attention_scale = (
-            arch.attention_scale if arch.query_pre_attn_scalar is not None else None
-        )
+        # NOTE: None where it equals the default (Gemma's query_pre_attn_scalar is mostly
+        # head_dim): such layers then read the step's metadata itself.
+        scale = arch.attention_scale
+        self.attention_scale = None if scale == 1.0 / math.sqrt(arch.head_dim) else scale
         self._inv_freq_by_device: dict[tuple[torch.device, bool], torch.Tensor] = {}
         # cos / sign-folded sin of positions [0, n) per (device, dtype, local): [n, 1, d] each.
         self._rope_tables: dict[tuple[torch.device, torch.dtype, bool], tuple[torch.Tensor, ...]]

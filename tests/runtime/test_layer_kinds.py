@@ -129,6 +129,7 @@ def test_arch_windows_per_layer_and_what_a_uniform_cache_may_rely_on() -> None:
     assert _arch(sliding_window=8).shared_window == 8 and reads_step_metadata(_arch())
     assert not reads_step_metadata(_arch(attn_logit_softcapping=50.0))
     assert not reads_step_metadata(_arch(query_pre_attn_scalar=24.0))
+    assert reads_step_metadata(_arch(query_pre_attn_scalar=8.0))  # head_dim's own scale
     assert _arch(query_pre_attn_scalar=64.0).attention_scale == 0.125
     fewer = hybrid.with_num_layers(3)
     assert fewer.layer_types == hybrid.layer_types[:3]

@@ -110,6 +110,12 @@ class ModelArchConfig:
         return windows.pop() if len(windows) == 1 else None
 
     @property
+    def default_attention_scale(self) -> bool:
+        """Whether q . k is scaled by ``head_dim ** -0.5`` (no ``query_pre_attn_scalar``, or
+        one equal to ``head_dim``, as most Gemma models have)."""
+        return self.query_pre_attn_scalar in (None, self.head_dim)
+
+    @property
     def attention_scale(self) -> float:
         """The factor of q . k: ``query_pre_attn_scalar ** -0.5`` (Gemma), else
         ``head_dim ** -0.5``."""

@@ -23,7 +23,6 @@ a step at once ``fused_layers.py``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -116,8 +115,7 @@ class LlamaForCausalLM(nn.Module):
         # The attention scale (None: head_dim ** -0.5) and score soft cap every layer uses.
         # NOTE: None where it equals the default (Gemma's query_pre_attn_scalar is mostly
         # head_dim): such layers then read the step's metadata itself.
-        scale = arch.attention_scale
-        self.attention_scale = None if scale == 1.0 / math.sqrt(arch.head_dim) else scale
+        self.attention_scale = None if arch.default_attention_scale else arch.attention_scale
         self._inv_freq_by_device: dict[tuple[torch.device, bool], torch.Tensor] = {}
         # cos / sign-folded sin of positions [0, n) per (device, dtype, local): [n, 1, d] each.
         self._rope_tables: dict[tuple[torch.device, torch.dtype, bool], tuple[torch.Tensor, ...]]

@@ -15,7 +15,6 @@ the hybrid KV cache's work, keyed on the same ``ModelArchConfig.layer_types``.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 
 from kvserve.config import ModelArchConfig
@@ -28,7 +27,7 @@ def reads_step_metadata(arch: ModelArchConfig) -> bool:
     graphs) rely on."""
     return (
         (arch.layer_types is None or arch.shared_window == arch.sliding_window)
-        and arch.attention_scale == 1.0 / math.sqrt(arch.head_dim)
+        and arch.default_attention_scale
         and arch.attn_logit_softcapping is None
     )
 

@@ -58,7 +58,8 @@ class ModelArchConfig:
     # Per layer "sliding_attention" (``sliding_window`` applies) or "full_attention" (HF's
     # values); None: every layer alike (``sliding_window`` applies to all, if set).
     layer_types: tuple[str, ...] | None = None
-    local_rope_theta: float | None = None  # RoPE base of sliding layers (Gemma 3); None: rope_theta
+    # RoPE base (default RoPE) of the layers typed sliding_attention (Gemma 3); None: rope_theta.
+    local_rope_theta: float | None = None
     attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap)
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5; None: head_dim

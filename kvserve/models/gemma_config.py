@@ -100,10 +100,8 @@ def gemma_hf_fields(
     context = config.get("max_position_embeddings")
     if window is not None and isinstance(context, int) and window >= context:
         window = None  # NOTE: a window at or past the context never slides
-    if window is None or "sliding_attention" not in layer_types:
-        window, layer_types = None, None
-    elif "full_attention" not in layer_types:
-        layer_types = None  # every layer slides: the one window of the model
+    # NOTE: the types stay even where no window cuts (or every layer slides): Gemma 3's
+    # sliding layers rotate with their own RoPE base all the same.
     rope_config, local_theta = _rope(config, arch, path)
     fields = {
         **shared_fields(),
@@ -118,7 +116,7 @@ def gemma_hf_fields(
         "final_logit_softcapping": _positive(
             _value(config, "final_logit_softcapping", arch), "final_logit_softcapping", path
         ),
-        "local_rope_theta": local_theta if layer_types is not None else None,
+        "local_rope_theta": local_theta,
         "qk_norm": arch == "gemma3",
         # NOTE: both config classes tie by default; hub configs often leave the key out.
         "tie_word_embeddings": _tied(config, path),
@@ -211,14 +209,10 @@ def gemma_gguf_fields(
         )
     if pattern is not None and pattern < 1:
         raise ModelLoadError(f"{path}: GGUF metadata key {key!r} must be >= 1, got {pattern}")
-    layer_types: tuple[str, ...] | None = default_layer_types(arch, num_layers, pattern)
+    layer_types = default_layer_types(arch, num_layers, pattern)
     window = get("attention.sliding_window")
     if window is not None and window >= context:
         window = None  # NOTE: a window at or past the context never slides
-    if not window or "sliding_attention" not in layer_types:
-        window, layer_types = None, None
-    elif "full_attention" not in layer_types:
-        layer_types = None
     scale = get("attention.scale")
     if scale:
         query_pre_attn_scalar = 1.0 / float(scale) ** 2
@@ -229,7 +223,7 @@ def gemma_gguf_fields(
         big = num_layers == {"gemma2": 46, "gemma3": 62}[arch]
         query_pre_attn_scalar = float(hidden // num_heads if big else head_dim)
     local_theta = None
-    if arch == "gemma3" and layer_types is not None:
+    if arch == "gemma3":
         local_theta = float(get("rope.freq_base_swa") or 10_000.0)
     caps = {
         name: float(value) if (value := get(name)) else None

@@ -344,7 +344,7 @@ def test_gemma_layers_run_one_by_one(tmp_path: Path) -> None:
         final_logit_softcapping=None,
     )
     model = build(path, "auto", torch.float32)
-    assert model.arch.layer_types is None and model.attention_scale is None
+    assert model.arch.shared_window is None and model.attention_scale is None
     ref = run(model, torch.float32, fused=False)
     got = run(model, torch.float32, fused=True)
     assert fused_rows(model) == set() and model.fused_cache  # asked, and refused

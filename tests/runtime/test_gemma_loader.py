@@ -41,6 +41,13 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     # scale, the sliding layers' RoPE base, a pattern period other than 6).
     "gemma2-scale": ("gemma2", {"query_pre_attn_scalar": 24}),
     "gemma3-local-base-period": ("gemma3", {"rope_local_base_freq": 100.0}),
+    # Every layer sliding (pattern 6 over 2 layers), then no window inside the context: the
+    # sliding layers' RoPE base applies all the same.
+    "gemma3-all-sliding": (
+        "gemma3",
+        {"num_hidden_layers": 2, "sliding_window_pattern": 6, "rope_local_base_freq": 100.0},
+    ),
+    "gemma3-no-window": ("gemma3", {"sliding_window": 4096, "rope_local_base_freq": 100.0}),
 }
 
 
@@ -83,6 +90,7 @@ def test_f32_gguf_matches_its_hf_twin(tmp_path: Path, case: str) -> None:
     gguf = make_tiny_gguf(tmp_path, family, tensor_type="F32", **_copy(kw))
     twin, ours = load_model(hf_dir), load_model(gguf)
     assert ours.arch.architecture == family and ours.arch.layer_types is not None
+    assert (ours.arch.local_rope_theta is not None) == (family == "gemma3")
     # NOTE: GGUF stores the epsilon, and the attention scale where written, as float32.
     assert ours.arch.rms_norm_eps == pytest.approx(twin.arch.rms_norm_eps, rel=1e-6)
     assert ours.arch.query_pre_attn_scalar == pytest.approx(
@@ -151,7 +159,11 @@ def test_gguf_scale_and_pattern_as_llama_cpp_derives_them() -> None:
         "sliding_attention",
         "full_attention",
     )
-    assert fields("gemma2", 4, **{"attention.sliding_window": 8192})["layer_types"] is None
+    no_window = fields("gemma2", 4, **{"attention.sliding_window": 8192})
+    assert no_window["sliding_window"] is None and no_window["layer_types"][:2] == (
+        "sliding_attention",
+        "full_attention",
+    )
 
 
 def test_gguf_pattern_array_is_an_error_naming_the_key(tmp_path: Path) -> None:

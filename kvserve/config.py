@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
 # Weight quantization modes (vLLM's --quantization): kept torch-free here so the engine's
 # config and the models' loader share one list.
 QUANTIZATION_CHOICES = ("auto", "none", "q8_0", "q4_0", "q4_1")
+
+# HF's per-layer attention types (``ModelArchConfig.layer_types``).
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# Activations of the gated MLP: SwiGLU, and GeGLU with the tanh approximation.
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 
 PreemptionMode = Literal["recompute", "swap"]
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -25,9 +31,17 @@ class ModelArchConfig:
     ``qkv_proj`` / ``gate_up_proj`` tensors are split by the loaders. A mixture of experts
     (Mixtral, Qwen2-MoE, Qwen3-MoE) replaces the MLP of the layers ``is_moe_layer`` names
     with ``num_experts`` routed experts (``models/moe.py``).
+
+    Gemma 2 / 3 add: sliding and full layers (``layer_types``), a RoPE base of the sliding
+    layers (``local_rope_theta``), attention and final logit soft-capping, an attention
+    scale of ``query_pre_attn_scalar ** -0.5``, norms after attention and after the MLP
+    (``sandwich_norms``), RMSNorm weights applied as ``1 + w`` (``norm_weight_offset``),
+    GeGLU (``hidden_act``) and the embedding scaled by ``sqrt(hidden_size)``.
     """
 
-    architecture: str  # "llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen*moe"
+    # "llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2moe", "qwen3moe",
+    # "gemma2", "gemma3"
+    architecture: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -62,6 +76,73 @@ class ModelArchConfig:
             and (layer + 1) % self.decoder_sparse_step == 0
             and layer not in self.mlp_only_layers
         )
+
+    # Per layer "sliding_attention" (``sliding_window`` applies) or "full_attention" (HF's
+    # values); None: every layer alike (``sliding_window`` applies to all, if set).
+    layer_types: tuple[str, ...] | None = None
+    # RoPE base (default RoPE) of the layers typed sliding_attention (Gemma 3); None: rope_theta.
+    local_rope_theta: float | None = None
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5; None: head_dim
+    hidden_act: str = "silu"  # "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU, Gemma)
+    sandwich_norms: bool = False  # Gemma: RMSNorm of the attention and the MLP outputs too
+    norm_weight_offset: float = 0.0  # Gemma: RMSNorm weights applied as (1 + w)
+    scale_embeddings: bool = False  # Gemma: embeddings times sqrt(hidden_size)
+
+    def __post_init__(self) -> None:
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(
+                    f"layer_types has {len(self.layer_types)} entries for "
+                    f"{self.num_hidden_layers} layers"
+                )
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if unknown:
+                raise ValueError(
+                    f"layer_types: unknown type(s) {unknown} (known: {', '.join(LAYER_TYPES)})"
+                )
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(
+                f"hidden_act {self.hidden_act!r} is not supported ({', '.join(HIDDEN_ACTS)})"
+            )
+        for name in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 or None, got {value!r}")
+
+    def with_num_layers(self, num_layers: int) -> ModelArchConfig:
+        """This config with ``num_layers`` layers (their ``layer_types`` the first ones,
+        the pattern repeated past the end)."""
+        types = self.layer_types
+        if types is not None:
+            types = tuple(types[i % len(types)] for i in range(num_layers))
+        return dataclasses.replace(self, num_hidden_layers=num_layers, layer_types=types)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of layer ``layer`` (None: it attends over everything)."""
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @property
+    def shared_window(self) -> int | None:
+        """The window every layer attends within (None where some layer sees everything):
+        what a cache uniform over the layers may rely on."""
+        windows = {self.layer_window(i) for i in range(self.num_hidden_layers)}
+        return windows.pop() if len(windows) == 1 else None
+
+    @property
+    def default_attention_scale(self) -> bool:
+        """Whether q . k is scaled by ``head_dim ** -0.5`` (no ``query_pre_attn_scalar``, or
+        one equal to ``head_dim``, as most Gemma models have)."""
+        return self.query_pre_attn_scalar in (None, self.head_dim)
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor of q . k: ``query_pre_attn_scalar ** -0.5`` (Gemma), else
+        ``head_dim ** -0.5``."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def kv_bytes_per_token(self, bytes_per_element: float) -> int:
         """2 (K and V) x layers x kv_heads x head_dim x bytes: the seed's formula."""

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tests.tiny_models import _unique_dir, tiny_state_dict
+from kvserve.models.gemma_config import default_layer_types
+from tests.tiny_models import GEMMA_ARCHS, _unique_dir, tiny_state_dict
 
 
 def _permute_for_gguf(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -52,8 +53,15 @@ _GGUF_LAYER_NAMES = {
     "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
     "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
 }
+# Gemma's four norms a layer, as llama.cpp names them (its ffn_norm is the pre-MLP one).
+_GGUF_GEMMA_NORMS = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
 _GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "mixtral": "llama"}
-_GGUF_ARCH |= {"qwen2moe": "qwen2moe", "qwen3moe": "qwen3moe"}
+_GGUF_ARCH |= {"qwen2moe": "qwen2moe", "qwen3moe": "qwen3moe", "gemma2": "gemma2"}
+_GGUF_ARCH |= {"gemma3": "gemma3"}
 
 
 def _moe_for_gguf(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -72,7 +80,7 @@ def _moe_for_gguf(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return out
 
 
-def gguf_tensor_name(hf_name: str) -> str:
+def gguf_tensor_name(hf_name: str, gguf_arch: str = "llama") -> str:
     """The llama.cpp name of an HF tensor name (model.layers.3.mlp.up_proj.weight -> ...)."""
     fixed = {
         "model.embed_tokens.weight": "token_embd.weight",
@@ -82,6 +90,8 @@ def gguf_tensor_name(hf_name: str) -> str:
     if hf_name in fixed:
         return fixed[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
+    if gguf_arch in GEMMA_ARCHS and rest in _GGUF_GEMMA_NORMS:
+        return f"blk.{layer}.{_GGUF_GEMMA_NORMS[rest]}"
     return f"blk.{layer}.{_GGUF_LAYER_NAMES[rest]}"
 
 
@@ -95,6 +105,8 @@ def _gguf_metadata(gguf_arch: str, config: Any) -> dict[str, Any]:
         if rope.get("original_max_position_embeddings"):
             original = rope["original_max_position_embeddings"]
             extra[f"{a}.rope.scaling.original_context_length"] = original
+    if a in GEMMA_ARCHS:
+        extra |= _gemma_metadata(a, config)
     if a == "phi3":  # as convert_hf_to_gguf.py's Phi3MiniModel writes them
         original = rope.get("original_max_position_embeddings", config.max_position_embeddings)
         extra[f"{a}.rope.scaling.original_context_length"] = original
@@ -115,13 +127,47 @@ def _gguf_metadata(gguf_arch: str, config: Any) -> dict[str, Any]:
         f"{a}.attention.key_length": config.head_dim,
         f"{a}.attention.value_length": config.head_dim,
         f"{a}.rope.dimension_count": config.head_dim,
-        f"{a}.rope.freq_base": float(config.rope_parameters["rope_theta"]),
+        # NOTE: Gemma 3 nests its RoPE per layer type; the file's base is the full layers'.
+        f"{a}.rope.freq_base": float(rope.get("full_attention", rope)["rope_theta"]),
         f"{a}.attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
         f"{a}.vocab_size": config.vocab_size,
         **_moe_metadata(a, config),
         "tokenizer.ggml.bos_token_id": config.bos_token_id,
         "tokenizer.ggml.eos_token_id": config.eos_token_id,
     }
+
+
+def _gemma_metadata(a: str, config: Any) -> dict[str, Any]:
+    """The keys convert_hf_to_gguf.py's Gemma2Model / Gemma3Model write."""
+    rope = config.rope_parameters
+    extra: dict[str, Any] = {}
+    if config.sliding_window:
+        extra[f"{a}.attention.sliding_window"] = config.sliding_window
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, key, None) is not None:
+            extra[f"{a}.{key}"] = float(getattr(config, key))
+    # NOTE: not written by the converter (llama.cpp derives them); only where the tiny
+    # model differs from that: an attention scale not head_dim's, a local RoPE base
+    # other than 10000 (the keys llama.cpp reads where present).
+    if config.query_pre_attn_scalar != config.head_dim:
+        extra[f"{a}.attention.scale"] = float(config.query_pre_attn_scalar) ** -0.5
+    local = (rope.get("sliding_attention") or {}).get("rope_theta", 10000.0)
+    if a == "gemma3" and local != 10000.0:
+        extra[f"{a}.rope.freq_base_swa"] = float(local)
+    types = tuple(config.layer_types)
+    if types != default_layer_types(a, len(types)):  # llama.cpp's fixed pattern (2 / 6)
+        periods = [
+            n for n in range(1, len(types) + 2) if default_layer_types(a, len(types), n) == types
+        ]
+        if not periods:
+            raise ValueError(f"layer_types {types} have no period a GGUF file can state")
+        extra[f"{a}.attention.sliding_window_pattern"] = periods[0]
+    if a == "gemma3":
+        full = rope.get("full_attention") or {}
+        if full.get("rope_type") == "linear":
+            extra[f"{a}.rope.scaling.type"] = "linear"
+            extra[f"{a}.rope.scaling.factor"] = float(full["factor"])
+    return extra
 
 
 def _llama3_rope_freqs(config: Any) -> np.ndarray:
@@ -177,7 +223,8 @@ def make_tiny_gguf(
     permuted), "qwen2", "qwen3", "phi3", "qwen2moe" and "qwen3moe" under their own names as
     llama.cpp's converter writes them (Phi-3's fused qkv as ``attn_qkv``, gate/up as
     ``ffn_up``, LongRoPE factors as ``rope_factors_{long,short}`` tensors, a llama3 RoPE as
-    ``rope_freqs``, experts stacked as ``ffn_{gate,up,down}_exps``, routers F32). 1-D
+    ``rope_freqs``, experts stacked as ``ffn_{gate,up,down}_exps``, routers F32; Gemma's
+    norms as w + 1). 1-D
     tensors are F32; others ``tensor_type`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
     ...). For error tests: ``tensor_types`` overrides the type per GGUF tensor name (types
     gguf cannot quantise get random bytes of the right size), ``metadata`` adds or replaces
@@ -221,10 +268,12 @@ def make_tiny_gguf(
             if f"rope_factors_{kind}.weight" not in drop_tensors:
                 writer.add_tensor(f"rope_factors_{kind}.weight", factors)
     for hf_name, tensor in state_dict.items():
-        gname = gguf_tensor_name(hf_name)
+        gname = gguf_tensor_name(hf_name, gguf_arch)
         if gname in drop_tensors:
             continue
         data = tensor.numpy().astype(np.float32)
+        if gguf_arch in GEMMA_ARCHS and hf_name.endswith("norm.weight"):
+            data = data + np.float32(1.0)  # NOTE: the converter stores Gemma's norms as w + 1
         if gguf_arch == "llama" and gname.endswith("attn_q.weight"):
             data = _permute_for_gguf(data, config.num_attention_heads)
         elif gguf_arch == "llama" and gname.endswith("attn_k.weight"):

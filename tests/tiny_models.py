@@ -35,7 +35,20 @@ from typing import Any
 
 import torch
 
-ARCHS = ("llama", "smollm", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2moe", "qwen3moe")
+ARCHS = (
+    "llama",
+    "smollm",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "mixtral",
+    "qwen2moe",
+    "qwen3moe",
+    "gemma2",
+    "gemma3",
+)
+GEMMA_ARCHS = ("gemma2", "gemma3")
 
 # Small enough to build and run in milliseconds; GQA (4 query heads share 2 KV heads).
 TINY_DEFAULTS: dict[str, Any] = {
@@ -77,6 +90,17 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 2,
         "moe_intermediate_size": 32,
         "norm_topk_prob": True,
+    },
+    # Window 8 over alternating sliding / full layers; an attention scale of 24 ** -0.5
+    # (not head_dim's), tied embeddings as the family ships them; soft caps 50 / 30.
+    "gemma2": {"sliding_window": 8, "query_pre_attn_scalar": 24, "tie_word_embeddings": True},
+    # Layers sliding then full (pattern 2), the sliding ones' RoPE base 100.
+    "gemma3": {
+        "sliding_window": 8,
+        "sliding_window_pattern": 2,
+        "rope_local_base_freq": 100.0,
+        "query_pre_attn_scalar": 24,
+        "tie_word_embeddings": True,
     },
 }
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -172,6 +196,8 @@ def embedded_reference_dir() -> str:
 
 def _hf_config(arch: str, overrides: dict[str, Any]) -> Any:
     from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
@@ -193,6 +219,8 @@ def _hf_config(arch: str, overrides: dict[str, Any]) -> Any:
         "mixtral": MixtralConfig,
         "qwen2moe": Qwen2MoeConfig,
         "qwen3moe": Qwen3MoeConfig,
+        "gemma2": Gemma2Config,
+        "gemma3": Gemma3TextConfig,
     }.get(arch, LlamaConfig)
     return config_cls(**kwargs)
 
@@ -204,6 +232,13 @@ def _build_model(arch: str, seed: int, overrides: dict[str, Any]) -> Any:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if arch in GEMMA_ARCHS:
+            # NOTE: Gemma initialises its norm weights to 0 (applied as 1 + w): random ones
+            # make the offset matter.
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if name.endswith("norm.weight"):
+                        param.normal_(0.0, 0.2)
     return model.eval()
 
 

@@ -73,7 +73,7 @@ from kvserve.runtime.model_runner import ModelRunner
 a = json.loads(sys.argv[1])
 torch.set_num_threads(a["num_threads"])
 dtype = getattr(torch, a["dtype"])
-arch = dataclasses.replace(_arch(a["model"]), num_hidden_layers=a["layers"])
+arch = _arch(a["model"]).with_num_layers(a["layers"])
 model = LlamaForCausalLM(arch, dtype=dtype)
 for p in model.parameters():
     p.data.zero_()

@@ -39,6 +39,12 @@ def validate_tp(arch: ModelArchConfig, tp_size: int, device: str = "cpu") -> Non
     """Raise ValueError naming the numbers when ``tp_size`` cannot shard ``arch`` here."""
     if tp_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tp_size}")
+    if tp_size > 1 and (arch.scale_embeddings or arch.local_rope_theta is not None):
+        # NOTE: the rank's forward (tp_model.py) has no embedding scale or local RoPE yet.
+        raise ValueError(
+            f"tensor_parallel_size {tp_size}: tensor parallelism does not serve "
+            f"{arch.architecture} models yet (scaled embeddings, a RoPE per layer type); use 1"
+        )
     heads, kv_heads = arch.num_attention_heads, arch.num_key_value_heads
     if heads % tp_size:
         raise ValueError(

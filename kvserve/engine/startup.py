@@ -44,6 +44,7 @@ from kvserve.models.quant_model import quantization_summary, quantized_nbytes, s
 from kvserve.models.quant_select import quantized_projections
 from kvserve.runtime import autotune
 from kvserve.runtime.attention import get_attention_backend
+from kvserve.runtime.attention.layer_kinds import reads_step_metadata
 from kvserve.runtime.autotune import KernelChoice, TuneSettings
 from kvserve.runtime.linear import gather_into_huge_pages, warm_row_buckets
 from kvserve.runtime.memory_plan.planner import ActivationPlan
@@ -252,12 +253,15 @@ def size_kv_pool(
 
 def captures_decode_graphs(config: EngineConfig, loaded: EngineModel) -> bool:
     """Whether the runner captures pure-decode steps as CUDA graphs (``runtime/cuda_graphs``):
-    on CUDA, in one process, with the Triton attention backend, unless ``enforce_eager``."""
+    on CUDA, in one process, with the Triton attention backend, unless ``enforce_eager``;
+    not for a model whose layers read the step's metadata each their own way (Gemma:
+    ``layer_kinds.reads_step_metadata``), which derives it anew each step."""
     return (
         torch.device(config.device).type == "cuda"
         and not config.enforce_eager
         and loaded.tp is None
         and loaded.model.attn_backend.name == "triton"
+        and reads_step_metadata(loaded.arch)
     )
 
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from kvserve.config import ModelArchConfig
+from kvserve.models.gemma_parts import gelu_tanh_mul
 from kvserve.models.moe import SparseMoeBlock
 from kvserve.runtime.attention.interface import AttentionBackend
 from kvserve.runtime.attention.metadata import AttentionMetadata
@@ -102,10 +103,18 @@ class StepViews:
     act: torch.Tensor  # [T, I] SiLU(gate) * up, the down projection's input
     attn: torch.Tensor  # [T, H, d] attention output (a backend may return its own instead)
     attn_rows: torch.Tensor  # [T, H d] the same storage, the o projection's input
+    # [T, hidden] the normed attention / MLP output (``sandwich_norms``, Gemma); else None.
+    post: torch.Tensor | None = None
 
 
 class LlamaDecoderLayer(nn.Module):
-    """One pre-norm block: attention (fused qkv) + SwiGLU MLP (fused gate/up)."""
+    """One pre-norm block: attention (fused qkv) + gated MLP (fused gate/up; SwiGLU, or
+    GeGLU for Gemma), with Gemma's extra norms of the attention and MLP outputs where the
+    config asks (``sandwich_norms``).
+
+    Norm weights hold what multiplies the normed rows: for Gemma's ``(1 + w)`` RMSNorm the
+    model loads ``1 + w`` (``LlamaForCausalLM.load_weights``).
+    """
 
     def __init__(
         self,
@@ -144,7 +153,18 @@ class LlamaDecoderLayer(nn.Module):
             self.register_parameter("qk_norm", None)
         self.o_weight = linear_param(hidden, self.q_size, **kw)
         self.register_parameter("o_bias", None)
+        # The norm before the MLP (HF's post_attention_layernorm in Llama, Gemma's
+        # pre_feedforward_layernorm).
         self.post_attention_layernorm = empty_param(hidden, **kw)
+        self.gelu = arch.hidden_act == "gelu_pytorch_tanh"
+        if arch.sandwich_norms:
+            # Gemma's norms of the attention output (HF: post_attention_layernorm) and of the
+            # MLP output (post_feedforward_layernorm), before each joins the residual stream.
+            self.attn_out_norm: nn.Parameter | None = empty_param(hidden, **kw)
+            self.mlp_out_norm: nn.Parameter | None = empty_param(hidden, **kw)
+        else:
+            self.register_parameter("attn_out_norm", None)
+            self.register_parameter("mlp_out_norm", None)
         # The projections this layer holds (``<name>_weight`` / ``<name>_proj``): a MoE layer's
         # MLP is its ``moe`` block's experts instead of gate_up / down.
         self.projections: tuple[str, ...] = PROJECTIONS
@@ -282,6 +302,7 @@ class LlamaDecoderLayer(nn.Module):
             act=ws.like("act", (num_tokens, inter), hidden),
             attn=attn_rows.view(num_tokens, self.num_heads, self.head_dim),
             attn_rows=attn_rows,
+            post=None if self.attn_out_norm is None else ws.like("post", hidden.shape, hidden),
         )
 
     def forward(
@@ -320,6 +341,9 @@ class LlamaDecoderLayer(nn.Module):
         # addmm_ into the residual rounds differently; on the embedded model it drifted to 3e-3
         # max |logit diff| vs transformers (9e-4 this way).
         o = self.o_proj(rows, x, out_is_hint=True, out_rows_free=True)
+        if self.attn_out_norm is not None:  # Gemma: the output normed before it is added
+            assert sv.post is not None
+            o = ops.add_rms_norm(o, None, self.attn_out_norm, self.eps, sv.post, ws)
         # hidden += o-projection, then x = norm(hidden)
         ops.add_rms_norm(hidden, o, self.post_attention_layernorm, self.eps, x, ws)
         if self.moe is not None:
@@ -331,5 +355,12 @@ class LlamaDecoderLayer(nn.Module):
             gate, up = sv.gate, sv.up
         else:
             gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
-        act = ops.silu_mul(gate, up, gate_up, sv.act)  # [T, I]
-        return self.down_proj(act, x, out_is_hint=True, out_rows_free=True)  # [T, hidden]
+        if self.gelu:
+            act = gelu_tanh_mul(gate, up, sv.act)  # [T, I]
+        else:
+            act = ops.silu_mul(gate, up, gate_up, sv.act)  # [T, I]
+        down = self.down_proj(act, x, out_is_hint=True, out_rows_free=True)  # [T, hidden]
+        if self.mlp_out_norm is None:
+            return down
+        assert sv.post is not None
+        return ops.add_rms_norm(down, None, self.mlp_out_norm, self.eps, sv.post, ws)

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvserve.config import ModelArchConfig
+from kvserve.models.gemma_config import GEMMA_ARCHS, gemma_hf_config
 from kvserve.models.loader import load_model
 from kvserve.models.moe_weights import checkpoint_names, hf_moe_config
 from kvserve.models.weights import FUSED_CHECKPOINT_ARCHS, join_fused, resolve_dtype
@@ -27,6 +28,8 @@ _HF_ARCH_NAMES = {
     "mixtral": ("MixtralForCausalLM", "mixtral"),
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
 
 
@@ -77,6 +80,8 @@ def hf_config_dict(arch: ModelArchConfig, dtype: torch.dtype) -> dict[str, Any]:
         config["use_sliding_window"] = arch.sliding_window is not None
     if arch.architecture in ("qwen3", "qwen3moe"):
         config["attention_bias"] = False
+    if arch.architecture in GEMMA_ARCHS:
+        config.update(gemma_hf_config(arch))
     original = (arch.rope_scaling or {}).get("original_max_position_embeddings")
     if arch.architecture == "phi3" and original is not None:
         config["original_max_position_embeddings"] = original  # NOTE: Phi-3 keeps it here

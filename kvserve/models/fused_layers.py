@@ -8,7 +8,9 @@ same bit for bit. It takes a step when:
 
 - the layers run the native layer ops and are plain ``LlamaDecoderLayer`` s (not the
   tensor-parallel ones, which all-reduce between them) without q/k norms (Qwen3's run
-  between the projection and RoPE, which the native call does not) or routed experts;
+  between the projection and RoPE, which the native call does not) or routed experts,
+  without Gemma's norms of the attention and MLP outputs or its GeGLU, all reading the
+  step's metadata as it is (one window, no soft cap: ``LlamaForCausalLM.run_layers`` checks);
 - every projection of every layer runs one of these methods at this step's row count, with
   no bias: the int8-dot kernel (``QuantKernelMethod``), AMX bf16 on the blocks
   (``QuantAmxBf16Method``), AMX int8 on an int8 copy (``QuantAmxInt8Method``), a split of
@@ -140,9 +142,13 @@ def _int8_dot_codes(method: QuantKernelMethod) -> list[int]:
 def build_fused_layers(layers: list[LlamaDecoderLayer], num_rows: int) -> FusedLayers | None:
     """The arguments for a step of ``num_rows`` rows, or None when some projection of some
     layer runs another method (or has a bias) at that row count, or some layer is not a
-    plain ``LlamaDecoderLayer`` without q/k norms or experts (``moe``)."""
+    plain ``LlamaDecoderLayer`` without q/k norms, experts (``moe``) or Gemma's parts."""
     if any(
-        type(layer) is not LlamaDecoderLayer or layer.qk_norm is not None or layer.moe is not None
+        type(layer) is not LlamaDecoderLayer
+        or layer.qk_norm is not None
+        or layer.moe is not None
+        or layer.attn_out_norm is not None
+        or layer.gelu
         for layer in layers
     ):
         return None
@@ -198,6 +204,7 @@ def run_fused_layers(
         or model.ops is not NATIVE_OPS
         or not isinstance(backend, NativeCPUBackend)
         or isinstance(hidden, FakeTensor)  # traced (memory plan): the layer-by-layer path
+        or meta.logit_softcap is not None
     ):
         return None
     rows = backend.whole_step_tables(meta, kv_caches[0])
@@ -237,7 +244,7 @@ def run_fused_layers(
         lens,
         first.num_heads,
         first.eps,
-        1.0 / math.sqrt(first.head_dim),
+        meta.scale if meta.scale is not None else 1.0 / math.sqrt(first.head_dim),
         meta.sliding_window or 0,
         meta.num_sink_tokens,
         views.norm,

@@ -10,6 +10,7 @@ import torch
 from kvserve.config import ModelArchConfig
 from kvserve.models.dequant import dequantize, single_threaded
 from kvserve.models.errors import ModelLoadError
+from kvserve.models.gemma_config import GEMMA_ARCHS, gemma_gguf_fields
 from kvserve.models.gguf_reader import GGUFArray, GGUFFile, GGUFTensorInfo, read_gguf
 from kvserve.models.moe_weights import (
     check_stacked,
@@ -44,6 +45,8 @@ SUPPORTED_GGUF_ARCHS = {
     "phi3": "phi3",
     "qwen2moe": "qwen2moe",
     "qwen3moe": "qwen3moe",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3",
 }
 # Phi-3's LongRoPE factors, stored as tensors (read into the config, not weights).
 _ROPE_FACTOR_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
@@ -83,6 +86,13 @@ _LAYER_NAMES = {
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
+# Gemma's four norms a layer: llama.cpp's ffn_norm is the one before the MLP (Gemma's
+# pre_feedforward_layernorm; Llama's post_attention_layernorm).
+_GEMMA_LAYER_NAMES = _LAYER_NAMES | {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 
@@ -94,8 +104,9 @@ def hf_name(gguf_name: str, gguf_arch: str = "llama") -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER_RE.fullmatch(gguf_name)
-    if match and match.group(2) in _LAYER_NAMES:
-        name = _LAYER_NAMES[match.group(2)]
+    names = _GEMMA_LAYER_NAMES if gguf_arch in GEMMA_ARCHS else _LAYER_NAMES
+    if match and match.group(2) in names:
+        name = names[match.group(2)]
         if gguf_arch == "phi3" and name == "mlp.up_proj.weight":
             name = "mlp.gate_up_proj.weight"
         return f"model.layers.{match.group(1)}.{name}"
@@ -148,7 +159,16 @@ def gguf_arch_config(gguf: GGUFFile) -> ModelArchConfig:
     name = "mixtral" if moe and gguf_arch == "llama" else SUPPORTED_GGUF_ARCHS[gguf_arch]
     # NOTE: a Qwen-MoE file may carry only the experts' width (every layer routed).
     ffn = get("feed_forward_length", None, required=not moe) or moe["moe_intermediate_size"]
-    return ModelArchConfig(
+    extra = {}
+    if gguf_arch in GEMMA_ARCHS:
+        extra = gemma_gguf_fields(
+            lambda key: get(key, None, required=False),
+            gguf_arch,
+            size("block_count"),
+            (hidden, num_heads, head_dim, size("context_length")),
+            path,
+        )
+    fields = dict(
         architecture=name,
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -171,6 +191,10 @@ def gguf_arch_config(gguf: GGUFFile) -> ModelArchConfig:
         eos_token_id=_opt_int(md.get("tokenizer.ggml.eos_token_id")),
         **moe,
     )
+    try:
+        return ModelArchConfig(**(fields | extra))
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from e
 
 
 def _rope_scaling(gguf: GGUFFile, gguf_arch: str, head_dim: int, context: int) -> dict | None:
@@ -307,6 +331,11 @@ def load_gguf(
                 tensor = _unpermute(tensor, arch.num_attention_heads)
             elif permuted and ".self_attn.k_proj." in target:
                 tensor = _unpermute(tensor, arch.num_key_value_heads)
+            elif arch.norm_weight_offset and target.endswith("norm.weight"):
+                # NOTE: llama.cpp's converter stores Gemma's norm weights as w + 1: HF's w
+                # again (the model adds the 1 back; exact in float32 for w + 1 >= 0.5).
+                assert isinstance(tensor, torch.Tensor)  # 1-D: always dense
+                tensor = tensor - arch.norm_weight_offset
             state_dict[target] = tensor
     return arch, split_fused(state_dict, arch)
 

@@ -11,6 +11,7 @@ from safetensors import SafetensorError, safe_open
 
 from kvserve.config import ModelArchConfig
 from kvserve.models.errors import ModelFileNotFoundError, ModelLoadError
+from kvserve.models.gemma_config import GEMMA_ARCHS, gemma_hf_fields
 from kvserve.models.moe_weights import (
     canonical_name,
     check_stacked,
@@ -39,10 +40,13 @@ SUPPORTED_HF_ARCHS = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2moe",
     "Qwen3MoeForCausalLM": "qwen3moe",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",  # the text model (Gemma3TextConfig)
 }
 _MODEL_TYPES = {name: name for name in SUPPORTED_HF_ARCHS.values()} | {
     "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe",
+    "gemma3_text": "gemma3",
 }
 # RoPE types whose pretraining context transformers takes from `original_max_position_embeddings`.
 _ORIGINAL_LEN_TYPES = ("llama3", "yarn", "longrope")
@@ -84,7 +88,7 @@ def hf_arch_config(config: dict[str, Any], path: str) -> ModelArchConfig:
             f"{path}: unsupported model_type {config.get('model_type')!r} and no architectures "
             f"(supported: {', '.join(sorted(SUPPORTED_HF_ARCHS))})"
         )
-    if config.get("hidden_act", "silu") != "silu":
+    if arch not in GEMMA_ARCHS and config.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"{path}: hidden_act {config['hidden_act']!r} is not supported")
     if arch not in ("qwen2", "qwen2moe") and (
         config.get("attention_bias") or config.get("mlp_bias")
@@ -103,13 +107,17 @@ def hf_arch_config(config: dict[str, Any], path: str) -> ModelArchConfig:
     num_kv_heads = opt("num_key_value_heads", num_heads)
     check_heads(num_heads, num_kv_heads, "num_key_value_heads", path)
     head_dim = opt("head_dim", hidden // num_heads)
-    rope_params = config.get("rope_parameters") or {}
-    rope_theta = config.get("rope_theta", rope_params.get("rope_theta", 10000.0))
-    rope_scaling = _rope_scaling(config, arch, head_dim, path)
+    extra: dict[str, Any] = {}
+    rope_config = config
+    if arch in GEMMA_ARCHS:
+        extra, rope_config = gemma_hf_fields(config, arch, req("num_hidden_layers"), path)
+    rope_params = rope_config.get("rope_parameters") or {}
+    rope_theta = rope_config.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+    rope_scaling = _rope_scaling(rope_config, arch, head_dim, path)
     sliding = _sliding_window(config, arch, path)
     if sliding is not None and sliding >= int(config.get("max_position_embeddings") or 0) > 0:
         sliding = None  # NOTE: a window past the context (Phi-3-128k's 262144) never slides
-    return ModelArchConfig(
+    fields: dict[str, Any] = dict(
         architecture=arch,
         vocab_size=req("vocab_size"),
         hidden_size=hidden,
@@ -119,7 +127,11 @@ def hf_arch_config(config: dict[str, Any], path: str) -> ModelArchConfig:
         num_key_value_heads=num_kv_heads,
         head_dim=head_dim,
         max_position_embeddings=req("max_position_embeddings"),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6 if arch.startswith("qwen") else 1e-5)),
+        rms_norm_eps=float(
+            config.get(
+                "rms_norm_eps", 1e-6 if arch.startswith("qwen") or arch in GEMMA_ARCHS else 1e-5
+            )
+        ),
         rope_theta=float(rope_theta),
         rope_scaling=rope_scaling,
         tie_word_embeddings=_flag(config, "tie_word_embeddings", path),
@@ -132,6 +144,10 @@ def hf_arch_config(config: dict[str, Any], path: str) -> ModelArchConfig:
         eos_token_id=_first_int(config.get("eos_token_id")),
         **hf_moe_fields(config, arch, path),
     )
+    try:
+        return ModelArchConfig(**(fields | extra))
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from e
 
 
 def _rope_scaling(
@@ -180,11 +196,16 @@ def _flag(config: dict[str, Any], key: str, path: str) -> bool:
     return value
 
 
+def _default_rms_norm_eps(arch: str) -> float:
+    """transformers' default ``rms_norm_eps`` of the family's config class."""
+    return 1e-6 if arch.startswith("qwen") or arch in GEMMA_ARCHS else 1e-5
+
+
 def _sliding_window(config: dict[str, Any], arch: str, path: str) -> int | None:
     """The attention window, or None; every layer must use the same kind of attention."""
     window = config.get("sliding_window")
-    if arch == "llama" or not window:
-        return None
+    if arch in ("llama", *GEMMA_ARCHS) or not window:
+        return None  # Gemma's: gemma_config.py
     if arch in ("mistral", "phi3", "mixtral"):
         return int(window)
     # NOTE: Qwen2 / Qwen3 configs carry sliding_window but leave it off unless

@@ -1,9 +1,12 @@
-"""Llama-family causal LM (Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM) over a paged KV cache.
+"""Llama-family causal LM (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 / 3, SmolLM) over a
+paged KV cache.
 
 One model class serves every family: ``ModelArchConfig`` says where they differ (q/k/v
 biases, per-head q/k norms, the RoPE variant, a sliding window, routed experts: Mixtral and
-Qwen-MoE) and the decoder layer takes the parts it names; the loaders hand every family's
-weights over under the same names.
+Qwen-MoE; Gemma's sliding and full layers, soft caps, attention scale, extra norms, GeGLU and
+scaled embeddings) and the decoder layer takes the parts it names; the loaders hand every
+family's weights over under the same names. Layers that attend differently read the step's
+metadata as their kind reads it (``runtime/attention/layer_kinds.py``).
 
 The forward pass works on one flattened (ragged) batch of ``T`` tokens from many sequences:
 no padding in the linear layers. Attention goes through an ``AttentionBackend`` that writes
@@ -30,6 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from kvserve.config import ModelArchConfig
 from kvserve.models.decoder_layer import LlamaDecoderLayer, empty_param
 from kvserve.models.fused_layers import FusedLayers, enabled_by_env, run_fused_layers
+from kvserve.models.gemma_parts import round_to_dtype, soft_cap
 from kvserve.models.quant import QuantizedWeight
 from kvserve.models.quant_linear import embedding_lookup
 from kvserve.models.quant_model import attach_quantized
@@ -40,6 +44,7 @@ from kvserve.runtime import (
 )
 from kvserve.runtime.attention import get_attention_backend
 from kvserve.runtime.attention.interface import AttentionBackend
+from kvserve.runtime.attention.layer_kinds import layer_metadata
 from kvserve.runtime.attention.metadata import AttentionMetadata
 from kvserve.runtime.autotune.candidates import build_linear
 from kvserve.runtime.layer_ops import TORCH_OPS, layer_ops
@@ -98,9 +103,24 @@ class LlamaForCausalLM(nn.Module):
             max_position_embeddings=arch.max_position_embeddings,
             max_model_len=max_model_len,
         )
-        self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
-        # cos / sign-folded sin of positions [0, n) per (device, dtype): [n, 1, d] each.
-        self._rope_tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, ...]] = {}
+        # Gemma 3: the sliding layers rotate with a base of their own (default RoPE).
+        self._local_inv_freq: torch.Tensor | None = None
+        if arch.local_rope_theta is not None and arch.layer_types is not None:
+            self._local_inv_freq, _ = compute_rope(arch.head_dim, arch.local_rope_theta, None)
+        # Per layer: its own attention window, and whether it takes the local RoPE.
+        self.layer_windows = [arch.layer_window(i) for i in range(arch.num_hidden_layers)]
+        self.local_rope_layers = [
+            self._local_inv_freq is not None and arch.layer_types[i] == "sliding_attention"
+            for i in range(arch.num_hidden_layers)
+        ]
+        # The attention scale (None: head_dim ** -0.5) and score soft cap every layer uses.
+        # NOTE: None where it equals the default (Gemma's query_pre_attn_scalar is mostly
+        # head_dim): such layers then read the step's metadata itself.
+        self.attention_scale = None if arch.default_attention_scale else arch.attention_scale
+        self._inv_freq_by_device: dict[tuple[torch.device, bool], torch.Tensor] = {}
+        # cos / sign-folded sin of positions [0, n) per (device, dtype, local): [n, 1, d] each.
+        self._rope_tables: dict[tuple[torch.device, torch.dtype, bool], tuple[torch.Tensor, ...]]
+        self._rope_tables = {}
         self.linear_plan: LinearPlan | None = None
         self.lm_head_proj: Linear
         self._lm_head_key: tuple[torch.dtype, torch.device] | None = None
@@ -200,10 +220,11 @@ class LlamaForCausalLM(nn.Module):
             layer.attn_backend = backend
 
     def rope_tables(
-        self, num_positions: int, device: torch.device, dtype: torch.dtype
+        self, num_positions: int, device: torch.device, dtype: torch.dtype, local: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin (as ``rope_cos_sin``) of positions ``[0, n)``, ``n >=
         num_positions``, each ``[n, 1, head_dim]``: computed once, grown by doubling.
+        ``local``: the sliding layers' RoPE (Gemma 3's ``local_rope_theta``).
 
         NOTE: a step gathers its rows instead of computing cos / sin. Those small
         transcendental ops enter an OpenMP parallel region whose sleeping threads took
@@ -211,23 +232,24 @@ class LlamaForCausalLM(nn.Module):
         step under ``torch.profiler``); the gather stays on one thread. Same values bit for
         bit: the table is ``rope_cos_sin`` of those positions.
         """
-        key = (device, dtype)
+        key = (device, dtype, local)
         table = self._rope_tables.get(key)
         if table is None or table[0].shape[0] < num_positions:
             n = max(64, 1 << max(0, num_positions - 1).bit_length())
             positions = torch.arange(n, device=device)
-            cos, sin = rope_cos_sin(
-                self._inv_freq_on(device), positions, dtype, scale=self.rope_scale
-            )
+            scale = 1.0 if local else self.rope_scale
+            cos, sin = rope_cos_sin(self._inv_freq_on(device, local), positions, dtype, scale=scale)
             table = (cos, sin)
             self._rope_tables[key] = table
         return table[0], table[1]
 
-    def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
-        inv = self._inv_freq_by_device.get(device)
+    def _inv_freq_on(self, device: torch.device, local: bool = False) -> torch.Tensor:
+        inv = self._inv_freq_by_device.get((device, local))
         if inv is None:
-            inv = self._inv_freq.to(device)
-            self._inv_freq_by_device[device] = inv
+            source = self._local_inv_freq if local else self._inv_freq
+            assert source is not None
+            inv = source.to(device)
+            self._inv_freq_by_device[(device, local)] = inv
         return inv
 
     def forward(
@@ -253,18 +275,37 @@ class LlamaForCausalLM(nn.Module):
             embedding_lookup(self.quantized["embed_tokens"], input_ids, hidden)
         else:
             torch.index_select(emb, 0, input_ids, out=hidden)
+        if self.arch.scale_embeddings:
+            # NOTE: as transformers' Gemma: times sqrt(hidden_size) rounded to the dtype.
+            hidden.mul_(round_to_dtype(self.arch.hidden_size**0.5, emb.dtype))
+        cos, sin = self._step_rope(positions, meta, ws, emb.dtype, local=False)
+        local_rope = None
+        if self._local_inv_freq is not None:
+            local_rope = self._step_rope(positions, meta, ws, emb.dtype, local=True)
+        return self.run_layers(hidden, cos, sin, kv_caches, meta, ws, local_rope)
+
+    def _step_rope(
+        self,
+        positions: torch.Tensor,  # [T] long
+        meta: AttentionMetadata,
+        ws: Workspace,
+        dtype: torch.dtype,
+        local: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin [T, 1, d]
+        """This step's cos / sin rows (``local``: of the sliding layers' RoPE)."""
         if isinstance(positions, FakeTensor):  # traced (memory plan): no table to keep
-            inv_freq = self._inv_freq_on(positions.device)
-            cos, sin = rope_cos_sin(inv_freq, positions, emb.dtype, ws, self.rope_scale)
-        else:
-            num_positions = max((s.seq_len for s in meta.seqs), default=0)  # positions < it
-            cos_table, sin_table = self.rope_tables(num_positions, positions.device, emb.dtype)
-            shape = (positions.shape[0], *cos_table.shape[1:])  # [T, 1, d]
-            cos = ws.take("rope_cos", shape, emb.dtype, emb.device)
-            sin = ws.take("rope_sin", shape, emb.dtype, emb.device)
-            torch.index_select(cos_table, 0, positions, out=cos)
-            torch.index_select(sin_table, 0, positions, out=sin)
-        return self.run_layers(hidden, cos, sin, kv_caches, meta, ws)
+            inv_freq = self._inv_freq_on(positions.device, local)
+            scale = 1.0 if local else self.rope_scale
+            return rope_cos_sin(inv_freq, positions, dtype, ws, scale)
+        num_positions = max((s.seq_len for s in meta.seqs), default=0)  # positions < it
+        cos_table, sin_table = self.rope_tables(num_positions, positions.device, dtype, local)
+        shape = (positions.shape[0], *cos_table.shape[1:])  # [T, 1, d]
+        suffix = "_local" if local else ""
+        cos = ws.take("rope_cos" + suffix, shape, dtype, positions.device)
+        sin = ws.take("rope_sin" + suffix, shape, dtype, positions.device)
+        torch.index_select(cos_table, 0, positions, out=cos)
+        torch.index_select(sin_table, 0, positions, out=sin)
+        return cos, sin
 
     def run_layers(
         self,
@@ -274,15 +315,31 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],  # per layer
         meta: AttentionMetadata,
         ws: Workspace,
+        local_rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # sliding layers' cos, sin
     ) -> torch.Tensor:  # [T, hidden], after the final norm, newly allocated
         """Every layer over ``hidden`` (in one native call where the step allows it,
-        ``fused_layers.py``), then the final norm (which adds the last MLP output)."""
+        ``fused_layers.py``), then the final norm (which adds the last MLP output).
+
+        Each layer reads ``meta`` as its kind of layer reads it (its window, the attention
+        scale and soft cap: ``layer_kinds.layer_metadata``) and, where ``local_rope`` is
+        given, the sliding layers rotate with it."""
         views = self.layers[0].step_views(ws, hidden)  # every layer has the same shapes
-        residual = run_fused_layers(self, hidden, cos, sin, kv_caches, meta, views)
+        metas = layer_metadata(
+            meta, self.layer_windows, self.attention_scale, self.arch.attn_logit_softcapping
+        )
+        residual = None
+        if all(m is meta for m in metas) and local_rope is None:
+            residual = run_fused_layers(self, hidden, cos, sin, kv_caches, meta, views)
         if residual is None:
+            ropes = [
+                local_rope if local_rope is not None and local else (cos, sin)
+                for local in self.local_rope_layers
+            ]
             # NOTE: ``forward`` directly: nn.Module.__call__'s hook checks cost ~2 us a layer.
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                residual = layer.forward(hidden, cos, sin, kv_cache, meta, ws, views, residual)
+            for layer, kv_cache, m, (c, s) in zip(
+                self.layers, kv_caches, metas, ropes, strict=True
+            ):
+                residual = layer.forward(hidden, c, s, kv_cache, m, ws, views, residual)
         out = torch.empty_like(hidden)  # [T, hidden]
         return self.ops.add_rms_norm(hidden, residual, self.norm, self.arch.rms_norm_eps, out, ws)
 
@@ -293,6 +350,9 @@ class LlamaForCausalLM(nn.Module):
         if self._lm_head_key is None:
             self._build_lm_head()
         logits = self.lm_head_proj(hidden)  # [N, vocab]
+        cap = self.arch.final_logit_softcapping
+        if cap is not None:  # Gemma 2: as transformers, in the lm_head's dtype
+            logits = soft_cap(logits, cap)
         return logits if keep_dtype else logits.float()
 
     @torch.no_grad()
@@ -322,6 +382,16 @@ class LlamaForCausalLM(nn.Module):
             target.copy_(t)
             used.add(name)
 
+        offset = self.arch.norm_weight_offset
+
+        def take_norm(name: str, target: torch.Tensor) -> None:
+            # NOTE: Gemma's RMSNorm multiplies by (1 + w): the parameter holds 1 + w, so every
+            # norm kernel stays the plain one (llama.cpp's converter stores w + 1 the same way).
+            # Added in the parameter's dtype: exact as transformers in float32.
+            take(name, target)
+            if offset:
+                target.add_(offset)
+
         def optional_bias(name: str, size: int) -> nn.Parameter | None:
             if name not in sd:
                 return None
@@ -330,7 +400,7 @@ class LlamaForCausalLM(nn.Module):
             return p
 
         take("model.embed_tokens.weight", self.embed_tokens)
-        take("model.norm.weight", self.norm)
+        take_norm("model.norm.weight", self.norm)
         if self.arch.tie_word_embeddings:
             used.add("lm_head.weight")  # HF state_dicts list the tied tensor too
         else:
@@ -338,8 +408,15 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             qs, kvs = layer.q_size, layer.kv_size
-            take(p + "input_layernorm.weight", layer.input_layernorm)
-            take(p + "post_attention_layernorm.weight", layer.post_attention_layernorm)
+            take_norm(p + "input_layernorm.weight", layer.input_layernorm)
+            if layer.attn_out_norm is not None and layer.mlp_out_norm is not None:
+                # Gemma: HF's post_attention_layernorm norms the attention output; its
+                # pre_feedforward_layernorm is the norm before the MLP.
+                take_norm(p + "post_attention_layernorm.weight", layer.attn_out_norm)
+                take_norm(p + "pre_feedforward_layernorm.weight", layer.post_attention_layernorm)
+                take_norm(p + "post_feedforward_layernorm.weight", layer.mlp_out_norm)
+            else:
+                take_norm(p + "post_attention_layernorm.weight", layer.post_attention_layernorm)
             w = layer.qkv_weight
             take(p + "self_attn.q_proj.weight", w[:qs])
             take(p + "self_attn.k_proj.weight", w[qs : qs + kvs])
@@ -352,8 +429,8 @@ class LlamaForCausalLM(nn.Module):
                 take(p + "self_attn.v_proj.bias", b[qs + kvs :])
             if layer.qk_norm is not None:  # one row per q head, then per k head
                 heads = layer.num_heads
-                take(p + "self_attn.q_norm.weight", layer.qk_norm[0])
-                take(p + "self_attn.k_norm.weight", layer.qk_norm[heads])
+                take_norm(p + "self_attn.q_norm.weight", layer.qk_norm[0])
+                take_norm(p + "self_attn.k_norm.weight", layer.qk_norm[heads])
                 layer.qk_norm[1:heads].copy_(layer.qk_norm[0])
                 layer.qk_norm[heads + 1 :].copy_(layer.qk_norm[heads])
             take(p + "self_attn.o_proj.weight", layer.o_weight)

@@ -49,8 +49,9 @@ def expected_shapes(
     """Every tensor of the model under its HF name, with its shape (``[out, in]`` for linears).
 
     ``lm_head.weight`` is absent when the embeddings are tied; q/k/v biases are present only
-    when ``arch.attention_bias`` (qwen2), q/k norms only when ``arch.qk_norm`` (qwen3); a
-    MoE layer has its router and per-expert tensors instead of the dense MLP's.
+    when ``arch.attention_bias`` (qwen2), q/k norms only when ``arch.qk_norm`` (qwen3, gemma3),
+    the pre- and post-feedforward norms only when ``arch.sandwich_norms`` (gemma); a MoE
+    layer has its router and per-expert tensors instead of the dense MLP's.
     ``checkpoint``: the names as a checkpoint of the family stores them (Phi-3's fused
     ``qkv_proj`` / ``gate_up_proj``); False: as ``split_fused`` hands them to the model.
     """
@@ -77,6 +78,9 @@ def expected_shapes(
             shapes[p + "self_attn.q_norm.weight"] = (arch.head_dim,)
             shapes[p + "self_attn.k_norm.weight"] = (arch.head_dim,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if arch.sandwich_norms:  # Gemma: the attention / MLP outputs' norms, the pre-MLP one
+            shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (h,)
         if arch.is_moe_layer(layer):
             shapes.update(moe_layer_shapes(arch, p))  # router and experts (moe_weights.py)
         elif fused:

@@ -71,7 +71,9 @@ class ModelRunner:
         )
         # Windowed eviction (StreamingLLM): the last kv_window positions plus the first
         # kv_sink_tokens stay visible; a model's own sliding window is the tighter of the two.
-        windows = [w for w in (arch.sliding_window, kv_window) if w is not None]
+        # NOTE: only a window every layer shares; a layer's own (Gemma's sliding layers) is
+        # applied by the model (runtime/attention/layer_kinds.py).
+        windows = [w for w in (arch.shared_window, kv_window) if w is not None]
         self.sliding_window = min(windows) if windows else None
         use_sinks = kv_window is not None and self.sliding_window == kv_window
         self.num_sink_tokens = kv_sink_tokens if use_sinks else 0

@@ -8,6 +8,10 @@ through prefix-cache hits; transformers (fp32, the same weights) is the referenc
 by teacher forcing as in ``test_hf_reference.py``: the greedy tokens must be its argmax at
 every position and each returned top-5 log-probability within 1e-4 of its own.
 
+The Gemma cases run three layers (sliding, full, sliding) with a window of 8 tokens under
+prompts of 15 to 43, so every sliding layer's window cuts; their KV pool is small enough
+that a request is preempted (and recomputed) on the way.
+
 NOTE: 1e-4: both sides compute in fp32 from identical weights, differing in summation order
 only (fused projections, paged attention); the observed worst is printed.
 """
@@ -106,12 +110,37 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any], int, tuple[int, ...]
         128,
         (3, 9, 20, 31),
     ),
+    # Soft caps tight enough to bite (scores and logits of a few units), scale 24 ** -0.5.
+    "gemma2": (
+        "gemma2",
+        {
+            "num_hidden_layers": 3,
+            "sliding_window": 8,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 5.0,
+        },
+        {},
+        128,
+        (3, 9, 20, 31),
+    ),
+    # Local RoPE base 100 on the sliding layers, linear scaling on the full one; sharded bf16.
+    "gemma3": (
+        "gemma3",
+        {
+            "num_hidden_layers": 3,
+            "sliding_window": 8,
+            "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+        },
+        {"max_shard_size": "200KB", "dtype": "bfloat16"},
+        128,
+        (3, 9, 20, 31),
+    ),
     # Qwen3-MoE: q/k norms, renormalized top-k, layer 0 a dense MLP (mlp_only_layers).
     "qwen3moe": ("qwen3moe", {"mlp_only_layers": [0]}, {}, 128, (3, 9, 20, 31)),
 }
 # Cases served in a pool of this many 4-token blocks (the others: 96), so that requests are
 # preempted (recompute) and served again.
-PREEMPT_BLOCKS = {"mixtral": 20, "qwen2moe": 20, "qwen3moe": 20}
+PREEMPT_BLOCKS = {"mixtral": 20, "qwen2moe": 20, "qwen3moe": 20, "gemma2": 22, "gemma3": 22}
 
 
 def longrope(head_dim: int = 16) -> dict[str, Any]:

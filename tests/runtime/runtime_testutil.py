@@ -32,7 +32,7 @@ TINY = dict(
 
 def tiny_hf_model(kind: str, **overrides: object) -> transformers.PreTrainedModel:
     """A tiny random float32 HF model: kind in {'llama', 'qwen2', 'mistral', 'qwen3',
-    'phi3'}."""
+    'phi3', 'gemma2', 'gemma3'}."""
     torch.manual_seed(1234)
     if kind == "llama":  # GQA 4:2, untied, llama3 rope scaling
         cfg = transformers.LlamaConfig(
@@ -80,15 +80,37 @@ def tiny_hf_model(kind: str, **overrides: object) -> transformers.PreTrainedMode
             },
             pad_token_id=0,
         )
+    elif kind in ("gemma2", "gemma3"):  # sliding then full layer (window 6), scale 24 ** -0.5
+        gemma = dict(
+            **TINY,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=6,
+            query_pre_attn_scalar=24,
+            pad_token_id=0,
+        )
+        if kind == "gemma2":  # soft caps that bite at these magnitudes
+            cfg = transformers.Gemma2Config(
+                **gemma, attn_logit_softcapping=3.0, final_logit_softcapping=10.0
+            )
+        else:  # q/k norms, local RoPE base 100, linear scaling on the full layer
+            cfg = transformers.Gemma3TextConfig(
+                **gemma,
+                sliding_window_pattern=2,
+                rope_local_base_freq=100.0,
+                rope_scaling={"rope_type": "linear", "factor": 2.0},
+            )
     else:
         raise ValueError(kind)
     for k, v in overrides.items():
         setattr(cfg, k, v)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():  # make biases non-zero so they are exercised
+    with torch.no_grad():  # make biases (and Gemma's zero-initialised norms) non-zero
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.5)
+            elif kind.startswith("gemma") and name.endswith("norm.weight"):
+                p.normal_(0, 0.2)
     return model.eval()
 
 

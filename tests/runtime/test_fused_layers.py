@@ -327,3 +327,26 @@ def test_bad_arguments_name_what_is_wrong() -> None:
     weight = torch.zeros(8, 10, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="unknown part kind 7"):
         call_with([weight] * 4, [7, 1, 4, 0, 0, 8] * 4, [1] * 4)
+
+
+def test_gemma_layers_run_one_by_one(tmp_path: Path) -> None:
+    """Gemma's layers (norms of the attention and MLP outputs, GeGLU) are not what the
+    native call runs: a Gemma 2 step whose every layer reads the step's metadata as is (no
+    window inside the context, the default scale, no soft caps) still runs layer by layer,
+    with the same logits."""
+    path = make_tiny_gguf(
+        tmp_path,
+        "gemma2",
+        tensor_type="Q8_0",
+        sliding_window=4096,
+        query_pre_attn_scalar=16,
+        attn_logit_softcapping=None,
+        final_logit_softcapping=None,
+    )
+    model = build(path, "auto", torch.float32)
+    assert model.arch.shared_window is None and model.attention_scale is None
+    ref = run(model, torch.float32, fused=False)
+    got = run(model, torch.float32, fused=True)
+    assert fused_rows(model) == set() and model.fused_cache  # asked, and refused
+    for a, b in zip(ref, got, strict=True):
+        assert torch.equal(a, b)

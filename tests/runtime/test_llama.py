@@ -71,7 +71,7 @@ def _run_schedule(
             block_size=block_size,
             device=CPU,
             dtype=model.norm.dtype,
-            sliding_window=arch.sliding_window,
+            sliding_window=arch.shared_window,  # a layer's own: the model applies it
         )
         with torch.inference_mode():
             hidden = model(torch.tensor(ids), torch.tensor(positions), cache.layer_caches, meta)
@@ -92,7 +92,7 @@ def _prompts(lengths: list[int], vocab: int, seed: int) -> dict[str, list[int]]:
     }
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "qwen3", "phi3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3"])
 @pytest.mark.parametrize(
     ("backend", "native_ops"),
     [("torch_sdpa", False), ("torch_ref", False), ("native", True)],

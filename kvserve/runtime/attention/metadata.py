@@ -76,6 +76,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long: cache slot of each new token
     sliding_window: int | None = None
     num_sink_tokens: int = 0  # with sliding_window: the first S positions stay visible
+    # The factor of q . k (None: head_dim ** -0.5) and the soft cap of the scores
+    # (``cap * tanh(s / cap)``, Gemma 2; None: none); set per layer kind by the model.
+    scale: float | None = None
+    logit_softcap: float | None = None
     # Fast path: the leading run of sequences with one query token each (decodes).
     num_decode_seqs: int = 0
     chunks: list[ChunkMeta] = field(default_factory=list)  # the other sequences

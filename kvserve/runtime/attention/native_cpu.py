@@ -12,8 +12,8 @@ of its own causal length (``AttentionMetadata.query_tables``); a longer one atte
 engine sets the limit and the way longer chunks go at start-up, where each measured faster
 (``runtime/native/chunk_limit.chunk_attention_limit``).
 
-Where the kernels cannot serve (not loaded, a CUDA cache, a quantized cache) every call
-takes ``TorchSDPABackend``'s path, so the backend is safe to select anywhere.
+Where the kernels cannot serve (not loaded, a CUDA cache, a quantized cache, soft-capped
+scores) every call takes ``TorchSDPABackend``'s path, so the backend is safe to select anywhere.
 """
 
 from __future__ import annotations
@@ -76,7 +76,9 @@ class NativeCPUBackend(TorchSDPABackend):
         meta: AttentionMetadata,
         out: torch.Tensor | None = None,  # [T, H, d] scratch
     ) -> torch.Tensor:  # [T, H, d]
-        if not self.kernels_serve(kv_cache):
+        if meta.logit_softcap is not None or not self.kernels_serve(kv_cache):
+            # NOTE: the native kernels have no soft cap: a soft-capped layer (Gemma 2) takes
+            # TorchSDPABackend's path, which applies it.
             return super().forward(q, k, v, kv_cache, meta, out)
         limit = self.chunk_kernel_max_tokens
         plan = self.kernel_rows(meta)
@@ -84,7 +86,7 @@ class NativeCPUBackend(TorchSDPABackend):
         ops.write_kv(kv_cache, k, v, meta.slot_mapping)
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, d]
-        scale = 1.0 / math.sqrt(q.shape[-1])
+        scale = meta.scale if meta.scale is not None else 1.0 / math.sqrt(q.shape[-1])
         window, sinks = meta.sliding_window or 0, meta.num_sink_tokens
         if plan.end:
             tables, lens = plan.tables, plan.lens
@@ -119,7 +121,7 @@ class NativeCPUBackend(TorchSDPABackend):
                 )
             else:
                 compute = torch.float32 if self.chunk_sdpa_float32 else None
-                out[rows] = self._chunk(q[rows], k[rows], v[rows], kv_cache, c, compute)
+                out[rows] = self._chunk(q[rows], k[rows], v[rows], kv_cache, c, compute, meta.scale)
         return out
 
     @staticmethod
@@ -162,7 +164,7 @@ class NativeCPUBackend(TorchSDPABackend):
         every query row runs through ``paged_decode_attention`` on ``kv_cache``'s kind of
         cache, as ``forward`` would run it; None when some row would not (a long chunk, a
         quantized or non-CPU cache, no kernels)."""
-        if not self.kernels_serve(kv_cache):
+        if meta.logit_softcap is not None or not self.kernels_serve(kv_cache):
             return None
         plan = self.kernel_rows(meta)
         if plan.rest or plan.end != meta.num_tokens or plan.tables is None or plan.lens is None:

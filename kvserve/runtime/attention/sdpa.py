@@ -12,10 +12,10 @@ mask.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kvserve.runtime.attention.interface import AttentionBackend, LayerCache
 from kvserve.runtime.attention.metadata import AttentionMetadata, ChunkMeta, DecodeGroup
+from kvserve.runtime.attention.softcap import attend
 from kvserve.runtime.kv_cache import QuantizedLayerCache, dequantize_kv, quantize_kv
 
 
@@ -106,19 +106,22 @@ class TorchSDPABackend(AttentionBackend):
             out[:nd] = self._decode(q[:nd], kv_cache, meta)
         for c in meta.chunks:
             rows = slice(c.token_offset, c.token_offset + c.num_query_tokens)
-            out[rows] = self._chunk(q[rows], k[rows], v[rows], kv_cache, c)
+            out[rows] = self._chunk(
+                q[rows], k[rows], v[rows], kv_cache, c, None, meta.scale, meta.logit_softcap
+            )
         return out
 
     @staticmethod
     def _decode(q: torch.Tensor, kv_cache: LayerCache, meta: AttentionMetadata) -> torch.Tensor:
         # q: [B, H, d]; every query is the last position of its sequence.
         groups = meta.decode_groups
+        attn = (meta.scale, meta.logit_softcap)
         if len(groups) == 1:
-            return TorchSDPABackend._decode_group(q, kv_cache, groups[0], meta.block_size)
+            return TorchSDPABackend._decode_group(q, kv_cache, groups[0], meta.block_size, *attn)
         out = torch.empty_like(q)
         for g in groups:
             rows = slice(g.row_start, g.row_end)
-            out[rows] = TorchSDPABackend._decode_group(q[rows], kv_cache, g, meta.block_size)
+            out[rows] = TorchSDPABackend._decode_group(q[rows], kv_cache, g, meta.block_size, *attn)
         return out
 
     @staticmethod
@@ -127,6 +130,8 @@ class TorchSDPABackend(AttentionBackend):
         kv_cache: LayerCache,
         g: DecodeGroup,
         block_size: int,
+        scale: float | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # [B_g, H, d]
         num_seqs, num_heads, head_dim = q.shape
         num_kv_heads = kv_cache.shape[3]
@@ -137,7 +142,7 @@ class TorchSDPABackend(AttentionBackend):
         # NOTE: GQA without copying K/V: the query heads of one KV head share its keys and the
         # same mask, so they ride in SDPA's query-length axis: [B, kvh, group, d].
         qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        o = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=g.mask)
+        o = attend(qg, kv[0], kv[1], attn_mask=g.mask, scale=scale, softcap=softcap)
         return o.reshape(num_seqs, num_heads, head_dim)
 
     @staticmethod
@@ -148,9 +153,12 @@ class TorchSDPABackend(AttentionBackend):
         kv_cache: LayerCache,
         c: ChunkMeta,
         compute_dtype: torch.dtype | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """SDPA of one chunk; with ``compute_dtype`` (e.g. float32 for a bf16 model) the
-        inputs are converted to it and the output back to ``q``'s dtype."""
+        inputs are converted to it and the output back to ``q``'s dtype. ``scale`` / ``softcap``:
+        the layer's (``AttentionMetadata.scale`` / ``logit_softcap``)."""
         if c.ctx_block_ids is None:
             keys, values = k, v  # the chunk is the whole context so far
         else:
@@ -162,12 +170,14 @@ class TorchSDPABackend(AttentionBackend):
         if compute_dtype is not None and compute_dtype != dtype:
             q, keys, values = q.to(compute_dtype), keys.to(compute_dtype), values.to(compute_dtype)
             mask = mask.to(compute_dtype) if mask is not None else None
-        o = F.scaled_dot_product_attention(
+        o = attend(
             q.transpose(0, 1).unsqueeze(0),  # [1, H, n, d]
             keys.transpose(0, 1).unsqueeze(0),  # [1, kvh, L, d]
             values.transpose(0, 1).unsqueeze(0),
             attn_mask=mask,
             is_causal=mask is None,
+            scale=scale,
+            softcap=softcap,
             enable_gqa=True,
         )
         return o[0].transpose(0, 1).to(dtype)  # [n, H, d]

@@ -43,7 +43,8 @@ class TorchReferenceBackend(AttentionBackend):
             _write_tokens(kv_cache, blk, off, k[rows], v[rows])
         # 2) attend, reading K/V back through the block tables.
         out = torch.empty_like(q) if out is None else out
-        scale = 1.0 / math.sqrt(head_dim)
+        scale = meta.scale if meta.scale is not None else 1.0 / math.sqrt(head_dim)
+        cap = meta.logit_softcap
         for s in meta.seqs:
             pos = range(s.seq_len)
             table = readable_table(s.block_ids)
@@ -54,6 +55,8 @@ class TorchReferenceBackend(AttentionBackend):
             values = values.repeat_interleave(group, dim=1)  # [L, H, d]
             rows = slice(s.token_offset, s.token_offset + s.num_query_tokens)
             scores = torch.einsum("qhd,khd->hqk", q[rows], keys) * scale  # [H, n, L]
+            if cap is not None:  # Gemma 2's soft cap, as transformers applies it
+                scores = torch.tanh(scores / cap) * cap
             q_pos = torch.arange(s.start_pos, s.seq_len, device=device)[:, None]
             k_pos = torch.arange(s.seq_len, device=device)[None, :]
             allowed = visible_mask(q_pos, k_pos, meta.sliding_window, meta.num_sink_tokens)

@@ -226,7 +226,7 @@ def plan_activations(
     if max_layers is not None:
         if max_layers < 1:
             raise ValueError(f"max_layers must be >= 1 or None, got {max_layers}")
-        arch = dataclasses.replace(arch, num_hidden_layers=min(arch.num_hidden_layers, max_layers))
+        arch = arch.with_num_layers(min(arch.num_hidden_layers, max_layers))
     args = (
         arch,
         max_num_batched_tokens,
@@ -307,7 +307,7 @@ def _plan_cached(
             fake_mode=fake_mode,
             device=device,
             dtype=dtype,
-            sliding_window=arch.sliding_window,
+            sliding_window=arch.shared_window,
             num_threads=num_threads,
         )
         gemm_shapes |= rec.gemm_shapes

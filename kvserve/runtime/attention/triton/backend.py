@@ -18,6 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from kvserve.runtime.attention.interface import AttentionBackend, LayerCache
 from kvserve.runtime.attention.metadata import AttentionMetadata
+from kvserve.runtime.attention.sdpa import TorchSDPABackend
 from kvserve.runtime.attention.triton.kv_write import write_kv
 from kvserve.runtime.attention.triton.paged_attention import paged_attention_kernel
 from kvserve.runtime.attention.triton.plan import TritonStepPlan, build_step_plan
@@ -71,6 +72,10 @@ class TritonBackend(AttentionBackend):
         if isinstance(q, FakeTensor):
             # NOTE: traced by the memory plan: the kernels allocate only the split scratch.
             return out
+        if meta.logit_softcap is not None:
+            # NOTE: the Triton kernel has no soft cap: a soft-capped layer (Gemma 2) takes
+            # TorchSDPABackend's path, which applies it (and reads any cache kind).
+            return TorchSDPABackend().forward(q, k, v, kv_cache, meta, out)
         write_kv(kv_cache, meta.slot_mapping, k, v)
         if meta.num_tokens == 0:
             return out
@@ -118,7 +123,7 @@ def paged_attention(
         plan.tile_start,
         part_out,
         part_ml,
-        1.0 / math.sqrt(head_dim),
+        meta.scale if meta.scale is not None else 1.0 / math.sqrt(head_dim),
         q.stride(0),
         q.stride(1),
         out.stride(0),

@@ -123,7 +123,9 @@ def test_prefix_hit_needs_every_groups_blocks() -> None:
 
 
 @pytest.mark.parametrize(("filler_tokens", "hit_tokens"), [(12, 16), (16, 0)])
-def test_no_hit_where_the_sliding_group_lost_its_blocks(filler_tokens: int, hit_tokens: int) -> None:
+def test_no_hit_where_the_sliding_group_lost_its_blocks(
+    filler_tokens: int, hit_tokens: int
+) -> None:
     kv = _kv(num_blocks=12)
     a = make_request("a", list(range(16)))
     _run(kv, a, 16)

@@ -97,8 +97,11 @@ class HybridMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ rules
 
-    @rule(head=st.sampled_from(HEADS), tail=st.lists(st.integers(0, 9), max_size=12),
-          salt=st.sampled_from([None, None, "t"]))
+    @rule(
+        head=st.sampled_from(HEADS),
+        tail=st.lists(st.integers(0, 9), max_size=12),
+        salt=st.sampled_from([None, None, "t"]),
+    )
     def add(self, head: list[int], tail: list[int], salt: str | None) -> None:
         prompt = head + tail or [1]
         self.num_ids += 1
@@ -148,7 +151,9 @@ class HybridMachine(RuleBasedStateMachine):
         parent = data.draw(st.sampled_from(ready))
         self.num_ids += 1
         child = Request(
-            f"r{self.num_ids}", parent.token_ids_slice(0, parent.num_tokens - 1), PARAMS,
+            f"r{self.num_ids}",
+            parent.token_ids_slice(0, parent.num_tokens - 1),
+            PARAMS,
             cache_salt=parent.cache_salt,
         )
         self.kv.fork(parent, child)

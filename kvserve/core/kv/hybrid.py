@@ -441,7 +441,9 @@ class HybridKVCacheManager:
         for t, g in zip(tables, live, strict=True):
             got = [(i, next(hosts)) for i, _ in g]
             record.append((len(t.blocks), got))
-            pairs.extend((b.block_id, h.host_block_id) for (_, b), (_, h) in zip(g, got))
+            pairs.extend(
+                (b.block_id, h.host_block_id) for (_, b), (_, h) in zip(g, got, strict=True)
+            )
         for t in self._tables:
             table = t.pop(rid)
             self._pool.free(b for b in reversed(table.blocks) if b is not self._null)

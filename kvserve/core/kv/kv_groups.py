@@ -37,14 +37,18 @@ class KVGroupSpec:
         if not self.layers:
             raise ValueError("a KV cache group needs at least one layer")
         if self.window is not None and (not isinstance(self.window, int) or self.window < 1):
-            raise ValueError(f"a sliding group's window must be a positive int, got {self.window!r}")
+            raise ValueError(
+                f"a sliding group's window must be a positive int, got {self.window!r}"
+            )
 
     @property
     def is_sliding(self) -> bool:
         return self.window is not None
 
 
-def check_layer_types(layer_types: Sequence[str], num_layers: int, sliding_window: int | None) -> None:
+def check_layer_types(
+    layer_types: Sequence[str], num_layers: int, sliding_window: int | None
+) -> None:
     """ValueError naming what is wrong with a model's ``layer_types``."""
     if len(layer_types) != num_layers:
         raise ValueError(
@@ -57,9 +61,7 @@ def check_layer_types(layer_types: Sequence[str], num_layers: int, sliding_windo
         raise ValueError("layer_types has sliding_attention layers but no sliding_window is set")
 
 
-def group_layers(
-    layer_types: Sequence[str], sliding_window: int | None
-) -> tuple[KVGroupSpec, ...]:
+def group_layers(layer_types: Sequence[str], sliding_window: int | None) -> tuple[KVGroupSpec, ...]:
     """The KV cache groups of a model's layers, full-attention groups first.
 
     Every group holds ``group_size`` layers (see the module docstring) except possibly the

@@ -34,7 +34,8 @@ from collections.abc import Sequence
 from kvserve.core.errors import IntegrityError
 from kvserve.core.kv.block_pool import BlockPool, KVBlock
 from kvserve.core.kv.block_tables import check_count
-from kvserve.core.kv.host_tier import HostBlock, HostTier
+from kvserve.core.kv.host_tier import HostTier
+from kvserve.core.kv.hybrid_figures import HybridFigures
 from kvserve.core.kv.hybrid_integrity import check_hybrid
 from kvserve.core.kv.hybrid_prefix import (
     BlockHash,
@@ -43,19 +44,17 @@ from kvserve.core.kv.hybrid_prefix import (
     hit_blocks,
     longest_hit,
 )
+from kvserve.core.kv.hybrid_swap import HostGroups, HybridSwap
 from kvserve.core.kv.kv_groups import KVGroupSpec, hybrid_blocks_per_request
-from kvserve.core.kv.metrics import KVCacheCounters, capacity_figures, kv_utilization, ratio
+from kvserve.core.kv.metrics import KVCacheCounters, ratio
 from kvserve.core.kv.tables import BlockTable
 from kvserve.core.kv.window import out_of_window_blocks
 from kvserve.request import Request
 
 __all__ = ["HybridKVCacheManager"]
 
-# A swapped-out request's blocks, per group: (table length, [(index, host block)]).
-_HostGroups = list[tuple[int, list[tuple[int, HostBlock]]]]
 
-
-class HybridKVCacheManager:
+class HybridKVCacheManager(HybridSwap, HybridFigures):
     """Per-group block tables over one pool. See the module docstring."""
 
     prefix_caching_conflict = None
@@ -94,7 +93,7 @@ class HybridKVCacheManager:
         self._caches = [GroupPrefixCache(i) for i in range(len(self.groups))]
         self._tables: list[dict[str, BlockTable]] = [{} for _ in self.groups]
         self._hashes: dict[str, list[BlockHash]] = {}
-        self._swapped: dict[str, _HostGroups] = {}
+        self._swapped: dict[str, HostGroups] = {}
         self._pending_copies: list[tuple[KVBlock, KVBlock]] = []
         self.num_window_freed_blocks = 0
 
@@ -153,10 +152,6 @@ class HybridKVCacheManager:
         if request_id not in self._tables[0]:
             return None
         return [[b.block_id for b in t[request_id].blocks] for t in self._tables]
-
-    def num_swapped_blocks(self, request: Request) -> int:
-        groups = self._swapped.get(request.request_id)
-        return sum(len(pairs) for _, pairs in groups) if groups else 0
 
     # ------------------------------------------------------------------ prefix hits
 
@@ -420,63 +415,6 @@ class HybridKVCacheManager:
             tables[cid] = BlockTable(child, list(ptable.blocks), n, n)
             self.counters.fork_shared_blocks += len(live)
 
-    # ------------------------------------------------------------------ swap
-
-    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
-        """Move every group's live blocks to the host tier: (device, host) pairs. None,
-        changing nothing, if the host tier has too few free blocks."""
-        rid = request.request_id
-        if rid not in self._tables[0]:
-            raise ValueError(f"swap_out: request {rid!r} has no device block table")
-        tables = [t[rid] for t in self._tables]
-        live = [[(i, b) for i, b in enumerate(t.blocks) if b is not self._null] for t in tables]
-        moved = [b for g in live for _, b in g]
-        if any(dst in moved for _, dst in self._pending_copies):
-            raise ValueError(f"swap_out: request {rid!r} has a copy-on-write pending in this step")
-        if len(moved) > self._host.num_free_blocks:
-            return None
-        hosts = iter(self._host.allocate(len(moved)))
-        record: _HostGroups = []
-        pairs = []
-        for t, g in zip(tables, live, strict=True):
-            got = [(i, next(hosts)) for i, _ in g]
-            record.append((len(t.blocks), got))
-            pairs.extend(
-                (b.block_id, h.host_block_id) for (_, b), (_, h) in zip(g, got, strict=True)
-            )
-        for t in self._tables:
-            table = t.pop(rid)
-            self._pool.free(b for b in reversed(table.blocks) if b is not self._null)
-        self._swapped[rid] = record
-        self.counters.swap_out_blocks += len(moved)
-        return pairs
-
-    def swap_in(self, request: Request, reserve: int = 0) -> list[tuple[int, int]] | None:
-        """Give a swapped-out request its tables back: (host, device) pairs to copy. None,
-        changing nothing, if fewer than its blocks + ``reserve`` are free."""
-        with self.counters.timing_alloc():
-            check_count("reserve", reserve)
-            rid = request.request_id
-            record = self._swapped.get(rid)
-            if record is None:
-                raise ValueError(f"swap_in: request {rid!r} is not swapped out")
-            num = sum(len(pairs) for _, pairs in record)
-            if num + reserve > self._pool.num_free_blocks:
-                return None
-            fresh = iter(self._pool.allocate(num))
-            out = []
-            for tables, (length, pairs) in zip(self._tables, self._swapped.pop(rid), strict=True):
-                blocks = [self._null] * length
-                for i, h in pairs:
-                    blocks[i] = next(fresh)
-                    out.append((h.host_block_id, blocks[i].block_id))
-                tables[rid] = BlockTable(request, blocks)
-                self._host.release(reversed([h for _, h in pairs]))
-            self.counters.swap_in_blocks += num
-            if self.enable_prefix_caching:
-                self._cache_full_blocks(request, request.num_computed_tokens // self.block_size)
-            return out
-
     # ------------------------------------------------------------------ cache admin, figures
 
     def reset_prefix_cache(self) -> bool:
@@ -486,39 +424,6 @@ class HybridKVCacheManager:
         for cache in self._caches:
             cache.clear()
         return True
-
-    def snapshot(self) -> dict[str, float | int]:
-        """Every capacity figure by name (as ``KVCacheManager.snapshot``) plus the freed
-        window blocks and the groups' count."""
-        tables = [
-            ([b.block_id for b in t.blocks], t.request.num_computed_tokens)
-            for g in self._tables
-            for t in g.values()
-        ]
-        util = kv_utilization(tables, self.block_size, skip_id=self._null.block_id)
-        d = capacity_figures(self, util, bool(tables))  # type: ignore[arg-type]
-        d["window_freed_blocks"] = self.num_window_freed_blocks
-        d["num_kv_groups"] = len(self.groups)
-        return d
-
-    def dump_state(self) -> dict[str, object]:
-        """The state as plain comparable data (timing counters left out)."""
-        figures = self.snapshot()
-        del figures["alloc_time_s"], figures["alloc_calls"]
-        return {
-            "tables": [
-                {rid: [b.block_id for b in t.blocks] for rid, t in g.items()} for g in self._tables
-            ],
-            "free_block_ids": self._pool.free_block_ids(),
-            "ref_cnts": [b.ref_cnt for b in self._pool.blocks],
-            "cached": [sorted(b.block_id for b in c.blocks.values()) for c in self._caches],
-            "host_tables": {
-                rid: [(n, [(i, h.host_block_id) for i, h in p]) for n, p in rec]
-                for rid, rec in self._swapped.items()
-            },
-            "pending_copies": [(s.block_id, d.block_id) for s, d in self._pending_copies],
-            "figures": figures,
-        }
 
     def check_integrity(self) -> None:
         """Raise ``IntegrityError`` naming the first broken invariant (``hybrid_integrity``)."""

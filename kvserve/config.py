@@ -43,6 +43,9 @@ class ModelArchConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # Per-layer attention, HF's values ("sliding_attention" / "full_attention"); None: every
+    # layer alike. A mix gets the hybrid KV cache (core/kv/kv_groups.py).
+    layer_types: tuple[str, ...] | None = None
 
     def kv_bytes_per_token(self, bytes_per_element: float) -> int:
         """2 (K and V) x layers x kv_heads x head_dim x bytes: the seed's formula."""

@@ -30,6 +30,7 @@ from typing import TypeVar
 import torch
 
 from kvserve.config import ModelArchConfig
+from kvserve.core.kv.kv_groups import KVGroupSpec, hybrid_blocks_per_request, window_blocks
 from kvserve.engine.config import EngineConfig, GiB, available_memory_bytes
 from kvserve.runtime.kernel_scratch import GemmShape, measure_gemm_scratch, resident_bytes
 from kvserve.runtime.kv_cache import kv_bytes_per_token
@@ -78,6 +79,11 @@ class MemoryReport:
     packed_weights_bytes: int = 0
     # Of ``headroom_bytes``: what tracing the activation plan left resident (its imports).
     tracing_bytes: int = 0
+    # Hybrid KV cache (core/kv/kv_groups.py): its groups, and the largest chunk a step gives
+    # a request (bounds a sliding group's blocks). A block then holds one group's layers
+    # (``kv_bytes_per_token`` is per block id: ``group_size`` layers).
+    kv_groups: tuple[KVGroupSpec, ...] | None = None
+    max_chunk: int = 1
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -89,14 +95,33 @@ class MemoryReport:
 
     @property
     def max_tokens_in_cache(self) -> int:
-        return self.num_kv_blocks * self.block_size
+        """Tokens the pool holds: of all requests together; with a hybrid KV cache, of one
+        request (its full-attention groups' blocks once its sliding groups have theirs)."""
+        groups = self.kv_groups
+        if not groups:
+            return self.num_kv_blocks * self.block_size
+        bs, chunk = self.block_size, self.max_chunk
+        sliding = sum(window_blocks(g.window, bs, chunk) for g in groups if g.window)
+        num_full = sum(1 for g in groups if g.window is None)
+        if num_full == 0:
+            return self.max_model_len
+        return max(0, self.num_kv_blocks - sliding) // num_full * self.block_size
+
+    def blocks_per_request(self, num_tokens: int) -> int:
+        """Block ids a request of ``num_tokens`` tokens holds at most: whole blocks, over
+        every group of a hybrid KV cache (a sliding group at most its window's)."""
+        if self.kv_groups:
+            return hybrid_blocks_per_request(
+                self.kv_groups, self.block_size, num_tokens, self.max_chunk
+            )
+        return -(-num_tokens // self.block_size)
 
     def max_concurrent_requests(self, typical_len: int) -> int:
-        """Requests of ``typical_len`` tokens that fit at once (whole blocks each)."""
+        """Requests of ``typical_len`` tokens that fit at once (whole blocks each, per group
+        with a hybrid KV cache)."""
         if typical_len < 1:
             raise ValueError(f"typical_len must be >= 1, got {typical_len}")
-        blocks_per_req = -(-typical_len // self.block_size)
-        return self.num_kv_blocks // blocks_per_req
+        return self.num_kv_blocks // self.blocks_per_request(typical_len)
 
     def lines(self, typical_len: int = 512) -> list[str]:
         """Human-readable lines, one figure each."""
@@ -233,8 +258,8 @@ def max_sequence_tokens(config: EngineConfig, arch: ModelArchConfig, *, max_mode
     (``num_kv_blocks`` or ``kv_cache_memory``). A budget-sized pool is sized after the plan
     and must hold a max_model_len request anyway.
     """
-    if config.kv_window is not None:
-        return max_model_len
+    if config.kv_window is not None or len(set(arch.layer_types or ())) > 1:
+        return max_model_len  # NOTE: a hybrid KV cache's sliding tables keep freed entries too
     num_blocks = config.num_kv_blocks
     if num_blocks is None and config.kv_cache_memory is not None:
         per_token = kv_bytes_per_token(

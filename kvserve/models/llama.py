@@ -283,11 +283,15 @@ class LlamaForCausalLM(nn.Module):
         """Every layer over ``hidden`` (in one native call where the step allows it,
         ``fused_layers.py``), then the final norm (which adds the last MLP output)."""
         views = self.layers[0].step_views(ws, hidden)  # every layer has the same shapes
-        residual = run_fused_layers(self, hidden, cos, sin, kv_caches, meta, views)
+        metas = meta.layer_metas  # a hybrid KV cache: each layer its group's metadata
+        residual = None
+        if metas is None:
+            residual = run_fused_layers(self, hidden, cos, sin, kv_caches, meta, views)
         if residual is None:
+            metas = metas or [meta] * len(self.layers)
             # NOTE: ``forward`` directly: nn.Module.__call__'s hook checks cost ~2 us a layer.
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                residual = layer.forward(hidden, cos, sin, kv_cache, meta, ws, views, residual)
+            for layer, kv_cache, m in zip(self.layers, kv_caches, metas, strict=True):
+                residual = layer.forward(hidden, cos, sin, kv_cache, m, ws, views, residual)
         out = torch.empty_like(hidden)  # [T, hidden]
         return self.ops.add_rms_norm(hidden, residual, self.norm, self.arch.rms_norm_eps, out, ws)
 

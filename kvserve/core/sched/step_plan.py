@@ -57,7 +57,12 @@ class StepPlan:
         return 0
 
     def emit(
-        self, request: Request, num_new: int, block_ids: list[int], clock: Callable[[], float]
+        self,
+        request: Request,
+        num_new: int,
+        block_ids: list[int],
+        clock: Callable[[], float],
+        group_block_ids: list[list[int]] | None = None,
     ) -> None:
         """Append the ScheduledRequest for ``num_new`` tokens from num_computed_tokens on,
         reading the request's ``block_ids`` table; charge the budget."""
@@ -79,6 +84,7 @@ class StepPlan:
                 prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=request.output_token_ids,
                 seed=None if params.seed is None else params.seed + request.sample_index,
+                group_block_ids=group_block_ids,
             )
         )
         self.scheduled_ids.add(request.request_id)

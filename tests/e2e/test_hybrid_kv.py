@@ -1,0 +1,92 @@
+"""A model whose layers mix sliding-window and full attention, on the hybrid KV cache.
+
+A tiny random Qwen2 checkpoint (6 layers, 5 sliding to 1 full as Gemma 3 mixes them, window
+8 tokens, shorter than every prompt) served through chunked prefill (16-token steps, 4-token
+blocks), a pool small enough that long outputs preempt, and, run again, prefix-cache hits. transformers
+(fp32, the same weights, its own per-layer sliding masks) is the reference, by teacher
+forcing as in ``test_model_families.py``: kvserve's greedy tokens must be its argmax at
+every position and each top-5 log-probability within 1e-4 of its own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve.core.kv.hybrid import HybridKVCacheManager
+from kvserve.engine.llm import LLM
+from kvserve.sampling_params import SamplingParams
+from tests.e2e.test_model_families import ATOL_LOGPROB, TINY, _hf_next_token_logprobs
+from tests.tiny_models import make_tiny_model
+
+SLIDE, FULL = "sliding_attention", "full_attention"
+LAYER_TYPES = [SLIDE, SLIDE, FULL, SLIDE, SLIDE, SLIDE]
+PREFIX = [300 + 7 * j for j in range(12)]
+
+
+@pytest.fixture(scope="module")
+def hybrid_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_model(
+        tmp_path_factory.mktemp("hybrid"),
+        "qwen2",
+        **TINY,
+        num_hidden_layers=6,
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=0,
+        layer_types=LAYER_TYPES,
+    )
+
+
+def test_hybrid_model_matches_transformers(hybrid_model: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(
+        hybrid_model,
+        dtype="float32",
+        quantization="none",
+        kernel_selection="off",
+        block_size=4,
+        num_kv_blocks=64,
+        max_num_batched_tokens=16,
+        max_model_len=128,
+    )
+    engine = llm.engine
+    assert engine.arch.layer_types == tuple(LAYER_TYPES)
+    kv = engine.kv_cache_manager
+    assert isinstance(kv, HybridKVCacheManager)
+    # 6 groups of one layer (full first): a block id holds one layer's K/V.
+    assert [g.window for g in kv.groups] == [None] + [8] * 5
+    assert engine.runner.kv_cache.num_layers == 1
+    ref = AutoModelForCausalLM.from_pretrained(hybrid_model, dtype=torch.float32).eval()
+    prompts = [
+        PREFIX + [40 + 11 * i + 3 * j for j in range(n)] for i, n in enumerate((9, 20, 31, 14))
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=48, logprobs=5, ignore_eos=True)
+    first = llm.generate(prompts, params, use_tqdm=False)
+    again = llm.generate(prompts, params, use_tqdm=False)  # prefix-cache hits this time
+    stats = llm.stats()
+    assert stats["prefix_hit_rate"] > 0
+    assert stats["preemptions"] > 0
+    assert stats["window_freed_blocks"] > 0
+    kv.check_integrity()
+    worst = 0.0
+    for prompt, out, out2 in zip(prompts, first, again, strict=True):
+        got = out.outputs[0]
+        assert list(out2.outputs[0].token_ids) == list(got.token_ids)
+        ref_logprobs = _hf_next_token_logprobs(ref, prompt, list(got.token_ids))
+        assert list(got.token_ids) == ref_logprobs.argmax(dim=-1).tolist(), len(prompt)
+        assert got.logprobs is not None
+        for pos, entry in enumerate(got.logprobs):
+            for token_id, lp in entry.items():
+                diff = abs(lp.logprob - ref_logprobs[pos][token_id].item())
+                worst = max(worst, diff)
+                assert diff < ATOL_LOGPROB, (len(prompt), pos, token_id, diff)
+    print(f"hybrid qwen2: max |logprob diff| vs transformers {worst:.1e}")
+
+
+def test_hybrid_rejects_what_it_cannot_run(hybrid_model: str) -> None:
+    with pytest.raises(ValueError, match="kv_window"):
+        LLM(hybrid_model, kv_window=16, quantization="none", kernel_selection="off")

@@ -2,15 +2,13 @@
 
 A tiny random Qwen2 checkpoint (6 layers, 5 sliding to 1 full as Gemma 3 mixes them, window
 8 tokens, shorter than every prompt) served through chunked prefill (16-token steps, 4-token
-blocks), a pool small enough that long outputs preempt, and, run again, prefix-cache hits. transformers
-(fp32, the same weights, its own per-layer sliding masks) is the reference, by teacher
-forcing as in ``test_model_families.py``: kvserve's greedy tokens must be its argmax at
+blocks), a pool small enough that long outputs preempt, and, run again, prefix-cache hits.
+transformers (fp32, the same weights, its own per-layer sliding masks) is the reference, by
+teacher forcing as in ``test_model_families.py``: kvserve's greedy tokens must be its argmax at
 every position and each top-5 log-probability within 1e-4 of its own.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch

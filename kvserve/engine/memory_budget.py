@@ -107,21 +107,22 @@ class MemoryReport:
             return self.max_model_len
         return max(0, self.num_kv_blocks - sliding) // num_full * self.block_size
 
-    def blocks_per_request(self, num_tokens: int) -> int:
-        """Block ids a request of ``num_tokens`` tokens holds at most: whole blocks, over
-        every group of a hybrid KV cache (a sliding group at most its window's)."""
-        if self.kv_groups:
-            return hybrid_blocks_per_request(
-                self.kv_groups, self.block_size, num_tokens, self.max_chunk
-            )
-        return -(-num_tokens // self.block_size)
-
     def max_concurrent_requests(self, typical_len: int) -> int:
-        """Requests of ``typical_len`` tokens that fit at once (whole blocks each, per group
-        with a hybrid KV cache)."""
+        """Requests of ``typical_len`` tokens that fit at once (whole blocks each).
+
+        With a hybrid KV cache, per group: a decoding request holds all its blocks in a full
+        group and ``window_blocks(W, bs)`` in a sliding one; a step's prefill chunk (at most
+        ``max_chunk`` tokens) makes one request's sliding groups hold its whole chunk for
+        that step, which is kept free once.
+        """
         if typical_len < 1:
             raise ValueError(f"typical_len must be >= 1, got {typical_len}")
-        return self.num_kv_blocks // self.blocks_per_request(typical_len)
+        groups, bs = self.kv_groups, self.block_size
+        if not groups:
+            return self.num_kv_blocks // -(-typical_len // bs)
+        per_request = hybrid_blocks_per_request(groups, bs, typical_len, 1)
+        chunk = hybrid_blocks_per_request(groups, bs, typical_len, self.max_chunk) - per_request
+        return max(0, self.num_kv_blocks - chunk) // per_request
 
     def lines(self, typical_len: int = 512) -> list[str]:
         """Human-readable lines, one figure each."""

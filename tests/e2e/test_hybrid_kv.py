@@ -88,3 +88,35 @@ def test_hybrid_model_matches_transformers(hybrid_model: str) -> None:
 def test_hybrid_rejects_what_it_cannot_run(hybrid_model: str) -> None:
     with pytest.raises(ValueError, match="kv_window"):
         LLM(hybrid_model, kv_window=16, quantization="none", kernel_selection="off")
+
+
+def test_memory_report_counts_blocks_per_group() -> None:
+    from kvserve.core.kv.kv_groups import group_layers
+    from kvserve.engine.memory_budget import MemoryReport
+
+    groups = group_layers([SLIDE] * 5 + [FULL], 64)
+    base = dict(weights_bytes=0, activation_bytes=0, headroom_bytes=0, kv_bytes_per_token=1)
+    uniform = MemoryReport(
+        **base,
+        block_size=16,
+        num_kv_blocks=512,
+        num_host_blocks=0,
+        max_model_len=2048,
+        budget_bytes=None,
+    )
+    hybrid = MemoryReport(
+        **base,
+        block_size=16,
+        num_kv_blocks=3072,
+        num_host_blocks=0,
+        max_model_len=2048,
+        budget_bytes=None,
+        kv_groups=groups,
+        max_chunk=512,
+    )
+    assert uniform.max_concurrent_requests(1024) == 8
+    # 64 full blocks + 5 sliding groups x (ceil(64 / 16) + 1); one 512-token chunk's
+    # sliding blocks (5 x (37 - 5)) kept free: (3072 - 160) // 89.
+    assert hybrid.max_concurrent_requests(1024) == 32
+    # One request alone: the sliding groups' chunk-time bound, the rest to the full group.
+    assert hybrid.max_tokens_in_cache == (3072 - 5 * 37) * 16

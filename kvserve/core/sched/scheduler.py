@@ -361,9 +361,7 @@ class Scheduler:
 
     def _emit(self, request: Request, num_new: int, step: StepPlan) -> None:
         """Schedule ``num_new`` tokens of ``request`` from num_computed_tokens on."""
-        rid = request.request_id
-        groups = self.kv.get_group_block_ids(rid)  # a hybrid cache's tables (else None)
-        step.emit(request, num_new, self.kv.get_block_ids(rid), self.clock, groups)
+        step.emit(request, num_new, self.kv, self.clock)
 
     # ------------------------------------------------------------------ update
 

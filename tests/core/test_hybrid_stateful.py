@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from kvserve.core.kv.hybrid import HybridKVCacheManager
+from kvserve.core.kv.hybrid_prefix import first_needed
 from kvserve.core.kv.kv_groups import KVGroupSpec, window_blocks
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
@@ -28,7 +29,7 @@ NULL = -1
 
 class HybridMachine(RuleBasedStateMachine):
     @initialize(
-        num_blocks=st.integers(4, 64),
+        num_blocks=st.integers(6, 96),
         block_size=st.sampled_from([1, 2, 4]),
         windows=st.lists(st.integers(1, 12), min_size=1, max_size=3),
         full_first=st.booleans(),
@@ -101,14 +102,20 @@ class HybridMachine(RuleBasedStateMachine):
         head=st.sampled_from(HEADS),
         tail=st.lists(st.integers(0, 9), max_size=12),
         salt=st.sampled_from([None, None, "t"]),
+        chunk=st.integers(1, 40),
+        num_children=st.integers(0, 2),
     )
-    def add(self, head: list[int], tail: list[int], salt: str | None) -> None:
+    def add(
+        self, head: list[int], tail: list[int], salt: str | None, chunk: int, num_children: int
+    ) -> None:
+        """A new request, admitted at once (after any queued before it) when it fits."""
         prompt = head + tail or [1]
         self.num_ids += 1
         self.waiting.append(Request(f"r{self.num_ids}", prompt, PARAMS, cache_salt=salt))
+        self.admit(chunk, num_children)
 
-    @rule(chunk=st.integers(1, 9))
-    def admit(self, chunk: int) -> None:
+    @rule(chunk=st.integers(1, 9), num_children=st.integers(0, 2))
+    def admit(self, chunk: int, num_children: int = 0) -> None:
         if not self.waiting:
             return
         r = self.waiting[0]
@@ -119,10 +126,16 @@ class HybridMachine(RuleBasedStateMachine):
         self.waiting.pop(0)
         r.num_computed_tokens = num_hit
         self.running.append(r)
-        self._step([(r, n)])
+        # A hit holds, in every group, the blocks its next token reads (and only those).
+        h = num_hit // self.bs
+        tables = self.kv.get_group_block_ids(r.request_id) or []
+        for spec, table in zip(self.groups, tables, strict=True):
+            first = 0 if spec.window is None else first_needed(h, spec.window, self.bs)
+            assert table[:first] == [NULL] * first and NULL not in table[first:h]
+        self._step([(r, n)], num_children)
 
-    @rule(chunk=st.integers(1, 9), data=st.data())
-    def step(self, chunk: int, data: st.DataObject) -> None:
+    @rule(chunk=st.integers(1, 9), data=st.data(), num_children=st.integers(0, 2))
+    def step(self, chunk: int, data: st.DataObject, num_children: int) -> None:
         if not self.running:
             return
         picked = data.draw(st.lists(st.sampled_from(self.running), unique_by=id, min_size=1))
@@ -131,9 +144,9 @@ class HybridMachine(RuleBasedStateMachine):
             n = min(chunk, r.num_tokens - r.num_computed_tokens)
             if n and self.kv.allocate_slots(r, n) is not None:
                 plan.append((r, n))
-        self._step(plan)
+        self._step(plan, num_children)
 
-    def _step(self, plan: list[tuple[Request, int]]) -> None:
+    def _step(self, plan: list[tuple[Request, int]], num_children: int = 0) -> None:
         for r, _ in plan:
             self.kv.remove_skipped_blocks(r)
         self._apply(self.kv.take_pending_copies())
@@ -141,24 +154,21 @@ class HybridMachine(RuleBasedStateMachine):
             self._forward(r, n)
             r.num_computed_tokens += n
             if r.num_computed_tokens == r.num_tokens:
+                if not r.output_token_ids:
+                    self._fork(r, num_children)
                 r.output_token_ids.append(r.num_tokens % 7)
 
-    @rule(data=st.data())
-    def fork(self, data: st.DataObject) -> None:
-        ready = [r for r in self.running if r.num_computed_tokens == r.num_tokens - 1]
-        if not ready:
-            return
-        parent = data.draw(st.sampled_from(ready))
-        self.num_ids += 1
-        child = Request(
-            f"r{self.num_ids}",
-            parent.token_ids_slice(0, parent.num_tokens - 1),
-            PARAMS,
-            cache_salt=parent.cache_salt,
-        )
-        self.kv.fork(parent, child)
-        child.num_computed_tokens = child.num_tokens - 1
-        self.running.append(child)
+    def _fork(self, parent: Request, num_children: int) -> None:
+        """n > 1 as the scheduler does it: once the prompt is computed, each child shares the
+        parent's tables and recomputes the last prompt token (copy-on-write)."""
+        for _ in range(num_children):
+            self.num_ids += 1
+            child = Request(
+                f"r{self.num_ids}", parent.prompt_token_ids, PARAMS, cache_salt=parent.cache_salt
+            )
+            self.kv.fork(parent, child)
+            child.num_computed_tokens = child.num_tokens - 1
+            self.running.append(child)
 
     @rule(data=st.data())
     def finish(self, data: st.DataObject) -> None:

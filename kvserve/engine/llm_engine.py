@@ -11,7 +11,6 @@ from them (``request_state.py``), and failing requests for faults of their own
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -125,11 +124,8 @@ class LLMEngine:
             activation_plan=activation_plan,
             kernel_scratch_bytes=kernel_scratch,
             tracing_bytes=tracing_bytes,
+            kv_groups=kv_groups,
         )
-        if kv_groups:
-            self.memory_report = dataclasses.replace(
-                self.memory_report, kv_groups=kv_groups, max_chunk=config.max_num_batched_tokens
-            )
         # NOTE: under tensor parallelism the report becomes the per-rank one.
         self.runner, self.memory_report = build_runner(
             config, loaded, self.memory_report, self.max_model_len

@@ -314,6 +314,7 @@ def plan_kv_blocks(
     kernel_scratch_bytes: int | None = None,
     packed_weights_bytes: int = 0,
     tracing_bytes: int = 0,
+    kv_groups: tuple[KVGroupSpec, ...] | None = None,
 ) -> MemoryReport:
     """Decide the number of KV blocks from the options, in this order of precedence:
 
@@ -323,7 +324,8 @@ def plan_kv_blocks(
     not measured, counted as 0). ``packed_weights_bytes``: the part of ``weights_bytes`` held
     as prepacked kernel copies (reported, already counted in ``weights_bytes``).
     ``tracing_bytes``: what the activation plan's trace left resident (``measure_growth``),
-    added to the headroom.
+    added to the headroom. ``kv_groups``: a hybrid KV cache's groups (``kv_bytes_per_token``
+    is then per block id), counted per group in the one max-length request and the report.
     With a budget, raises MemoryBudgetError (saying how many bytes are missing) when the
     weights, activations, kernel scratch, headroom and one max-length request's KV (or the
     load-time double copy of the weights) do not fit, or when explicit KV sizes overflow it.
@@ -362,7 +364,11 @@ def plan_kv_blocks(
             free -= config.swap_space // block_bytes * block_bytes
         elif host_in_budget and config.preemption_mode == "swap":
             num_shares = 2  # the pool and an equal host tier split what is left
-        need = -(-max_model_len // config.block_size) * block_bytes * num_shares
+        one = -(-max_model_len // config.block_size)
+        if kv_groups:
+            chunk = config.max_num_batched_tokens
+            one = hybrid_blocks_per_request(kv_groups, config.block_size, max_model_len, chunk)
+        need = one * block_bytes * num_shares
         _check_fits(
             budget,
             weights_bytes,
@@ -412,6 +418,8 @@ def plan_kv_blocks(
         kernel_scratch_bytes=kernel_scratch_bytes,
         packed_weights_bytes=packed_weights_bytes,
         tracing_bytes=tracing_bytes,
+        kv_groups=kv_groups,
+        max_chunk=config.max_num_batched_tokens if kv_groups else 1,
     )
     if budget is not None:
         total = fixed + report.kv_cache_bytes + (report.host_cache_bytes if host_in_budget else 0)

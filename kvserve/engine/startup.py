@@ -225,8 +225,10 @@ def size_kv_pool(
     activation_plan: ActivationPlan | None,
     kernel_scratch_bytes: int | None,
     tracing_bytes: int = 0,
+    kv_groups: tuple[KVGroupSpec, ...] | None = None,
 ) -> MemoryReport:
-    """Phase 5: the budget left after weights, activations, scratch and headroom -> blocks.
+    """Phase 5: the budget left after weights, activations, scratch and headroom -> blocks
+    (per block id of a hybrid KV cache's ``kv_groups``).
 
     The activations are the largest step's plus, where decode steps will be captured as CUDA
     graphs (``captures_decode_graphs``), the graphs' own arena (``graph_reserve_bytes``).
@@ -248,6 +250,7 @@ def size_kv_pool(
         kernel_scratch_bytes=kernel_scratch_bytes,
         packed_weights_bytes=loaded.packed_weights_bytes,
         tracing_bytes=tracing_bytes,
+        kv_groups=kv_groups,
     )
 
 

@@ -120,3 +120,32 @@ def test_memory_report_counts_blocks_per_group() -> None:
     assert hybrid.max_concurrent_requests(1024) == 32
     # One request alone: the sliding groups' chunk-time bound, the rest to the full group.
     assert hybrid.max_tokens_in_cache == (3072 - 5 * 37) * 16
+
+
+def test_budget_holds_one_max_length_request_per_group() -> None:
+    from kvserve.config import ModelArchConfig
+    from kvserve.core.kv.kv_groups import group_layers
+    from kvserve.engine.config import EngineConfig
+    from kvserve.engine.memory_budget import HEADROOM_BYTES, MemoryBudgetError, plan_kv_blocks
+
+    arch = ModelArchConfig("qwen2", 512, 64, 128, 6, 4, 2, 16, 2048, sliding_window=64)
+    groups = group_layers([SLIDE] * 5 + [FULL], 64)
+    per_token = 256  # one layer's K and V per block id: 2 x 2 heads x 16 x 4 bytes
+    # One 2,048-token request needs 128 full blocks + 5 x window_blocks(64, 16, 512) = 313
+    # block ids: a budget with room for 200 fails, where a single-table count (128) fit.
+    budget = HEADROOM_BYTES + (1 << 20) + 200 * 16 * per_token
+
+    def plan(kv_groups):  # type: ignore[no-untyped-def]
+        return plan_kv_blocks(
+            EngineConfig(memory_budget=budget),
+            arch,
+            weights_bytes=1 << 20,
+            kv_bytes_per_token=per_token,
+            max_model_len=2048,
+            activation_bytes=0,
+            kv_groups=kv_groups,
+        )
+
+    assert plan(None).num_kv_blocks == 200
+    with pytest.raises(MemoryBudgetError, match="request's KV"):
+        plan(groups)

@@ -149,3 +149,26 @@ def test_budget_holds_one_max_length_request_per_group() -> None:
     assert plan(None).num_kv_blocks == 200
     with pytest.raises(MemoryBudgetError, match="request's KV"):
         plan(groups)
+
+
+def test_input_batch_gives_each_layer_its_groups_metadata() -> None:
+    from kvserve.core.kv.kv_groups import group_layers
+    from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
+    from kvserve.runtime.input_batch import build_input_batch
+
+    groups = group_layers(LAYER_TYPES, 8)  # full group (2,), sliding (0,), (1,), (3,) ...
+    # Position 13 reads 6..13 in a sliding layer: block 0 (0..3) left the window.
+    tables = [[0, 1, 2, 3], *([-1, 4 + 3 * g, 5 + 3 * g, 6 + 3 * g] for g in range(5))]
+    sr = ScheduledRequest("r", [5], 13, tables[0], True, SamplingParams(), [1] * 13, [])
+    sched = SchedulerOutput(scheduled=[sr])
+    kw = dict(block_size=4, num_blocks=20, device=torch.device("cpu"), dtype=torch.float32)
+    with pytest.raises(ValueError, match="a block table per KV cache group"):
+        build_input_batch(sched, kv_groups=groups, **kw)
+    sr.group_block_ids = tables
+    meta = build_input_batch(sched, kv_groups=groups, **kw).attn_meta
+    assert meta.layer_metas is not None and len(meta.layer_metas) == 6
+    for g, spec in enumerate(groups):
+        for layer in spec.layers:
+            m = meta.layer_metas[layer]
+            assert m.sliding_window == spec.window and m.seqs[0].block_ids == tables[g]
+            assert m.slot_mapping.tolist() == [tables[g][3] * 4 + 1]  # position 13

@@ -78,7 +78,8 @@ class ModelArchConfig:
         )
 
     # Per layer "sliding_attention" (``sliding_window`` applies) or "full_attention" (HF's
-    # values); None: every layer alike (``sliding_window`` applies to all, if set).
+    # values); None: every layer alike (``sliding_window`` applies to all, if set). A mix
+    # gets the hybrid KV cache (core/kv/kv_groups.py).
     layer_types: tuple[str, ...] | None = None
     # RoPE base (default RoPE) of the layers typed sliding_attention (Gemma 3); None: rope_theta.
     local_rope_theta: float | None = None

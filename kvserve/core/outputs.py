@@ -37,6 +37,9 @@ class ScheduledRequest:
     output_token_ids: list[int]
     # Seed of this sample's draws (runtime/sampler/): SamplingParams.seed + sample_index, or None.
     seed: int | None = None
+    # Hybrid KV cache (core/kv/hybrid.py): every KV cache group's table, in group order
+    # (``block_ids`` is group 0's); None for a single-group cache.
+    group_block_ids: list[list[int]] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -16,6 +16,7 @@ import logging
 import time
 from typing import Any
 
+from kvserve.core.kv.kv_groups import group_size
 from kvserve.core.kv.metrics import HostTransferStats
 from kvserve.core.outputs import LogprobsEntry, ModelRunnerOutput
 from kvserve.core.sched.ahead import can_schedule_ahead, resolve_ahead
@@ -35,6 +36,7 @@ from kvserve.engine.startup import (
     build_runner,
     build_scheduler,
     choose_kernels,
+    kv_groups_of,
     load_engine_model,
     measure_gemm_scratch,
     resolve_max_model_len,
@@ -96,9 +98,11 @@ class LLMEngine:
         self.tp = loaded.tp  # the tensor-parallel executor (kvserve/distributed) or None
         arch = loaded.arch
         self.max_model_len = resolve_max_model_len(config, arch)
-        # NOTE: exact, the per-token-per-head scales of int8/fp8 caches included.
+        kv_groups = kv_groups_of(config, arch)  # a hybrid KV cache's groups, else None
+        # NOTE: exact, the per-token-per-head scales of int8/fp8 caches included; per block
+        # id (one group's layers) with a hybrid KV cache.
         self.kv_bytes_per_token = kv_bytes_per_token(
-            num_layers=arch.num_hidden_layers,
+            num_layers=group_size(kv_groups) if kv_groups else arch.num_hidden_layers,
             num_kv_heads=loaded.runner_arch.num_key_value_heads,
             head_dim=arch.head_dim,
             kv_cache_dtype=config.kv_cache_dtype,
@@ -120,6 +124,7 @@ class LLMEngine:
             activation_plan=activation_plan,
             kernel_scratch_bytes=kernel_scratch,
             tracing_bytes=tracing_bytes,
+            kv_groups=kv_groups,
         )
         # NOTE: under tensor parallelism the report becomes the per-rank one.
         self.runner, self.memory_report = build_runner(

@@ -30,6 +30,7 @@ from typing import TypeVar
 import torch
 
 from kvserve.config import ModelArchConfig
+from kvserve.core.kv.kv_groups import KVGroupSpec, hybrid_blocks_per_request, window_blocks
 from kvserve.engine.config import EngineConfig, GiB, available_memory_bytes
 from kvserve.runtime.kernel_scratch import GemmShape, measure_gemm_scratch, resident_bytes
 from kvserve.runtime.kv_cache import kv_bytes_per_token
@@ -78,6 +79,11 @@ class MemoryReport:
     packed_weights_bytes: int = 0
     # Of ``headroom_bytes``: what tracing the activation plan left resident (its imports).
     tracing_bytes: int = 0
+    # Hybrid KV cache (core/kv/kv_groups.py): its groups, and the largest chunk a step gives
+    # a request (bounds a sliding group's blocks). A block then holds one group's layers
+    # (``kv_bytes_per_token`` is per block id: ``group_size`` layers).
+    kv_groups: tuple[KVGroupSpec, ...] | None = None
+    max_chunk: int = 1
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -89,14 +95,34 @@ class MemoryReport:
 
     @property
     def max_tokens_in_cache(self) -> int:
-        return self.num_kv_blocks * self.block_size
+        """Tokens the pool holds: of all requests together; with a hybrid KV cache, of one
+        request (its full-attention groups' blocks once its sliding groups have theirs)."""
+        groups = self.kv_groups
+        if not groups:
+            return self.num_kv_blocks * self.block_size
+        bs, chunk = self.block_size, self.max_chunk
+        sliding = sum(window_blocks(g.window, bs, chunk) for g in groups if g.window)
+        num_full = sum(1 for g in groups if g.window is None)
+        if num_full == 0:
+            return self.max_model_len
+        return max(0, self.num_kv_blocks - sliding) // num_full * self.block_size
 
     def max_concurrent_requests(self, typical_len: int) -> int:
-        """Requests of ``typical_len`` tokens that fit at once (whole blocks each)."""
+        """Requests of ``typical_len`` tokens that fit at once (whole blocks each).
+
+        With a hybrid KV cache, per group: a decoding request holds all its blocks in a full
+        group and ``window_blocks(W, bs)`` in a sliding one; a step's prefill chunk (at most
+        ``max_chunk`` tokens) makes one request's sliding groups hold its whole chunk for
+        that step, which is kept free once.
+        """
         if typical_len < 1:
             raise ValueError(f"typical_len must be >= 1, got {typical_len}")
-        blocks_per_req = -(-typical_len // self.block_size)
-        return self.num_kv_blocks // blocks_per_req
+        groups, bs = self.kv_groups, self.block_size
+        if not groups:
+            return self.num_kv_blocks // -(-typical_len // bs)
+        per_request = hybrid_blocks_per_request(groups, bs, typical_len, 1)
+        chunk = hybrid_blocks_per_request(groups, bs, typical_len, self.max_chunk) - per_request
+        return max(0, self.num_kv_blocks - chunk) // per_request
 
     def lines(self, typical_len: int = 512) -> list[str]:
         """Human-readable lines, one figure each."""
@@ -233,8 +259,8 @@ def max_sequence_tokens(config: EngineConfig, arch: ModelArchConfig, *, max_mode
     (``num_kv_blocks`` or ``kv_cache_memory``). A budget-sized pool is sized after the plan
     and must hold a max_model_len request anyway.
     """
-    if config.kv_window is not None:
-        return max_model_len
+    if config.kv_window is not None or len(set(arch.layer_types or ())) > 1:
+        return max_model_len  # NOTE: a hybrid KV cache's sliding tables keep freed entries too
     num_blocks = config.num_kv_blocks
     if num_blocks is None and config.kv_cache_memory is not None:
         per_token = kv_bytes_per_token(
@@ -288,6 +314,7 @@ def plan_kv_blocks(
     kernel_scratch_bytes: int | None = None,
     packed_weights_bytes: int = 0,
     tracing_bytes: int = 0,
+    kv_groups: tuple[KVGroupSpec, ...] | None = None,
 ) -> MemoryReport:
     """Decide the number of KV blocks from the options, in this order of precedence:
 
@@ -297,7 +324,8 @@ def plan_kv_blocks(
     not measured, counted as 0). ``packed_weights_bytes``: the part of ``weights_bytes`` held
     as prepacked kernel copies (reported, already counted in ``weights_bytes``).
     ``tracing_bytes``: what the activation plan's trace left resident (``measure_growth``),
-    added to the headroom.
+    added to the headroom. ``kv_groups``: a hybrid KV cache's groups (``kv_bytes_per_token``
+    is then per block id), counted per group in the one max-length request and the report.
     With a budget, raises MemoryBudgetError (saying how many bytes are missing) when the
     weights, activations, kernel scratch, headroom and one max-length request's KV (or the
     load-time double copy of the weights) do not fit, or when explicit KV sizes overflow it.
@@ -336,7 +364,11 @@ def plan_kv_blocks(
             free -= config.swap_space // block_bytes * block_bytes
         elif host_in_budget and config.preemption_mode == "swap":
             num_shares = 2  # the pool and an equal host tier split what is left
-        need = -(-max_model_len // config.block_size) * block_bytes * num_shares
+        one = -(-max_model_len // config.block_size)
+        if kv_groups:
+            chunk = config.max_num_batched_tokens
+            one = hybrid_blocks_per_request(kv_groups, config.block_size, max_model_len, chunk)
+        need = one * block_bytes * num_shares
         _check_fits(
             budget,
             weights_bytes,
@@ -386,6 +418,8 @@ def plan_kv_blocks(
         kernel_scratch_bytes=kernel_scratch_bytes,
         packed_weights_bytes=packed_weights_bytes,
         tracing_bytes=tracing_bytes,
+        kv_groups=kv_groups,
+        max_chunk=config.max_num_batched_tokens if kv_groups else 1,
     )
     if budget is not None:
         total = fixed + report.kv_cache_bytes + (report.host_cache_bytes if host_in_budget else 0)

@@ -33,6 +33,7 @@ import torch
 from kvserve.config import ModelArchConfig
 from kvserve.core.kv.kv_cache_config import KVCacheConfig, KVWindow
 from kvserve.core.kv.kv_cache_manager import KVCacheManager
+from kvserve.core.kv.kv_groups import KVGroupSpec, group_layers
 from kvserve.core.kv.managers import create_kv_cache_manager
 from kvserve.core.sched.scheduler import Scheduler
 from kvserve.core.sched.step_budget import StepTimeBudget
@@ -225,8 +226,10 @@ def size_kv_pool(
     activation_plan: ActivationPlan | None,
     kernel_scratch_bytes: int | None,
     tracing_bytes: int = 0,
+    kv_groups: tuple[KVGroupSpec, ...] | None = None,
 ) -> MemoryReport:
-    """Phase 5: the budget left after weights, activations, scratch and headroom -> blocks.
+    """Phase 5: the budget left after weights, activations, scratch and headroom -> blocks
+    (per block id of a hybrid KV cache's ``kv_groups``).
 
     The activations are the largest step's plus, where decode steps will be captured as CUDA
     graphs (``captures_decode_graphs``), the graphs' own arena (``graph_reserve_bytes``).
@@ -248,6 +251,7 @@ def size_kv_pool(
         kernel_scratch_bytes=kernel_scratch_bytes,
         packed_weights_bytes=loaded.packed_weights_bytes,
         tracing_bytes=tracing_bytes,
+        kv_groups=kv_groups,
     )
 
 
@@ -255,14 +259,35 @@ def captures_decode_graphs(config: EngineConfig, loaded: EngineModel) -> bool:
     """Whether the runner captures pure-decode steps as CUDA graphs (``runtime/cuda_graphs``):
     on CUDA, in one process, with the Triton attention backend, unless ``enforce_eager``;
     not for a model whose layers read the step's metadata each their own way (Gemma:
-    ``layer_kinds.reads_step_metadata``), which derives it anew each step."""
+    ``layer_kinds.reads_step_metadata``), which derives it anew each step, nor with a hybrid
+    KV cache (per-group tables)."""
     return (
         torch.device(config.device).type == "cuda"
         and not config.enforce_eager
         and loaded.tp is None
         and loaded.model.attn_backend.name == "triton"
         and reads_step_metadata(loaded.arch)
+        and kv_groups_of(config, loaded.arch) is None
     )
+
+
+def kv_groups_of(config: EngineConfig, arch: ModelArchConfig) -> tuple[KVGroupSpec, ...] | None:
+    """The KV cache groups of a model whose layers mix full and sliding attention (the
+    hybrid KV cache, ``core/kv/hybrid.py``), else None. ValueError naming an option the
+    hybrid cache does not take."""
+    # NOTE: Gemma keeps layer_types where no window applies (its sliding layers' own RoPE).
+    if arch.sliding_window is None or len(set(arch.layer_types or ())) < 2:
+        return None
+    what = "a model whose layers mix full and sliding attention (the hybrid KV cache)"
+    if config.kv_window is not None:
+        raise ValueError(f"kv_window (windowed eviction) is not supported with {what}")
+    if config.kv_allocator != "paged":
+        raise ValueError(f"kv_allocator={config.kv_allocator!r} is not supported with {what}")
+    if config.enable_host_prefix_cache:
+        raise ValueError(f"enable_host_prefix_cache is not supported with {what}")
+    if config.tensor_parallel_size > 1:
+        raise ValueError(f"tensor_parallel_size > 1 is not supported with {what}")
+    return group_layers(arch.layer_types or (), arch.sliding_window)
 
 
 def graph_reserve_bytes(
@@ -304,6 +329,7 @@ def build_runner(
         kv_cache_dtype=config.kv_cache_dtype,
         kv_window=config.kv_window,
         kv_sink_tokens=config.kv_sink_tokens,
+        kv_groups=report.kv_groups,
     )
     runner = ModelRunner(loaded.model, loaded.runner_arch, **runner_kwargs)
     if loaded.tp is None:
@@ -359,6 +385,7 @@ def kv_cache_config(
         kv_window=window,
         max_model_len=max_model_len,
         max_num_batched_tokens=config.max_num_batched_tokens,
+        kv_groups=report.kv_groups,
     )
 
 

@@ -10,6 +10,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from kvserve.config import ModelArchConfig
+from kvserve.core.kv.kv_groups import check_layer_types
 from kvserve.models.errors import ModelFileNotFoundError, ModelLoadError
 from kvserve.models.gemma_config import GEMMA_ARCHS, gemma_hf_fields
 from kvserve.models.moe_weights import (
@@ -143,6 +144,7 @@ def hf_arch_config(config: dict[str, Any], path: str) -> ModelArchConfig:
         # NOTE: Llama-3 style configs list several eos ids; the first is the primary one.
         eos_token_id=_first_int(config.get("eos_token_id")),
         **hf_moe_fields(config, arch, path),
+        layer_types=_mixed_layer_types(config, arch, sliding, path),
     )
     try:
         return ModelArchConfig(**(fields | extra))
@@ -220,9 +222,29 @@ def _sliding_window(config: dict[str, Any], arch: str, path: str) -> int | None:
     ]
     if all(t == "full_attention" for t in layer_types):
         return None
-    if all(t == "sliding_attention" for t in layer_types):
-        return int(window)
-    raise ModelLoadError(f"{path}: mixed sliding / full attention layers are not supported")
+    return int(window)  # all sliding, or a mix (``_mixed_layer_types`` says which)
+
+
+def _mixed_layer_types(
+    config: dict[str, Any], arch: str, window: int | None, path: str
+) -> tuple[str, ...] | None:
+    """Qwen2 / Qwen3 layers that mix sliding and full attention (``layer_types``, else
+    ``max_window_layers``), as HF spells them; None when every layer is alike."""
+    if window is None or arch not in ("qwen2", "qwen3"):
+        return None
+    num_layers = int(config.get("num_hidden_layers", 0))
+    types = tuple(
+        config.get("layer_types")
+        or [
+            "sliding_attention" if i >= config.get("max_window_layers", 0) else "full_attention"
+            for i in range(num_layers)
+        ]
+    )
+    try:
+        check_layer_types(types, num_layers, window)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from e
+    return types if len(set(types)) > 1 else None
 
 
 def _first_int(value: Any) -> int | None:

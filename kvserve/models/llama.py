@@ -44,7 +44,7 @@ from kvserve.runtime import (
 )
 from kvserve.runtime.attention import get_attention_backend
 from kvserve.runtime.attention.interface import AttentionBackend
-from kvserve.runtime.attention.layer_kinds import layer_metadata
+from kvserve.runtime.attention.layer_kinds import group_layer_metadata, layer_metadata
 from kvserve.runtime.attention.metadata import AttentionMetadata
 from kvserve.runtime.autotune.candidates import build_linear
 from kvserve.runtime.layer_ops import TORCH_OPS, layer_ops
@@ -320,15 +320,25 @@ class LlamaForCausalLM(nn.Module):
         """Every layer over ``hidden`` (in one native call where the step allows it,
         ``fused_layers.py``), then the final norm (which adds the last MLP output).
 
-        Each layer reads ``meta`` as its kind of layer reads it (its window, the attention
-        scale and soft cap: ``layer_kinds.layer_metadata``) and, where ``local_rope`` is
-        given, the sliding layers rotate with it."""
+        Each layer reads ``meta`` (with a hybrid KV cache: its group's ``meta.layer_metas``
+        entry, that group's tables) as its kind of layer reads it (its window, the attention
+        scale and soft cap: ``layer_kinds``) and, where ``local_rope`` is given, the sliding
+        layers rotate with it."""
         views = self.layers[0].step_views(ws, hidden)  # every layer has the same shapes
-        metas = layer_metadata(
-            meta, self.layer_windows, self.attention_scale, self.arch.attn_logit_softcapping
-        )
+        group_metas = meta.layer_metas  # a hybrid KV cache: each layer its group's metadata
+        if group_metas is None:
+            metas = layer_metadata(
+                meta, self.layer_windows, self.attention_scale, self.arch.attn_logit_softcapping
+            )
+        else:
+            metas = group_layer_metadata(
+                group_metas,
+                self.layer_windows,
+                self.attention_scale,
+                self.arch.attn_logit_softcapping,
+            )
         residual = None
-        if all(m is meta for m in metas) and local_rope is None:
+        if group_metas is None and all(m is meta for m in metas) and local_rope is None:
             residual = run_fused_layers(self, hidden, cos, sin, kv_caches, meta, views)
         if residual is None:
             ropes = [

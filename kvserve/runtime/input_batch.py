@@ -9,10 +9,12 @@ of the step). The order is internal: results go back by request id.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from kvserve.core.kv.kv_groups import KVGroupSpec
 from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
 from kvserve.runtime.attention.metadata import AttentionMetadata, SeqSpec, build_attention_metadata
 
@@ -48,8 +50,14 @@ def build_input_batch(
     dtype: torch.dtype,
     sliding_window: int | None = None,
     num_sink_tokens: int = 0,
+    kv_groups: Sequence[KVGroupSpec] | None = None,
 ) -> InputBatch:
-    """Flatten ``sched.scheduled`` into one batch (decodes first); validates block tables."""
+    """Flatten ``sched.scheduled`` into one batch (decodes first); validates block tables.
+
+    With ``kv_groups`` (a hybrid KV cache), one metadata per group from each request's
+    ``group_block_ids`` and the group's window; ``attn_meta.layer_metas`` gives each layer
+    its group's (``sliding_window`` is then unused).
+    """
     reqs = sorted(sched.scheduled, key=_batch_order)
     input_ids: list[int] = []
     positions: list[int] = []
@@ -63,16 +71,7 @@ def build_input_batch(
         if r.start_pos < 0:
             raise ValueError(f"request {r.request_id!r}: negative start_pos {r.start_pos}")
         end = r.start_pos + n
-        if len(r.block_ids) * block_size < end:
-            raise ValueError(
-                f"request {r.request_id!r}: block table of {len(r.block_ids)} blocks cannot hold "
-                f"{end} tokens (block_size {block_size})"
-            )
-        # NOTE: -1 (NULL_BLOCK_ID) marks a block freed out of the KV window.
-        if r.block_ids and (min(r.block_ids) < -1 or max(r.block_ids) >= num_blocks):
-            raise ValueError(
-                f"request {r.request_id!r}: block id out of range [0, {num_blocks}): {r.block_ids}"
-            )
+        _check_table(r, r.block_ids, end, block_size, num_blocks)
         offset = len(input_ids)
         seqs.append(SeqSpec(offset, n, r.start_pos, r.block_ids))
         input_ids.extend(r.token_ids)
@@ -80,14 +79,17 @@ def build_input_batch(
         if r.sample:
             logits_rows.append(offset + n - 1)
             sample_requests.append(r)
-    meta = build_attention_metadata(
-        seqs,
-        block_size=block_size,
-        device=device,
-        dtype=dtype,
-        sliding_window=sliding_window,
-        num_sink_tokens=num_sink_tokens,
-    )
+    if kv_groups is not None:
+        meta = _group_metadata(reqs, seqs, kv_groups, block_size, num_blocks, device, dtype)
+    else:
+        meta = build_attention_metadata(
+            seqs,
+            block_size=block_size,
+            device=device,
+            dtype=dtype,
+            sliding_window=sliding_window,
+            num_sink_tokens=num_sink_tokens,
+        )
     # NOTE: one host->tensor conversion (one allocation) for all three index vectors; the
     # fields are views of it.
     num_tokens = len(input_ids)
@@ -100,3 +102,60 @@ def build_input_batch(
         logits_indices=flat[2 * num_tokens :],
         sample_requests=sample_requests,
     )
+
+
+def _check_table(
+    r: ScheduledRequest, block_ids: list[int], end: int, block_size: int, num_blocks: int
+) -> None:
+    """ValueError unless ``block_ids`` covers ``end`` tokens with ids of the pool."""
+    if len(block_ids) * block_size < end:
+        raise ValueError(
+            f"request {r.request_id!r}: block table of {len(block_ids)} blocks cannot hold "
+            f"{end} tokens (block_size {block_size})"
+        )
+    # NOTE: -1 (NULL_BLOCK_ID) marks a block freed out of the KV window.
+    if block_ids and (min(block_ids) < -1 or max(block_ids) >= num_blocks):
+        raise ValueError(
+            f"request {r.request_id!r}: block id out of range [0, {num_blocks}): {block_ids}"
+        )
+
+
+def _group_metadata(
+    reqs: list[ScheduledRequest],
+    seqs: list[SeqSpec],
+    kv_groups: Sequence[KVGroupSpec],
+    block_size: int,
+    num_blocks: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> AttentionMetadata:
+    """One metadata per KV cache group (its tables, its window); group 0's carries them all
+    as ``layer_metas``, one per layer."""
+    metas = []
+    for g, spec in enumerate(kv_groups):
+        group_seqs = []
+        for r, s in zip(reqs, seqs, strict=True):
+            if r.group_block_ids is None or len(r.group_block_ids) != len(kv_groups):
+                raise ValueError(
+                    f"request {r.request_id!r}: needs a block table per KV cache group "
+                    f"({len(kv_groups)})"
+                )
+            table = r.group_block_ids[g]
+            _check_table(r, table, s.start_pos + s.num_query_tokens, block_size, num_blocks)
+            group_seqs.append(SeqSpec(s.token_offset, s.num_query_tokens, s.start_pos, table))
+        metas.append(
+            build_attention_metadata(
+                group_seqs,
+                block_size=block_size,
+                device=device,
+                dtype=dtype,
+                sliding_window=spec.window,
+            )
+        )
+    num_layers = sum(len(spec.layers) for spec in kv_groups)
+    layer_metas: list[AttentionMetadata] = [metas[0]] * num_layers
+    for g, spec in enumerate(kv_groups):
+        for layer in spec.layers:
+            layer_metas[layer] = metas[g]
+    metas[0].layer_metas = layer_metas
+    return metas[0]

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from kvserve.config import ModelArchConfig
+from kvserve.core.kv.kv_groups import KVGroupSpec, group_size, kv_slot_of_layers
 from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvserve.runtime.cuda_graphs import (
     DecodeGraphInputs,
@@ -49,6 +50,7 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         kv_window: int | None = None,
         kv_sink_tokens: int = 0,
+        kv_groups: tuple[KVGroupSpec, ...] | None = None,
     ) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -58,8 +60,12 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.model = model.to(device=self.device, dtype=dtype)
+        # Hybrid KV cache (core/kv/kv_groups.py): one KV tensor per slot of a group, shared by
+        # the groups' layers at that slot (a block id belongs to one group at a time).
+        self.kv_groups = kv_groups
+        num_slots = group_size(kv_groups) if kv_groups else arch.num_hidden_layers
         self.kv_cache = KVCache(
-            num_layers=arch.num_hidden_layers,
+            num_layers=num_slots,
             num_blocks=num_blocks,
             block_size=block_size,
             num_kv_heads=arch.num_key_value_heads,
@@ -69,6 +75,10 @@ class ModelRunner:
             dtype=dtype,
             kv_cache_dtype=kv_cache_dtype,
         )
+        self.layer_caches = self.kv_cache.layer_caches
+        if kv_groups:
+            slots = kv_slot_of_layers(kv_groups, arch.num_hidden_layers)
+            self.layer_caches = [self.kv_cache.layer_caches[s] for s in slots]
         # Windowed eviction (StreamingLLM): the last kv_window positions plus the first
         # kv_sink_tokens stay visible; a model's own sliding window is the tighter of the two.
         # NOTE: only a window every layer shares; a layer's own (Gemma's sliding layers) is
@@ -93,6 +103,8 @@ class ModelRunner:
             raise ValueError("decode graphs need a CUDA device")
         if self.model.attn_backend.name != "triton":
             raise ValueError("decode graphs need attention_backend 'triton'")
+        if self.kv_groups:
+            raise ValueError("decode graphs do not run a hybrid KV cache's per-group tables")
         arch = self.arch
         inputs = DecodeGraphInputs(
             max_rows=max_num_seqs,
@@ -106,7 +118,7 @@ class ModelRunner:
             num_sink_tokens=self.num_sink_tokens,
         )
         graphs = DecodeGraphs(inputs, graph_buckets(max_num_seqs))
-        caches = self.kv_cache.layer_caches
+        caches = self.layer_caches
         with torch.inference_mode():
             graphs.capture(lambda ids, pos, meta, ws: self.model(ids, pos, caches, meta, ws))
         self.graphs = graphs
@@ -121,6 +133,7 @@ class ModelRunner:
             dtype=self.dtype,
             sliding_window=self.sliding_window,
             num_sink_tokens=self.num_sink_tokens,
+            kv_groups=self.kv_groups,
         )
 
     def _timed_copy(
@@ -154,7 +167,7 @@ class ModelRunner:
                 hidden = self.model(
                     batch.input_ids,
                     batch.positions,
-                    self.kv_cache.layer_caches,
+                    self.layer_caches,
                     batch.attn_meta,
                     self.workspace,
                 )  # [T, hidden]

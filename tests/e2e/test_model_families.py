@@ -139,8 +139,9 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any], int, tuple[int, ...]
     "qwen3moe": ("qwen3moe", {"mlp_only_layers": [0]}, {}, 128, (3, 9, 20, 31)),
 }
 # Cases served in a pool of this many 4-token blocks (the others: 96), so that requests are
-# preempted (recompute) and served again.
-PREEMPT_BLOCKS = {"mixtral": 20, "qwen2moe": 20, "qwen3moe": 20, "gemma2": 22, "gemma3": 22}
+# preempted (recompute) and served again. NOTE: Gemma's mixed layers get the hybrid KV cache,
+# whose blocks hold one group's layers (here one layer: 28 hold what ~9 uniform blocks would).
+PREEMPT_BLOCKS = {"mixtral": 20, "qwen2moe": 20, "qwen3moe": 20, "gemma2": 28, "gemma3": 28}
 
 
 def longrope(head_dim: int = 16) -> dict[str, Any]:

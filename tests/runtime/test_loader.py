@@ -448,7 +448,11 @@ def test_hf_sliding_window_and_defaults(tmp_path: Path) -> None:
     )
     assert load_model(qwen).arch.sliding_window == 64
     edit_config(qwen, layer_types=["full_attention", "sliding_attention"])
-    with pytest.raises(ModelLoadError, match="mixed sliding"):
+    arch = load_model(qwen).arch  # a mix: the hybrid KV cache (core/kv/kv_groups.py)
+    assert arch.layer_types == ("full_attention", "sliding_attention")
+    assert arch.sliding_window == 64
+    edit_config(qwen, layer_types=["sliding_attention"] + ["full_attention"] * 2)
+    with pytest.raises(ModelLoadError, match="layer_types has 3 entries"):
         load_model(qwen)
     llama = make_tiny_model(tmp_path, "llama", rope_theta=5e5, tokenizer=False)
     assert load_model(llama).arch.rope_theta == 5e5

@@ -97,6 +97,10 @@ class BlockTableManager:
         table = self._tables.get(request_id)
         return [b.block_id for b in table.blocks] if table is not None else []
 
+    def get_group_block_ids(self, request_id: str) -> list[list[int]] | None:
+        """Every KV cache group's table: None, one group here (``core/kv/hybrid.py``)."""
+        return None
+
     # ------------------------------------------------------------------ hooks for variants
 
     def _new_block_pool(self, num_blocks: int, on_evict: Callable[[KVBlock], None]) -> BlockPool:

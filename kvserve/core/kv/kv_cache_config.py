@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvserve.core.kv.kv_groups import KVGroupSpec
+
 
 @dataclass(frozen=True, slots=True)
 class KVWindow:
@@ -43,10 +45,14 @@ class KVCacheConfig:
     kv_window: KVWindow | None = None
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
+    # A hybrid model's KV cache groups (``kv_groups.py``): the "hybrid" manager.
+    kv_groups: tuple[KVGroupSpec, ...] | None = None
 
     @property
     def kind(self) -> str:
-        """The manager variant: "windowed", "paged" or "contiguous"."""
+        """The manager variant: "hybrid", "windowed", "paged" or "contiguous"."""
+        if self.kv_groups:
+            return "hybrid"
         return "windowed" if self.kv_window is not None else self.allocator
 
 

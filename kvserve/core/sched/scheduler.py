@@ -361,7 +361,7 @@ class Scheduler:
 
     def _emit(self, request: Request, num_new: int, step: StepPlan) -> None:
         """Schedule ``num_new`` tokens of ``request`` from num_computed_tokens on."""
-        step.emit(request, num_new, self.kv.get_block_ids(request.request_id), self.clock)
+        step.emit(request, num_new, self.kv, self.clock)
 
     # ------------------------------------------------------------------ update
 

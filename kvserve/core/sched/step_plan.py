@@ -57,10 +57,11 @@ class StepPlan:
         return 0
 
     def emit(
-        self, request: Request, num_new: int, block_ids: list[int], clock: Callable[[], float]
+        self, request: Request, num_new: int, kv: KVCacheManager, clock: Callable[[], float]
     ) -> None:
         """Append the ScheduledRequest for ``num_new`` tokens from num_computed_tokens on,
-        reading the request's ``block_ids`` table; charge the budget."""
+        reading the request's block table (every group's of a hybrid cache) from ``kv``;
+        charge the budget."""
         start = request.num_computed_tokens
         end = start + num_new
         params = request.sampling_params
@@ -73,12 +74,13 @@ class StepPlan:
                 request_id=request.request_id,
                 token_ids=token_ids,
                 start_pos=start,
-                block_ids=block_ids,
+                block_ids=kv.get_block_ids(request.request_id),
                 sample=end == request.num_tokens + request.num_output_placeholders,
                 sampling_params=params,
                 prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=request.output_token_ids,
                 seed=None if params.seed is None else params.seed + request.sample_index,
+                group_block_ids=kv.get_group_block_ids(request.request_id),
             )
         )
         self.scheduled_ids.add(request.request_id)

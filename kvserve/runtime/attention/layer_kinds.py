@@ -7,9 +7,11 @@ full-attention ones; an attention scale of its own; soft-capped scores) reads on
 once per step, and every layer of a kind shares its one. A layer kind that reads the step's
 metadata unchanged gets that very object, so a model with uniform layers pays nothing.
 
-NOTE: the cache stays uniform (every layer keeps every block of the context); a sliding
-layer only masks what lies outside its window. Freeing those blocks per group of layers is
-the hybrid KV cache's work, keyed on the same ``ModelArchConfig.layer_types``.
+With the hybrid KV cache (``core/kv/hybrid.py``: layers grouped by window, each group its
+own block tables) each layer starts from its group's metadata instead
+(``group_layer_metadata``); without it (a window the cache cannot use, an option the hybrid
+cache does not take) the cache is uniform and a sliding layer only masks what lies outside
+its window.
 """
 
 from __future__ import annotations
@@ -83,5 +85,25 @@ def layer_metadata(
         m = kinds.get(window)
         if m is None:
             m = kinds[window] = kind_metadata(meta, window, scale, logit_softcap)
+        out.append(m)
+    return out
+
+
+def group_layer_metadata(
+    group_metas: Sequence[AttentionMetadata],
+    windows: Sequence[int | None],
+    scale: float | None = None,
+    logit_softcap: float | None = None,
+) -> list[AttentionMetadata]:
+    """``layer_metadata`` under the hybrid KV cache: layer i reads ``group_metas[i]`` (its
+    group's tables, built with the group's window) as its kind reads it; made once per
+    distinct (group metadata, window)."""
+    kinds: dict[tuple[int, int | None], AttentionMetadata] = {}
+    out = []
+    for meta, window in zip(group_metas, windows, strict=True):
+        key = (id(meta), window)
+        m = kinds.get(key)
+        if m is None:
+            m = kinds[key] = kind_metadata(meta, window, scale, logit_softcap)
         out.append(m)
     return out

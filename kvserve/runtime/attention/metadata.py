@@ -91,6 +91,9 @@ class AttentionMetadata:
     _query_tables: tuple[torch.Tensor, torch.Tensor] | None = None
     # What a backend derives from this metadata once and reuses in every layer of the step.
     backend_plans: dict[str, object] = field(default_factory=dict)
+    # Hybrid KV cache: layer i reads ``layer_metas[i]``, its KV cache group's metadata (its
+    # block tables and window); None: every layer reads this one.
+    layer_metas: list[AttentionMetadata] | None = None
 
     @property
     def decode_groups(self) -> list[DecodeGroup]:

@@ -361,13 +361,19 @@ def make_tiny_gguf(
     "qwen3" and "phi3" under their own names as llama.cpp's converter writes them (Phi-3's
     fused qkv as ``attn_qkv``, gate/up as ``ffn_up``, LongRoPE factors as
     ``rope_factors_{long,short}`` tensors; a llama3 RoPE as ``rope_freqs``). 1-D tensors
-    are F32; 2-D ones ``tensor_type`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, ...).
+    are F32; 2-D ones ``tensor_type`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, ...;
+    Q4_K, Q5_K and Q6_K by ``kvserve.models.kquant_ref``: rows of 256 values).
     For error tests: ``tensor_types`` overrides the type per GGUF tensor name (types gguf
     cannot quantise get random bytes of the right size), ``metadata`` adds or replaces
     keys (None deletes one), ``drop_tensors`` omits tensors.
     """
     from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
     from gguf import quants as gguf_quants
+
+    from kvserve.models.kquant_ref import quantize_kquant
+
+    Q = GGMLQuantizationType
+    KQUANT_TYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
     state_dict, config = tiny_state_dict(arch, seed=seed, **overrides)
     gguf_arch = arch if arch in ("qwen2", "qwen3", "phi3") else "llama"
@@ -417,7 +423,10 @@ def make_tiny_gguf(
             writer.add_tensor(gname, data)
             continue
         try:
-            raw = gguf_quants.quantize(data, qtype)
+            if qtype in KQUANT_TYPES:  # gguf cannot quantize them: kvserve's reference writer
+                raw = quantize_kquant(data, qtype)
+            else:
+                raw = gguf_quants.quantize(data, qtype)
         except NotImplementedError:
             byte_shape = gguf_quants.quant_shape_to_byte_shape(data.shape, qtype)
             raw = rng.integers(0, 256, size=byte_shape, dtype=np.uint8)

@@ -352,6 +352,7 @@ def make_tiny_gguf(
     drop_tensors: tuple[str, ...] = (),
     name: str | None = None,
     seed: int = 0,
+    tokenizer: bool = False,
     **overrides: Any,
 ) -> str:
     """Write a tiny random-weight llama.cpp-style GGUF under ``tmp_dir``; returns its path.
@@ -365,7 +366,8 @@ def make_tiny_gguf(
     Q4_K, Q5_K and Q6_K by ``kvserve.models.kquant_ref``: rows of 256 values).
     For error tests: ``tensor_types`` overrides the type per GGUF tensor name (types gguf
     cannot quantise get random bytes of the right size), ``metadata`` adds or replaces
-    keys (None deletes one), ``drop_tensors`` omits tensors.
+    keys (None deletes one), ``drop_tensors`` omits tensors. ``tokenizer=True`` writes the
+    embedded tokenizer's metadata (``tests/gguf_tokenizer.py``): an engine can serve the file.
     """
     from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
     from gguf import quants as gguf_quants
@@ -398,6 +400,10 @@ def make_tiny_gguf(
             writer.add_key_value(key, value, GGUFValueType.FLOAT32)
         else:
             writer.add_key_value(key, str(value), GGUFValueType.STRING)
+    if tokenizer:
+        from tests.gguf_tokenizer import add_gguf_tokenizer
+
+        add_gguf_tokenizer(writer, tiny_tokenizer_dir())
 
     rng = np.random.default_rng(seed)
     rope = config.rope_parameters

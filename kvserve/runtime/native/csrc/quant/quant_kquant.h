@@ -34,6 +34,21 @@ KVQ_K_AVX2 inline float kq_hsum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// Eight int32 vectors (the lane sums of sub-blocks 0..7) -> one vector of their 8 totals,
+// lane i = sub-block i: two levels of vphaddd, then the 128-bit halves added.
+KVQ_K_AVX2 inline __m256i kq_sum8(__m256i d0, __m256i d1, __m256i d2, __m256i d3, __m256i d4,
+                                  __m256i d5, __m256i d6, __m256i d7) {
+  const __m256i q0 = _mm256_hadd_epi32(_mm256_hadd_epi32(d0, d1), _mm256_hadd_epi32(d2, d3));
+  const __m256i q1 = _mm256_hadd_epi32(_mm256_hadd_epi32(d4, d5), _mm256_hadd_epi32(d6, d7));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20),
+                          _mm256_permute2x128_si256(q0, q1, 0x31));
+}
+
+// 8 bytes (uint8 or int8) -> 8 floats.
+KVQ_K_AVX2 inline __m256 kq_u8x8_ps(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
 // A kernel's tile: weight rows from w (row_bytes apart) x tokens t0.. of a, res [R][T].
 using KTileFn = void (*)(const uint8_t* w, int64_t row_bytes, const QAct& a, int64_t t0,
                          float* res);

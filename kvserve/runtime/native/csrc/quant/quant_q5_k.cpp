@@ -51,65 +51,60 @@ KVQ_K_AVX2 inline __m256i bit_to_4(__m256i qh, int b) {
   return _mm256_and_si256(moved, _mm256_set1_epi8(0x10));
 }
 
+// The 8 sub-block dots of one super-block (qh 32 bytes, then the nibbles) with activations
+// x (256).
+KVQ_K_AVX2 inline __m256i super_dots(const uint8_t* qh_p, const int8_t* x) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh_p));
+  const uint8_t* qs = qh_p + 32;
+  __m256i d[8];
+  for (int j = 0; j < 4; ++j) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 64 * j));
+    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 64 * j + 32));
+    const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, low4), bit_to_4(qh, 2 * j));
+    const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4),
+                                       bit_to_4(qh, 2 * j + 1));
+    // NOTE: vpmaddubsw pairs: 31 * 127 * 2 stays below the int16 saturation.
+    d[2 * j] = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), ones);
+    d[2 * j + 1] = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), ones);
+  }
+  return kq_sum8(d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]);
+}
+
+// Per super-block and (row, token): the 8 sub-block dots in one vector, then in fp32
+// (d sc) (xd) dot - (dmin m) xs lane by lane (lane i = sub-block i).
 template <int R, int T>
 KVQ_K_AVX2 void tile_avx2(const uint8_t* w, int64_t row_bytes, const QAct& a, int64_t t0,
                           float* res) {
   __m256 acc[R][T];
-  float macc[R][T];
   for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) {
-      acc[r][t] = _mm256_setzero_ps();
-      macc[r][t] = 0.0f;
-    }
-  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
   for (int64_t s = 0; s < a.k / kSuper; ++s) {
-    float ds[R][8];  // d * sc per sub-block
+    __m256 xd[T], xs[T];
+    for (int t = 0; t < T; ++t) {
+      xd[t] = _mm256_loadu_ps(a.d + (t0 + t) * a.nb + s * 8);
+      xs[t] = _mm256_loadu_ps(a.s + (t0 + t) * a.nb + s * 8);
+    }
     for (int r = 0; r < R; ++r) {
       const uint8_t* blk = w + r * row_bytes + s * kBytes;
       _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * kBytes), _MM_HINT_T0);
-      const float d = _cvtsh_ss(load_u16(blk)), dmin = _cvtsh_ss(load_u16(blk + 2));
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * kBytes + 64), _MM_HINT_T0);
       uint8_t sc[8], mn[8];
       kquant_scale_min(blk + 4, sc, mn);
-      for (int i = 0; i < 8; ++i) ds[r][i] = d * sc[i];
+      const __m256 ds = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(load_u16(blk))), kq_u8x8_ps(sc));
+      const __m256 dm =
+          _mm256_mul_ps(_mm256_set1_ps(-_cvtsh_ss(load_u16(blk + 2))), kq_u8x8_ps(mn));
       for (int t = 0; t < T; ++t) {
-        const float* xs = a.s + (t0 + t) * a.nb + s * 8;
-        // NOTE: an explicit fma, as the Q4_1 tiles (quant_linear.cpp): the same rounding at
-        // every T, so a token's output does not change with its batch.
-        for (int i = 0; i < 8; ++i) macc[r][t] = std::fma(-dmin * mn[i], xs[i], macc[r][t]);
-      }
-    }
-    for (int j = 0; j < 4; ++j) {
-      __m256i x0[T], x1[T];
-      float xd0[T], xd1[T];
-      for (int t = 0; t < T; ++t) {
-        const int64_t row = t0 + t, b = s * 8 + 2 * j;
-        const int8_t* xq = a.q + row * a.k + b * kBlock;
-        x0[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-        x1[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + kBlock));
-        xd0[t] = a.d[row * a.nb + b];
-        xd1[t] = a.d[row * a.nb + b + 1];
-      }
-      for (int r = 0; r < R; ++r) {
-        const uint8_t* blk = w + r * row_bytes + s * kBytes;
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 48 + 32 * j));
-        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
-        const __m256i h0 = bit_to_4(qh, 2 * j), h1 = bit_to_4(qh, 2 * j + 1);
-        const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, low4), h0);
-        const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), h1);
-        for (int t = 0; t < T; ++t) {
-          // NOTE: vpmaddubsw pairs: 31 * 127 * 2 stays below the int16 saturation.
-          const __m256i dlo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0[t]), ones);
-          const __m256i dhi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1[t]), ones);
-          acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dlo),
-                                      _mm256_set1_ps(ds[r][2 * j] * xd0[t]), acc[r][t]);
-          acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dhi),
-                                      _mm256_set1_ps(ds[r][2 * j + 1] * xd1[t]), acc[r][t]);
-        }
+        const __m256i dots = super_dots(blk + 16, a.q + (t0 + t) * a.k + s * kSuper);
+        acc[r][t] =
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(ds, xd[t]), acc[r][t]);
+        acc[r][t] = _mm256_fmadd_ps(dm, xs[t], acc[r][t]);
       }
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) res[r * T + t] = kq_hsum256(acc[r][t]) + macc[r][t];
+    for (int t = 0; t < T; ++t) res[r * T + t] = kq_hsum256(acc[r][t]);
 }
 
 const KTiles kTiles = {{{&tile_avx2<1, 1>, &tile_avx2<1, 2>}, {&tile_avx2<4, 1>, &tile_avx2<4, 2>}}};

@@ -43,55 +43,60 @@ float dot_scalar(const uint8_t* w, const QAct& a, int64_t t) {
   return acc;
 }
 
+// The 8 activation blocks' dots of one super-block, each block's two 16-value sub-blocks
+// scaled by their int8 scales in integers: lane i = activation block i.
+KVQ_K_AVX2 inline __m256i super_dots(const uint8_t* blk, const int8_t* x) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
+  const __m256i k32 = _mm256_set1_epi8(32);
+  const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+  __m256i d[8];
+  for (int h = 0; h < 2; ++h) {
+    const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
+    const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
+    const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+    const __m256i lows[4] = {_mm256_and_si256(l0, low4), _mm256_and_si256(l1, low4),
+                             _mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                             _mm256_and_si256(_mm256_srli_epi16(l1, 4), low4)};
+    const __m256i highs[4] = {
+        _mm256_slli_epi16(_mm256_and_si256(hb, three), 4),
+        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), three), 4),
+        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), three), 4),
+        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), three), 4)};
+    for (int c = 0; c < 4; ++c) {
+      const int b = 4 * h + c;
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * b));
+      const __m256i q = _mm256_or_si256(lows[c], highs[c]);  // 0..63
+      const __m256i scale =
+          _mm256_set_m128i(_mm_set1_epi16(sc[2 * b + 1]), _mm_set1_epi16(sc[2 * b]));
+      // NOTE: pairs of (q - 32) x: q x and 32 x apart stay within int16 (63 * 127 * 2), and
+      // so does their difference; times the int8 scale in 32 bits.
+      const __m256i p =
+          _mm256_sub_epi16(_mm256_maddubs_epi16(q, xv), _mm256_maddubs_epi16(k32, xv));
+      d[b] = _mm256_madd_epi16(p, scale);
+    }
+  }
+  return kq_sum8(d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]);
+}
+
+// Per super-block and (row, token): the 8 activation blocks' scaled dots in one vector, then
+// d xd dot in fp32 lane by lane.
 template <int R, int T>
 KVQ_K_AVX2 void tile_avx2(const uint8_t* w, int64_t row_bytes, const QAct& a, int64_t t0,
                           float* res) {
   __m256 acc[R][T];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
-  const __m256i low4 = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
-  const __m256i k32 = _mm256_set1_epi8(32);
   for (int64_t s = 0; s < a.k / kSuper; ++s) {
-    float dw[R];
+    __m256 xd[T];
+    for (int t = 0; t < T; ++t) xd[t] = _mm256_loadu_ps(a.d + (t0 + t) * a.nb + s * 8);
     for (int r = 0; r < R; ++r) {
       const uint8_t* blk = w + r * row_bytes + s * kBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * kBytes), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * kBytes + 128), _MM_HINT_T0);
-      dw[r] = _cvtsh_ss(load_u16(blk + 208));
-    }
-    for (int h = 0; h < 2; ++h) {
-      for (int c = 0; c < 4; ++c) {
-        const int64_t b = s * 8 + 4 * h + c;
-        __m256i xv[T], x32[T];
-        float xd[T];
-        for (int t = 0; t < T; ++t) {
-          const int64_t row = t0 + t;
-          xv[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + row * a.k + b * kBlock));
-          x32[t] = _mm256_maddubs_epi16(k32, xv[t]);  // 32 * (x_2i + x_2i+1)
-          xd[t] = a.d[row * a.nb + b];
-        }
-        for (int r = 0; r < R; ++r) {
-          const uint8_t* blk = w + r * row_bytes + s * kBytes;
-          const __m256i l = _mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(blk + 64 * h + 32 * (c & 1)));
-          const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
-          const __m256i lo = c < 2 ? _mm256_and_si256(l, low4)
-                                   : _mm256_and_si256(_mm256_srli_epi16(l, 4), low4);
-          const __m256i hi =
-              _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * c)), three), 4);
-          const __m256i q = _mm256_or_si256(lo, hi);  // 0..63
-          const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192 + 8 * h + 2 * c);
-          const __m256i scale =
-              _mm256_set_m128i(_mm_set1_epi16(sc[1]), _mm_set1_epi16(sc[0]));
-          for (int t = 0; t < T; ++t) {
-            // NOTE: pairs of (q - 32) x: q x and 32 x apart stay within int16 (63 * 127 * 2),
-            // and so does their difference; times the int8 scale in 32 bits.
-            const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q, xv[t]), x32[t]);
-            const __m256i dot = _mm256_madd_epi16(p, scale);
-            acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw[r] * xd[t]),
-                                        acc[r][t]);
-          }
-        }
+      for (int line = 0; line < 4; ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * kBytes + 64 * line), _MM_HINT_T0);
+      const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(blk + 208)));
+      for (int t = 0; t < T; ++t) {
+        const __m256i dots = super_dots(blk, a.q + (t0 + t) * a.k + s * kSuper);
+        acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(d, xd[t]), acc[r][t]);
       }
     }
   }

@@ -43,43 +43,53 @@ float dot_scalar(const uint8_t* w, const QAct& a, int64_t t) {
   return acc;
 }
 
-// The 8 activation blocks' dots of one super-block, each block's two 16-value sub-blocks
-// scaled by their int8 scales in integers: lane i = activation block i.
-KVQ_K_AVX2 inline __m256i super_dots(const uint8_t* blk, const int8_t* x) {
+// The 8 activation blocks' dots of one super-block for T tokens (x[t]: their 256
+// activations), each block's two 16-value sub-blocks scaled by their int8 scales in integers:
+// out[t] lane i = activation block i. The weights are decoded once for the T tokens.
+template <int T>
+KVQ_K_AVX2 inline void super_dots(const uint8_t* blk, const int8_t* const* x, __m256i* out) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
   const __m256i k32 = _mm256_set1_epi8(32);
   const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
-  __m256i d[8];
+  __m256i half[2][T];  // per half: blocks 4h..4h+3 reduced to [b0, b1, b2, b3 | b0', ...]
   for (int h = 0; h < 2; ++h) {
     const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
     const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
     const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
-    const __m256i lows[4] = {_mm256_and_si256(l0, low4), _mm256_and_si256(l1, low4),
-                             _mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
-                             _mm256_and_si256(_mm256_srli_epi16(l1, 4), low4)};
-    const __m256i highs[4] = {
-        _mm256_slli_epi16(_mm256_and_si256(hb, three), 4),
-        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), three), 4),
-        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), three), 4),
-        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), three), 4)};
+    __m256i q[4], scale[4];
+    q[0] = _mm256_or_si256(_mm256_and_si256(l0, low4),
+                           _mm256_slli_epi16(_mm256_and_si256(hb, three), 4));
+    q[1] = _mm256_or_si256(_mm256_and_si256(l1, low4),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), three), 4));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                           _mm256_and_si256(hb, _mm256_set1_epi8(0x30)));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                           _mm256_and_si256(_mm256_srli_epi16(hb, 2), _mm256_set1_epi8(0x30)));
     for (int c = 0; c < 4; ++c) {
       const int b = 4 * h + c;
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * b));
-      const __m256i q = _mm256_or_si256(lows[c], highs[c]);  // 0..63
-      const __m256i scale =
-          _mm256_set_m128i(_mm_set1_epi16(sc[2 * b + 1]), _mm_set1_epi16(sc[2 * b]));
-      // NOTE: pairs of (q - 32) x: q x and 32 x apart stay within int16 (63 * 127 * 2), and
-      // so does their difference; times the int8 scale in 32 bits.
-      const __m256i p =
-          _mm256_sub_epi16(_mm256_maddubs_epi16(q, xv), _mm256_maddubs_epi16(k32, xv));
-      d[b] = _mm256_madd_epi16(p, scale);
+      scale[c] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * b + 1]), _mm_set1_epi16(sc[2 * b]));
+    }
+    for (int t = 0; t < T; ++t) {
+      __m256i d[4];
+      for (int c = 0; c < 4; ++c) {
+        const __m256i xv =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[t] + 32 * (4 * h + c)));
+        // NOTE: pairs of (q - 32) x: q x and 32 x apart stay within int16 (63 * 127 * 2),
+        // and so does their difference; times the int8 scale in 32 bits.
+        const __m256i p =
+            _mm256_sub_epi16(_mm256_maddubs_epi16(q[c], xv), _mm256_maddubs_epi16(k32, xv));
+        d[c] = _mm256_madd_epi16(p, scale[c]);
+      }
+      half[h][t] = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
     }
   }
-  return kq_sum8(d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]);
+  for (int t = 0; t < T; ++t)
+    out[t] = _mm256_add_epi32(_mm256_permute2x128_si256(half[0][t], half[1][t], 0x20),
+                              _mm256_permute2x128_si256(half[0][t], half[1][t], 0x31));
 }
 
-// Per super-block and (row, token): the 8 activation blocks' scaled dots in one vector, then
-// d xd dot in fp32 lane by lane.
+// Per super-block and row: the 8 activation blocks' scaled dots of each token in one vector,
+// then d xd dot in fp32 lane by lane.
 template <int R, int T>
 KVQ_K_AVX2 void tile_avx2(const uint8_t* w, int64_t row_bytes, const QAct& a, int64_t t0,
                           float* res) {
@@ -88,16 +98,21 @@ KVQ_K_AVX2 void tile_avx2(const uint8_t* w, int64_t row_bytes, const QAct& a, in
     for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
   for (int64_t s = 0; s < a.k / kSuper; ++s) {
     __m256 xd[T];
-    for (int t = 0; t < T; ++t) xd[t] = _mm256_loadu_ps(a.d + (t0 + t) * a.nb + s * 8);
+    const int8_t* x[T];
+    for (int t = 0; t < T; ++t) {
+      xd[t] = _mm256_loadu_ps(a.d + (t0 + t) * a.nb + s * 8);
+      x[t] = a.q + (t0 + t) * a.k + s * kSuper;
+    }
     for (int r = 0; r < R; ++r) {
       const uint8_t* blk = w + r * row_bytes + s * kBytes;
       for (int line = 0; line < 4; ++line)
         _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * kBytes + 64 * line), _MM_HINT_T0);
       const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(blk + 208)));
-      for (int t = 0; t < T; ++t) {
-        const __m256i dots = super_dots(blk, a.q + (t0 + t) * a.k + s * kSuper);
-        acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(d, xd[t]), acc[r][t]);
-      }
+      __m256i dots[T];
+      super_dots<T>(blk, x, dots);
+      for (int t = 0; t < T; ++t)
+        acc[r][t] =
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[t]), _mm256_mul_ps(d, xd[t]), acc[r][t]);
     }
   }
   for (int r = 0; r < R; ++r)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from kvserve.models.gemma_config import default_layer_types
-from tests.tiny_models import GEMMA_ARCHS, _unique_dir, tiny_state_dict
+from tests.tiny_models import GEMMA_ARCHS, _unique_dir, tiny_state_dict, tiny_tokenizer_dir
 
 
 def _permute_for_gguf(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -214,6 +214,7 @@ def make_tiny_gguf(
     drop_tensors: tuple[str, ...] = (),
     name: str | None = None,
     seed: int = 0,
+    tokenizer: bool = False,
     **overrides: Any,
 ) -> str:
     """Write a tiny random-weight llama.cpp-style GGUF under ``tmp_dir``; returns its path.
@@ -226,12 +227,19 @@ def make_tiny_gguf(
     ``rope_freqs``, experts stacked as ``ffn_{gate,up,down}_exps``, routers F32; Gemma's
     norms as w + 1). 1-D
     tensors are F32; others ``tensor_type`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
-    ...). For error tests: ``tensor_types`` overrides the type per GGUF tensor name (types
-    gguf cannot quantise get random bytes of the right size), ``metadata`` adds or replaces
-    keys (None deletes one), ``drop_tensors`` omits tensors.
+    ...; Q4_K, Q5_K and Q6_K by ``kvserve.models.kquant_ref``: rows of 256 values). For
+    error tests: ``tensor_types`` overrides the type per GGUF tensor name (types gguf cannot
+    quantise get random bytes of the right size), ``metadata`` adds or replaces keys (None
+    deletes one), ``drop_tensors`` omits tensors. ``tokenizer=True`` writes the embedded
+    tokenizer's metadata (``tests/gguf_tokenizer.py``): an engine can serve the file.
     """
     from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
     from gguf import quants as gguf_quants
+
+    from kvserve.models.kquant_ref import quantize_kquant
+
+    kquant_types = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K)
+    kquant_types += (GGMLQuantizationType.Q6_K,)
 
     state_dict, config = tiny_state_dict(arch, seed=seed, **overrides)
     gguf_arch = _GGUF_ARCH.get(arch, "llama")
@@ -257,6 +265,10 @@ def make_tiny_gguf(
             writer.add_key_value(key, value, GGUFValueType.FLOAT32)
         else:
             writer.add_key_value(key, str(value), GGUFValueType.STRING)
+    if tokenizer:
+        from tests.gguf_tokenizer import add_gguf_tokenizer
+
+        add_gguf_tokenizer(writer, tiny_tokenizer_dir())
 
     rng = np.random.default_rng(seed)
     rope = config.rope_parameters
@@ -286,7 +298,10 @@ def make_tiny_gguf(
             writer.add_tensor(gname, data)
             continue
         try:
-            raw = gguf_quants.quantize(data, qtype)
+            if qtype in kquant_types:  # gguf cannot quantize them: kvserve's reference writer
+                raw = quantize_kquant(data, qtype)
+            else:
+                raw = gguf_quants.quantize(data, qtype)
         except NotImplementedError:
             byte_shape = gguf_quants.quant_shape_to_byte_shape(data.shape, qtype)
             raw = rng.integers(0, 256, size=byte_shape, dtype=np.uint8)

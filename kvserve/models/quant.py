@@ -2,23 +2,19 @@
 
 A ``QuantizedWeight`` holds one linear (or embedding) weight ``[out, in]`` in a GGML block
 format, one row of blocks per output feature: ``data`` is uint8 ``[out, row_bytes]``. The
-native kernels (``kvserve/runtime/native/csrc/quant/``) read three formats:
+native kernels (``kvserve/runtime/native/csrc/quant/``) read six formats, each byte for byte
+as GGUF stores it:
 
-- ``q8_0``: 34 bytes / 32 values (8.5 bits a weight), as stored by GGUF;
-- ``q4_0``: 18 bytes / 32 values (4.5 bits), as stored;
-- ``q4_1``: 20 bytes / 32 values (5.0 bits), as stored.
+- ``q8_0``: 34 bytes / 32 values (8.5 bits a weight);
+- ``q4_0``: 18 bytes / 32 values (4.5 bits);
+- ``q4_1``: 20 bytes / 32 values (5.0 bits);
+- ``q4_k``: 144 bytes / 256 values (4.5 bits; ``block_q4_K``: fp16 d and dmin, 6-bit scales
+  and mins per 32 values);
+- ``q5_k``: 176 bytes / 256 values (5.5 bits; ``block_q5_K``);
+- ``q6_k``: 210 bytes / 256 values (6.5625 bits; ``block_q6_K``: int8 scales per 16 values).
 
-The K-quants are repacked once at load (``source_qtype`` keeps the file's type):
-
-- ``q4_k`` -> ``q4_1``: every 32-value sub-block of a Q4_K super-block is a Q4_1 block with
-  ``d = fp16(d * sc)`` and ``m = fp16(-dmin * m)``; the 4-bit values are unchanged. 5.0 bits a
-  weight instead of 4.5; the fp16 rounding of the two products is at most 2^-11 relative.
-- ``q6_k`` -> ``q8_0``: Q6_K scales every 16 values, which no 32-value format holds, so the
-  dequantized values are re-quantized to Q8_0 (8.5 bits instead of 6.56; the added error is
-  at most half a Q8_0 step, max|block| / 254, plus the fp16 rounding of its scale).
-
-NOTE: a repack to the native K-quant kernels (llama.cpp's ``vec_dot_q4_K_q8_K``) would keep
-the 4.5 / 6.56 bits; it is not written yet.
+The first three also have the ``x16`` layout (``quant_layout``); the K-quants are plain only.
+A K-quant weight needs rows of whole super-blocks (``in`` a multiple of 256), as in the file.
 """
 
 from __future__ import annotations
@@ -33,27 +29,41 @@ from gguf import quants as gguf_quants
 
 from kvserve.config import QUANTIZATION_CHOICES as ENGINE_QUANTIZATION_CHOICES
 from kvserve.models.errors import ModelLoadError
+from kvserve.models.kquant_ref import quantize_kquant
 from kvserve.models.quant_layout import check_layout, from_x16, to_x16
 
 Q = GGMLQuantizationType
 
 # Formats the kernels read, by name; and the GGUF types kept quantized (-> held format).
-KERNEL_QTYPES: dict[str, GGMLQuantizationType] = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1}
-GGUF_QUANTIZED: dict[GGMLQuantizationType, str] = {
-    Q.Q8_0: "q8_0",
-    Q.Q4_0: "q4_0",
-    Q.Q4_1: "q4_1",
-    Q.Q4_K: "q4_1",
-    Q.Q6_K: "q8_0",
+KERNEL_QTYPES: dict[str, GGMLQuantizationType] = {
+    "q8_0": Q.Q8_0,
+    "q4_0": Q.Q4_0,
+    "q4_1": Q.Q4_1,
+    "q4_k": Q.Q4_K,
+    "q5_k": Q.Q5_K,
+    "q6_k": Q.Q6_K,
 }
+KQUANT_QTYPES = ("q4_k", "q5_k", "q6_k")  # super-blocks of 256 values; plain layout only
+X16_QTYPES = ("q8_0", "q4_0", "q4_1")  # the formats with an x16 layout
+GGUF_QUANTIZED: dict[GGMLQuantizationType, str] = {v: k for k, v in KERNEL_QTYPES.items()}
 DENSE_GGUF_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 QUANTIZATION_CHOICES = ENGINE_QUANTIZATION_CHOICES
-BLOCK = 32
 
 
 def supported_gguf_qtypes() -> list[str]:
     """Names of the GGUF quantized types that can be kept quantized."""
     return [t.name for t in GGUF_QUANTIZED]
+
+
+def block_values(qtype: str) -> int:
+    """Values of one block of kernel format ``qtype`` (32; 256 for a K-quant)."""
+    return GGML_QUANT_SIZES[KERNEL_QTYPES[qtype]][0]
+
+
+def bits_per_weight(qtype: str) -> float:
+    """Bits a weight held in kernel format ``qtype`` takes (the file's, scales included)."""
+    block_size, type_size = GGML_QUANT_SIZES[KERNEL_QTYPES[qtype]]
+    return 8.0 * type_size / block_size
 
 
 def row_bytes(qtype: str, in_features: int) -> int:
@@ -66,19 +76,23 @@ def row_bytes(qtype: str, in_features: int) -> int:
 class QuantizedWeight:
     """A weight ``[out, in]`` held in GGML blocks (see the module docstring)."""
 
-    qtype: str  # held (kernel) format: "q8_0", "q4_0" or "q4_1"
+    qtype: str  # held (kernel) format, a KERNEL_QTYPES key
     data: torch.Tensor  # uint8 [out, row_bytes], contiguous
     shape: tuple[int, int]  # (out_features, in_features)
-    source_qtype: str = ""  # the file's type ("q4_k", ...); "" = same as qtype
     layout: str = "plain"  # byte order of ``data``: "plain" or "x16" (``quant_layout``)
 
     def __post_init__(self) -> None:
         check_layout(self.layout)
         if self.qtype not in KERNEL_QTYPES:
             raise ValueError(f"qtype must be one of {sorted(KERNEL_QTYPES)}, got {self.qtype!r}")
+        if self.layout == "x16" and self.qtype not in X16_QTYPES:
+            raise ValueError(f"{self.qtype} has no x16 layout (only {', '.join(X16_QTYPES)})")
         out, inp = self.shape
-        if inp % BLOCK:
-            raise ValueError(f"in_features {inp} is not a multiple of the block size {BLOCK}")
+        block = block_values(self.qtype)
+        if inp % block:
+            raise ValueError(
+                f"in_features {inp} is not a multiple of the {self.qtype} block size {block}"
+            )
         want = (out, row_bytes(self.qtype, inp))
         if self.data.dtype != torch.uint8 or tuple(self.data.shape) != want:
             raise ValueError(
@@ -111,16 +125,17 @@ class QuantizedWeight:
         if self.layout == "plain":
             return self
         data = from_x16(self.data.numpy(), self.qtype, self.in_features)
-        return QuantizedWeight(self.qtype, torch.from_numpy(data), self.shape, self.source_qtype)
+        return QuantizedWeight(self.qtype, torch.from_numpy(data), self.shape)
 
     def interleaved(self) -> QuantizedWeight:
-        """This weight in the ``x16`` layout (the AVX-512 VNNI GEMV's; same bytes held)."""
+        """This weight in the ``x16`` layout (the AVX-512 VNNI GEMV's; same bytes held);
+        ValueError for a K-quant (``X16_QTYPES`` only)."""
         if self.layout == "x16":
             return self
+        if self.qtype not in X16_QTYPES:
+            raise ValueError(f"{self.qtype} has no x16 layout (only {', '.join(X16_QTYPES)})")
         data = to_x16(self.data.numpy(), self.qtype, self.in_features)
-        return QuantizedWeight(
-            self.qtype, torch.from_numpy(data), self.shape, self.source_qtype, "x16"
-        )
+        return QuantizedWeight(self.qtype, torch.from_numpy(data), self.shape, layout="x16")
 
     def require_plain(self, what: str) -> None:
         """ValueError unless ``data`` is in the plain layout (``what`` names the caller)."""
@@ -134,13 +149,12 @@ class QuantizedWeight:
             self.qtype,
             self.data[start:end].clone(),
             (end - start, self.in_features),
-            self.source_qtype,
         )
 
     def with_rows(self, data: torch.Tensor) -> QuantizedWeight:
         """The same format over re-ordered rows ``data`` (uint8 [out, row_bytes])."""
         self.require_plain("with_rows()")
-        return QuantizedWeight(self.qtype, data.contiguous(), self.shape, self.source_qtype)
+        return QuantizedWeight(self.qtype, data.contiguous(), self.shape)
 
     @staticmethod
     def can_concat(parts: Sequence[QuantizedWeight]) -> bool:
@@ -155,12 +169,10 @@ class QuantizedWeight:
             raise ValueError(f"concat_rows needs one qtype and in_features, got {kinds}")
         for p in parts:
             p.require_plain("concat_rows()")
-        sources = {p.source_qtype for p in parts}
         return QuantizedWeight(
             parts[0].qtype,
             torch.cat([p.data for p in parts]),
             (sum(p.out_features for p in parts), parts[0].in_features),
-            sources.pop() if len(sources) == 1 else "mixed",
         )
 
     def split_rows(self, sizes: Sequence[int]) -> list[QuantizedWeight]:
@@ -171,7 +183,7 @@ class QuantizedWeight:
             raise ValueError(f"split_rows: {list(sizes)} do not sum to {self.out_features} rows")
         parts = torch.split(self.data, list(sizes))
         return [
-            QuantizedWeight(self.qtype, d, (n, self.in_features), self.source_qtype)
+            QuantizedWeight(self.qtype, d, (n, self.in_features))
             for d, n in zip(parts, sizes, strict=True)
         ]
 
@@ -197,7 +209,7 @@ def from_gguf(
     name: str = "?",
     path: str = "?",
 ) -> QuantizedWeight:
-    """Keep a quantized 2-D GGUF tensor quantized (K-quants repacked, see module docstring).
+    """Keep a quantized 2-D GGUF tensor quantized: its bytes as stored (a copy of the file's).
 
     Raises ``ModelLoadError`` naming the tensor for a byte size that does not match its type
     and shape, or a type the kernels do not read (suggesting ``--quantization none``).
@@ -211,49 +223,25 @@ def from_gguf(
     _check_size(raw, ggml_type, shape, name, path)
     held = GGUF_QUANTIZED[ggml_type]
     out, inp = shape
-    if ggml_type == Q.Q4_K:
-        data = torch.from_numpy(_repack_q4_k(np.asarray(raw)))
-    elif ggml_type == Q.Q6_K:
-        dense = gguf_quants.dequantize(np.asarray(raw), Q.Q6_K).reshape(shape)
-        data = torch.from_numpy(np.ascontiguousarray(gguf_quants.quantize(dense, Q.Q8_0)))
-    else:
-        data = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True))
-    return QuantizedWeight(
-        held,
-        data.reshape(out, row_bytes(held, inp)).contiguous(),
-        (out, inp),
-        ggml_type.name.lower(),
-    )
-
-
-def _repack_q4_k(raw: np.ndarray) -> np.ndarray:
-    """Q4_K super-blocks (144 bytes / 256 values) -> Q4_1 blocks (8 x 20 bytes)."""
-    blocks = raw.reshape(-1, GGML_QUANT_SIZES[Q.Q4_K][1])  # [nb, 144]
-    nb = blocks.shape[0]
-    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [nb, 1]
-    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)  # [nb, 1]
-    sc, mn = gguf_quants.Q4_K.get_scale_min(blocks[:, 4:16])  # [nb, 8] each
-    qs = blocks[:, 16:].reshape(nb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(
-        1, 1, 2, 1
-    )
-    q = (qs & 0x0F).reshape(nb, 8, 32)  # [nb, 8 sub-blocks, 32 values]
-    out = np.empty((nb, 8, 20), dtype=np.uint8)
-    out[:, :, 0:2] = (d * sc.astype(np.float32)).astype(np.float16)[..., None].view(np.uint8)
-    out[:, :, 2:4] = (-dmin * mn.astype(np.float32)).astype(np.float16)[..., None].view(np.uint8)
-    out[:, :, 4:] = q[:, :, :16] | (q[:, :, 16:] << 4)
-    return out.reshape(-1)
+    data = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True))
+    return QuantizedWeight(held, data.reshape(out, row_bytes(held, inp)).contiguous(), (out, inp))
 
 
 def quantize_dense(weight: torch.Tensor, qtype: str) -> QuantizedWeight:
-    """Quantize a dense ``[out, in]`` weight to ``qtype`` at load (as llama.cpp's quantize)."""
+    """Quantize a dense ``[out, in]`` weight to ``qtype`` (as llama.cpp's quantize; the
+    K-quants with the simple reference quantizer of ``kquant_ref``)."""
     if qtype not in KERNEL_QTYPES:
         raise ValueError(f"qtype must be one of {sorted(KERNEL_QTYPES)}, got {qtype!r}")
     out, inp = weight.shape
-    if inp % BLOCK:
+    block = block_values(qtype)
+    if inp % block:
         raise ValueError(
             f"cannot quantize a weight of shape {list(weight.shape)} to {qtype}: its rows are "
-            f"not a multiple of {BLOCK} values"
+            f"not a multiple of {block} values"
         )
     dense = weight.detach().float().cpu().numpy()
-    data = gguf_quants.quantize(dense, KERNEL_QTYPES[qtype])  # [out, row_bytes] uint8
+    if qtype in KQUANT_QTYPES:
+        data = quantize_kquant(dense, KERNEL_QTYPES[qtype])
+    else:
+        data = gguf_quants.quantize(dense, KERNEL_QTYPES[qtype])  # [out, row_bytes] uint8
     return QuantizedWeight(qtype, torch.from_numpy(np.ascontiguousarray(data)), (out, inp))

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.models.quant import QuantizedWeight
+from kvserve.models.quant import X16_QTYPES, QuantizedWeight
 from kvserve.runtime import amx_int8
 from kvserve.runtime.amx_linear import AmxBf16Method, amx_available, run_packed
 from kvserve.runtime.autotune.candidates import onednn_supports, register_candidates
@@ -109,7 +109,7 @@ def kernel_layout(source: WeightPart, layout: str | None = None) -> WeightPart:
     ``layout``: "auto" (default, or ``$KVSERVE_QUANT_LAYOUT``) takes ``x16`` where the native
     kernels' best instruction set has an x16 GEMV (AVX-512 VNNI, AVX2) and the weight has at
     least 16 rows (the plain layout's GEMV is compute bound there: per-row scale arithmetic),
-    else ``plain``; "plain" / "x16" force one.
+    else ``plain``; "plain" / "x16" force one. A K-quant stays plain (it has no x16 layout).
     NOTE: a repack at load, not a copy: the caller keeps only the result.
     """
     layout = layout or os.environ.get(LAYOUT_ENV, "auto")
@@ -119,6 +119,8 @@ def kernel_layout(source: WeightPart, layout: str | None = None) -> WeightPart:
         return QuantizedParts(tuple(kernel_layout(p, layout) for p in source.parts))  # type: ignore[misc]
     if not isinstance(source, QuantizedWeight):
         return source
+    if source.qtype not in X16_QTYPES:
+        return source.plain()
     if layout == "auto":
         # NOTE: measured, projection sequence of the embedded model (bench/probes/quant_seq.py at
         # 25ace60): AVX2 on Zen 3, two runs each: x16 8.4-9.4 / 15.6-19.1 / 48.9-58.9 ms, plain

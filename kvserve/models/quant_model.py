@@ -6,7 +6,7 @@ its weight source in ``layer.quantized[name]`` (one ``QuantizedWeight`` when the
 a format, else ``QuantizedParts``), the embedding and the lm_head in ``model.quantized``; the
 dense parameters they replace are dropped (0 elements), so only the blocks stay resident.
 Each source is repacked once to the byte layout its kernel reads fastest (``kernel_layout``:
-``x16`` on AVX-512 VNNI).
+``x16`` on AVX-512 VNNI and AVX2; a K-quant stays as the file stores it).
 The projections' ``Linear``s are then built from these sources (``kvserve.models.quant_linear``
 registers their methods); the embedding looks rows up with ``embedding_lookup``.
 """

@@ -17,7 +17,7 @@ from gguf import quants as gguf_quants
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.models.quant import KERNEL_QTYPES, QuantizedWeight, quantize_dense
+from kvserve.models.quant import KERNEL_QTYPES, X16_QTYPES, QuantizedWeight, quantize_dense
 from kvserve.runtime import native
 from kvserve.runtime.native import quant_ops
 
@@ -25,6 +25,8 @@ pytestmark = pytest.mark.skipif(
     not quant_ops.load(), reason=f"quantized kernels unavailable: {quant_ops.reason()}"
 )
 ISAS = quant_ops.supported_isas() if quant_ops.load() else []
+# The formats of 32-value blocks (the K-quants: tests/runtime/test_kquant_kernels.py).
+BLOCK32 = sorted(X16_QTYPES)
 
 
 def test_kernels_load_and_scalar_is_always_there() -> None:
@@ -72,7 +74,7 @@ def check(x: np.ndarray, weight: QuantizedWeight, y: np.ndarray) -> None:
 
 @settings(max_examples=40, deadline=None)
 @given(
-    qtype=st.sampled_from(sorted(KERNEL_QTYPES)),
+    qtype=st.sampled_from(BLOCK32),
     m=st.integers(1, 64),
     n=st.integers(1, 70),
     k_blocks=st.integers(1, 9),
@@ -91,7 +93,7 @@ def test_linear_matches_dequantized_reference(
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("qtype", sorted(KERNEL_QTYPES))
+@pytest.mark.parametrize("qtype", BLOCK32)
 def test_every_isa_gives_the_same_result_on_decode_shapes(qtype: str, isa: str) -> None:
     """The embedded model's shapes (K = 576 and 1536, N odd and even) for M = 1, 5, 32."""
     rng = np.random.default_rng(1)
@@ -120,7 +122,7 @@ def test_bias_free_out_slice_and_bf16() -> None:
     torch.testing.assert_close(y16.float(), full, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("qtype", sorted(KERNEL_QTYPES))
+@pytest.mark.parametrize("qtype", BLOCK32)
 def test_embedding_gathers_dequantized_rows(qtype: str) -> None:
     rng = np.random.default_rng(3)
     weight = quantize_dense(torch.from_numpy(rng.standard_normal((50, 96), np.float32)), qtype)
@@ -159,7 +161,7 @@ X16_ISAS = [i for i in ISAS if i in quant_ops.X16_ISAS]
 
 @settings(max_examples=40, deadline=None)
 @given(
-    qtype=st.sampled_from(sorted(KERNEL_QTYPES)),
+    qtype=st.sampled_from(BLOCK32),
     m=st.integers(1, 64),
     n=st.integers(1, 70),
     k_blocks=st.integers(1, 9),
@@ -179,7 +181,7 @@ def test_x16_linear_matches_dequantized_reference(
     check(x, weight, y)
 
 
-@pytest.mark.parametrize("qtype", sorted(KERNEL_QTYPES))
+@pytest.mark.parametrize("qtype", BLOCK32)
 def test_x16_equals_plain_on_decode_shapes(qtype: str) -> None:
     """Same integer dot products, same scale arithmetic order per block: the two layouts agree
     to fp32 summation order (K = 576, 1536; N = 97 leaves a tail of 1 row)."""
@@ -197,7 +199,7 @@ def test_x16_equals_plain_on_decode_shapes(qtype: str) -> None:
 
 @settings(max_examples=25, deadline=None)
 @given(
-    qtype=st.sampled_from(sorted(KERNEL_QTYPES)),
+    qtype=st.sampled_from(BLOCK32),
     m=st.integers(1, 40),
     n=st.integers(1, 70),
     seed=st.integers(0, 2**31 - 1),
@@ -224,7 +226,7 @@ def test_x16_bf16_out_is_the_fp32_result_rounded(
     assert torch.equal(wide[:, 3 + n :], torch.full((m, 4), 3.0, dtype=torch.bfloat16))
 
 
-@pytest.mark.parametrize("qtype", sorted(KERNEL_QTYPES))
+@pytest.mark.parametrize("qtype", BLOCK32)
 def test_x16_byte_order_and_round_trip(qtype: str) -> None:
     """The documented order: per group and block, the 16 d (q4_1: then the 16 m), then the
     value bytes as [chunk][row][4 bytes]; ``plain()`` undoes it exactly."""
@@ -248,7 +250,7 @@ def test_x16_byte_order_and_round_trip(qtype: str) -> None:
     torch.testing.assert_close(x16.dequantize(), weight.dequantize(), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("qtype", sorted(KERNEL_QTYPES))
+@pytest.mark.parametrize("qtype", BLOCK32)
 def test_x16_embedding_gathers_dequantized_rows(qtype: str) -> None:
     rng = np.random.default_rng(7)
     weight = quantize_dense(torch.from_numpy(rng.standard_normal((50, 96), np.float32)), qtype)
@@ -269,7 +271,7 @@ needs_amx_bf16 = pytest.mark.skipif(
 @needs_amx_bf16
 @settings(max_examples=40, deadline=None)
 @given(
-    qtype=st.sampled_from(sorted(KERNEL_QTYPES)),
+    qtype=st.sampled_from(BLOCK32),
     m=st.integers(1, 70),
     n=st.integers(1, 80),
     k_blocks=st.integers(1, 9),
@@ -294,7 +296,7 @@ def test_amx_bf16_equals_the_dense_amx_copy_bit_for_bit(
 
 
 @needs_amx_bf16
-@pytest.mark.parametrize("qtype", sorted(KERNEL_QTYPES))
+@pytest.mark.parametrize("qtype", BLOCK32)
 @pytest.mark.parametrize("n", [96, 200, 208, 224])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_amx_bf16_pipelined_groups_equal_the_dense_copy(qtype: str, n: int, threads: int) -> None:

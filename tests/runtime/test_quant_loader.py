@@ -1,5 +1,5 @@
-"""GGUF tensors kept quantized: a mixed-type file against its dequantized twin, the K-quant
-repacks against the gguf package's dequantizers, and the bad-input errors."""
+"""GGUF tensors kept quantized: a mixed-type file against its dequantized twin, K-quant
+tensors held as the file's bytes, and the bad-input errors."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf import quants as gguf_quants
+from gguf import GGMLQuantizationType
 
 from kvserve.models.errors import ModelLoadError
-from kvserve.models.gguf_loader import load_gguf
+from kvserve.models.gguf_loader import hf_name, load_gguf
+from kvserve.models.gguf_reader import read_gguf
 from kvserve.models.loader import load_model
-from kvserve.models.quant import QuantizedWeight, from_gguf, quantize_dense
+from kvserve.models.quant import QuantizedWeight, bits_per_weight, from_gguf, quantize_dense
 from tests.tiny_gguf import make_tiny_gguf
 from tests.tiny_models import make_tiny_model
 
@@ -24,92 +24,61 @@ Q = GGMLQuantizationType
 MIXED = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
 
 
-def k_quant_bytes(shape: tuple[int, ...], qtype: GGMLQuantizationType, seed: int) -> np.ndarray:
-    """Random K-quant blocks with finite, small fp16 scales (gguf cannot quantize K-types)."""
-    rng = np.random.default_rng(seed)
-    block, size = GGML_QUANT_SIZES[qtype]
-    rows = int(np.prod(shape[:-1]))
-    raw = rng.integers(0, 256, size=(rows * shape[-1] // block, size), dtype=np.uint8)
-    scales = rng.uniform(0.001, 0.01, size=(raw.shape[0], 1)).astype(np.float16).view(np.uint8)
-    if qtype == Q.Q4_K:
-        raw[:, 0:2] = scales  # d
-        raw[:, 2:4] = scales  # dmin
-    else:  # Q6_K: d is the last field
-        raw[:, -2:] = scales
-    return raw.reshape(rows, -1)
-
-
-def q8_0_error(amax: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
-    """Largest Q8_0 round-trip error of a block with max |x| = amax: half a step (amax / 254)
-    plus the fp16 rounding of the scale (2^-11 relative) times the largest level, 127."""
-    return amax / 254 + amax * 2.0**-11 + 1e-7
-
-
-@pytest.fixture
-def sane_k_quants(monkeypatch: pytest.MonkeyPatch) -> None:
-    """make_tiny_gguf writes K-quant tensors with finite scales."""
-    original = gguf_quants.quantize
-
-    def quantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
-        if qtype in (Q.Q4_K, Q.Q6_K):
-            return k_quant_bytes(data.shape, qtype, seed=data.shape[0])
-        return original(data, qtype)
-
-    monkeypatch.setattr(gguf_quants, "quantize", quantize)
-
-
 def mixed_gguf(tmp_path: Path) -> str:
-    """F32 norms, Q8_0 embedding, Q4_1 layers (Q8_0 v, Q4_K down in layer 0), Q6_K output."""
+    """F32 norms, Q8_0 embedding, Q4_1 layers (Q8_0 v; Q4_K down, Q5_K up in layer 0), Q6_K
+    output: the mix of llama.cpp's Q4_K_M and older files."""
     types = {"token_embd.weight": "Q8_0", "output.weight": "Q6_K"}
     for layer in range(2):
         types[f"blk.{layer}.attn_v.weight"] = "Q8_0"
     types["blk.0.ffn_down.weight"] = "Q4_K"
+    types["blk.0.ffn_up.weight"] = "Q5_K"
     return make_tiny_gguf(tmp_path, "llama", tensor_type="Q4_1", tensor_types=types, **MIXED)
 
 
-def test_mixed_gguf_loads_quantized_and_matches_its_dequantized_twin(
-    tmp_path: Path, sane_k_quants: None
-) -> None:
+def test_mixed_gguf_loads_quantized_and_matches_its_dequantized_twin(tmp_path: Path) -> None:
     path = mixed_gguf(tmp_path)
     arch, quant = load_gguf(path, torch.float32, "auto")
     _, dense = load_gguf(path, torch.float32, "none")
     assert quant.keys() == dense.keys()
-    held = {name: (w.qtype, w.source_qtype) for name, w in quant.items() if hasattr(w, "qtype")}
-    assert held["model.embed_tokens.weight"] == ("q8_0", "q8_0")
-    assert held["lm_head.weight"] == ("q8_0", "q6_k")
-    assert held["model.layers.0.mlp.down_proj.weight"] == ("q4_1", "q4_k")
-    assert held["model.layers.1.mlp.down_proj.weight"] == ("q4_1", "q4_1")
-    assert held["model.layers.1.self_attn.v_proj.weight"] == ("q8_0", "q8_0")
+    held = {name: w.qtype for name, w in quant.items() if hasattr(w, "qtype")}
+    assert held["model.embed_tokens.weight"] == "q8_0"
+    assert held["lm_head.weight"] == "q6_k"
+    assert held["model.layers.0.mlp.down_proj.weight"] == "q4_k"
+    assert held["model.layers.0.mlp.up_proj.weight"] == "q5_k"
+    assert held["model.layers.1.mlp.down_proj.weight"] == "q4_1"
+    assert held["model.layers.1.self_attn.v_proj.weight"] == "q8_0"
     assert isinstance(quant["model.norm.weight"], torch.Tensor)  # F32 norms stay dense
     for name, tensor in dense.items():
         got = quant[name]
-        if isinstance(got, torch.Tensor):
-            torch.testing.assert_close(got, tensor, rtol=0, atol=0)
-            continue
-        deq = got.dequantize()
-        if got.source_qtype == "q6_k":  # re-quantized to Q8_0: half a step per block
-            amax = tensor.reshape(-1, 32).abs().amax(dim=1, keepdim=True)
-            assert ((deq - tensor).reshape(-1, 32).abs() <= q8_0_error(amax)).all()
-        elif got.source_qtype == "q4_k":  # fp16 rounding of d * sc and dmin * m
-            torch.testing.assert_close(deq, tensor, rtol=2e-3, atol=2e-3 * tensor.abs().max())
-        else:  # kept as stored (q/k rows un-permuted as bytes): exact
-            torch.testing.assert_close(deq, tensor, rtol=0, atol=0)
+        want = got.dequantize() if isinstance(got, QuantizedWeight) else got
+        # kept as stored (q/k rows un-permuted as bytes): exact
+        torch.testing.assert_close(want, tensor, rtol=0, atol=0)
     assert arch.hidden_size == 256
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K])
-def test_k_quant_repack_matches_gguf_dequantize(qtype: GGMLQuantizationType) -> None:
-    raw = k_quant_bytes((6, 512), qtype, seed=5).reshape(-1)
-    ref = gguf_quants.dequantize(raw, qtype).reshape(6, 512)
-    weight = from_gguf(raw, qtype, (6, 512))
-    got = weight.dequantize().numpy()
-    if qtype == Q.Q4_K:
-        assert weight.qtype == "q4_1" and weight.nbytes == 6 * 16 * 20
-        np.testing.assert_allclose(got, ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max())
-    else:
-        assert weight.qtype == "q8_0" and weight.nbytes == 6 * 16 * 34
-        amax = np.abs(ref.reshape(-1, 32)).max(axis=1, keepdims=True)
-        assert (np.abs(got - ref).reshape(-1, 32) <= q8_0_error(amax)).all()
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quants_are_held_as_the_files_bytes(tmp_path: Path, kind: str) -> None:
+    """Every 2-D tensor of a K-quant file is held byte for byte as the file stores it (q/k
+    rows un-permuted as whole rows), at the file's bits per weight."""
+    path = make_tiny_gguf(tmp_path, "qwen2", tensor_type=kind, **MIXED)
+    _, quant = load_gguf(path, torch.float32, "auto")
+    gguf = read_gguf(path)
+    for name, info in gguf.tensors.items():
+        if len(info.shape) != 2:
+            continue
+        got = quant[hf_name(name, "qwen2")]
+        assert isinstance(got, QuantizedWeight) and got.qtype == kind.lower()
+        assert got.nbytes == info.data.nbytes
+        assert got.nbytes * 8 / (got.shape[0] * got.shape[1]) == bits_per_weight(got.qtype)
+        np.testing.assert_array_equal(got.data.numpy().reshape(-1), info.data.reshape(-1))
+
+
+def test_k_quant_of_a_bad_size_names_the_tensor() -> None:
+    raw = np.zeros(100, dtype=np.uint8)
+    with pytest.raises(ModelLoadError, match=r"'w'.*Q4_K.*\[4, 512\].*1152 bytes.*holds 100"):
+        from_gguf(raw, Q.Q4_K, (4, 512), name="w", path="f.gguf")
+    with pytest.raises(ModelLoadError, match=r"'v'.*Q6_K.*\[2, 96\].*blocks of 256"):
+        from_gguf(np.zeros(210, dtype=np.uint8), Q.Q6_K, (2, 96), name="v", path="f.gguf")
 
 
 def test_concat_rows_and_shards() -> None:
@@ -153,7 +122,7 @@ def test_unsupported_type_names_tensor_type_and_suggests_none(tmp_path: Path) ->
     for part in (
         "blk.1.ffn_up.weight",
         "Q5_0",
-        "Q8_0, Q4_0, Q4_1, Q4_K, Q6_K",
+        "Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K",
         "--quantization none",
     ):
         assert part in message

@@ -32,13 +32,28 @@ SOURCES = tuple(
         "quant_linear_x16.cpp",
         "quant_amx_bf16.cpp",
         "quant_embedding.cpp",
+        "quant_q4_k.cpp",
+        "quant_q5_k.cpp",
+        "quant_q6_k.cpp",
     )
 )
 # Headers the sources include (the AMX kernel: the tile helpers it shares with the other library).
-HEADERS = (native.CSRC / "quant" / "quant_common.h", native.CSRC / "arch" / "amx_tiles.h")
+HEADERS = (
+    native.CSRC / "quant" / "quant_common.h",
+    native.CSRC / "quant" / "quant_kquant.h",
+    native.CSRC / "arch" / "amx_tiles.h",
+)
 
-# Kernel qtype codes (the formats the kernels read; K-quants are repacked to these at load).
-QTYPE_CODES: dict[str, int] = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
+# Kernel qtype codes (the formats the kernels read, every one as GGUF stores it); the x16
+# layout and ``amx_bf16_linear`` take the first three only.
+QTYPE_CODES: dict[str, int] = {
+    "q8_0": 0,
+    "q4_0": 1,
+    "q4_1": 2,
+    "q4_k": 3,
+    "q5_k": 4,
+    "q6_k": 5,
+}
 # Instruction-set codes: "auto" picks the best one this CPU has.
 ISA_CODES: dict[str, int] = {"auto": 0, "scalar": 1, "avx2": 2, "avx_vnni": 3, "avx512_vnni": 4}
 # Weight byte layouts (kvserve/models/quant_layout.py): x16 runs on avx512_vnni, avx2 and scalar

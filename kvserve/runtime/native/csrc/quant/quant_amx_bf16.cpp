@@ -254,6 +254,8 @@ void quant_amx_bf16_linear(Tensor out, const Tensor& x, const Tensor& weight, in
                   out.scalar_type() == at::kBFloat16,
               "kvserve_quant: amx_bf16_linear writes a 2-D bfloat16 CPU out with contiguous rows");
   check_weight(weight, qtype, x.size(1));
+  TORCH_CHECK(!is_kquant(static_cast<int>(qtype)),
+              "kvserve_quant: amx_bf16_linear reads q8_0, q4_0 and q4_1 (x16 layout) only");
   TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == weight.size(0),
               "kvserve_quant: out must be [", x.size(0), ", ", weight.size(0), "], got ",
               out.sizes());

@@ -31,6 +31,20 @@ using at::Tensor;
 constexpr int kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2;
 constexpr int64_t kBlock = 32;
 constexpr int64_t kBlockBytes[3] = {34, 18, 20};
+// The K-quants, held as stored (quant_kquant.h): super-blocks of 256 values.
+constexpr int kQ4_K = 3, kQ5_K = 4, kQ6_K = 5;
+constexpr int kNumQtypes = 6;
+constexpr int64_t kSuper = 256;
+constexpr int64_t kSuperBytes[3] = {144, 176, 210};  // block_q4_K, block_q5_K, block_q6_K
+
+constexpr bool is_kquant(int qtype) { return qtype >= kQ4_K && qtype <= kQ6_K; }
+// Values of one block of `qtype` (32, or 256 for a K-quant).
+constexpr int64_t qtype_block(int qtype) { return is_kquant(qtype) ? kSuper : kBlock; }
+// Bytes of one row of k values in `qtype`.
+constexpr int64_t qtype_row_bytes(int qtype, int64_t k) {
+  return is_kquant(qtype) ? k / kSuper * kSuperBytes[qtype - kQ4_K]
+                          : k / kBlock * kBlockBytes[qtype];
+}
 
 constexpr int kIsaAuto = 0, kIsaScalar = 1, kIsaAvx2 = 2, kIsaAvxVnni = 3, kIsaAvx512Vnni = 4;
 
@@ -226,10 +240,42 @@ float dot_row_scalar_x16(const uint8_t* w, int64_t row_bytes, int64_t grouped, i
   return acc;
 }
 
+// quant_q4_k.cpp, quant_q5_k.cpp, quant_q6_k.cpp: one K-quant row dequantized into o [k]
+// (fp32, the gguf package's arithmetic), and a tile of `rows` weight rows x `tokens` tokens
+// (res [rows][tokens], rows <= 4, tokens <= 4) on `isa` (any isa above scalar runs AVX2).
+void q4_k_dequant(const uint8_t* row, int64_t k, float* o);
+void q5_k_dequant(const uint8_t* row, int64_t k, float* o);
+void q6_k_dequant(const uint8_t* row, int64_t k, float* o);
+void q4_k_tile(const uint8_t* w, int64_t row_bytes, int rows, const QAct& a, int64_t t0,
+               int tokens, float* res, int isa);
+void q5_k_tile(const uint8_t* w, int64_t row_bytes, int rows, const QAct& a, int64_t t0,
+               int tokens, float* res, int isa);
+void q6_k_tile(const uint8_t* w, int64_t row_bytes, int rows, const QAct& a, int64_t t0,
+               int tokens, float* res, int isa);
+
+// Output row `row` of a K-quant weight (plain layout) dequantized into o [k].
+template <typename scalar_t>
+void dequant_row_kquant(const uint8_t* wp, int64_t row_bytes, int64_t row, int qtype, int64_t k,
+                        scalar_t* o) {
+  const uint8_t* src = wp + row * row_bytes;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (qtype == kQ4_K) return q4_k_dequant(src, k, o);
+    if (qtype == kQ5_K) return q5_k_dequant(src, k, o);
+    return q6_k_dequant(src, k, o);
+  }
+  float buf[kSuper];
+  const int64_t sb = kSuperBytes[qtype - kQ4_K];
+  for (int64_t s = 0; s < k / kSuper; ++s) {
+    dequant_row_kquant<float>(src + s * sb, sb, 0, qtype, kSuper, buf);
+    for (int64_t i = 0; i < kSuper; ++i) o[s * kSuper + i] = static_cast<scalar_t>(buf[i]);
+  }
+}
+
 // Output row `row` of a weight in `layout` (0 or 16) dequantized into o [k].
 template <typename scalar_t>
 void dequant_row(const uint8_t* wp, int64_t row_bytes, int64_t n, int layout, int64_t row,
                  int qtype, int64_t k, scalar_t* o) {
+  if (is_kquant(qtype)) return dequant_row_kquant<scalar_t>(wp, row_bytes, row, qtype, k, o);
   const int64_t grouped = layout == kGroup ? n / kGroup * kGroup : 0;
   uint8_t tmp[40];
   for (int64_t b = 0; b < k / kBlock; ++b) {

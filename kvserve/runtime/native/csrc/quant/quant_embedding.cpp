@@ -10,6 +10,8 @@ void quant_embedding(Tensor out, const Tensor& ids, const Tensor& weight, int64_
   TORCH_CHECK(out.device().is_cpu() && out.dim() == 2 && out.stride(1) == 1,
               "kvserve_quant: out must be a 2-D CPU tensor with contiguous rows");
   check_weight(weight, qtype, out.size(1));
+  TORCH_CHECK(layout == 0 || !is_kquant(static_cast<int>(qtype)),
+              "kvserve_quant: the K-quants have no x16 layout");
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.size(0) == out.size(0),
               "kvserve_quant: ids must be int64 [T] with T = out.size(0)");
   const Tensor idc = ids.contiguous();

@@ -297,6 +297,34 @@ int max_tokens_per_tile(int isa) {
   return isa == kIsaAvx512Vnni ? 4 : 2;
 }
 
+// The K-quants (quant_q4_k.cpp, quant_q5_k.cpp, quant_q6_k.cpp): tiles of 4 rows x up to 4
+// tokens, split as the other formats' tiles are.
+template <typename scalar_t>
+void run_linear_kquant(const QAct& act, int64_t m, const uint8_t* wp, int64_t n,
+                       int64_t row_bytes, int qtype, const float* bias, scalar_t* op,
+                       int64_t out_stride, int isa) {
+  auto* tile = qtype == kQ4_K ? &q4_k_tile : qtype == kQ5_K ? &q5_k_tile : &q6_k_tile;
+  constexpr int max_t = 4;
+  const int64_t tiles = (n + kRows - 1) / kRows;
+  const int64_t grain = std::max<int64_t>(1, 32768 / (kRows * row_bytes * std::max<int64_t>(m, 1)));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    float res[kRows * max_t];
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t r0 = t * kRows;
+      const int rows = static_cast<int>(std::min<int64_t>(kRows, n - r0));
+      for (int64_t t0 = 0; t0 < m; t0 += max_t) {
+        const int tokens = static_cast<int>(std::min<int64_t>(max_t, m - t0));
+        tile(wp + r0 * row_bytes, row_bytes, rows, act, t0, tokens, res, isa);
+        for (int r = 0; r < rows; ++r) {
+          const float b = bias != nullptr ? bias[r0 + r] : 0.0f;
+          for (int i = 0; i < tokens; ++i)
+            op[(t0 + i) * out_stride + r0 + r] = static_cast<scalar_t>(res[r * tokens + i] + b);
+        }
+      }
+    }
+  });
+}
+
 template <typename scalar_t>
 void run_linear(const Tensor& x, const Tensor& weight, int qtype, const float* bias, Tensor& out,
                 int isa, int layout) {
@@ -326,6 +354,10 @@ void run_linear(const Tensor& x, const Tensor& weight, int qtype, const float* b
     return;
   }
 
+  if (is_kquant(qtype)) {
+    run_linear_kquant(act, m, wp, n, row_bytes, qtype, bias, op, out_stride, isa);
+    return;
+  }
   TileFn fns[2][4] = {};
   if (isa != kIsaScalar) {
     if (qtype == kQ8_0) tile_table<kQ8_0>(isa, fns);
@@ -367,14 +399,15 @@ void run_linear(const Tensor& x, const Tensor& weight, int qtype, const float* b
 }  // namespace
 
 void check_weight(const Tensor& weight, int64_t qtype, int64_t k) {
-  TORCH_CHECK(qtype >= 0 && qtype <= 2, "kvserve_quant: unknown qtype code ", qtype);
+  TORCH_CHECK(qtype >= 0 && qtype < kNumQtypes, "kvserve_quant: unknown qtype code ", qtype);
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kByte && weight.dim() == 2 &&
                   weight.is_contiguous(),
               "kvserve_quant: weight must be a contiguous CPU uint8 [N, row_bytes] tensor");
-  TORCH_CHECK(k % kBlock == 0, "kvserve_quant: in_features ", k, " is not a multiple of 32");
-  TORCH_CHECK(weight.size(1) == k / kBlock * kBlockBytes[qtype], "kvserve_quant: weight rows have ",
-              weight.size(1), " bytes, expected ", k / kBlock * kBlockBytes[qtype], " for ", k,
-              " inputs");
+  const int q = static_cast<int>(qtype);
+  TORCH_CHECK(k % qtype_block(q) == 0, "kvserve_quant: in_features ", k,
+              " is not a multiple of ", qtype_block(q));
+  TORCH_CHECK(weight.size(1) == qtype_row_bytes(q, k), "kvserve_quant: weight rows have ",
+              weight.size(1), " bytes, expected ", qtype_row_bytes(q, k), " for ", k, " inputs");
 }
 
 // out [M, N] (rows contiguous, any row stride: a column slice of a wider buffer works) =
@@ -406,6 +439,8 @@ void quant_linear(Tensor out, const Tensor& x, const Tensor& weight, int64_t qty
                   chosen == kIsaScalar,
               "kvserve_quant: the x16 layout runs on avx512_vnni, avx2 or scalar, not on isa ",
               chosen);
+  TORCH_CHECK(layout == 0 || !is_kquant(static_cast<int>(qtype)),
+              "kvserve_quant: the K-quants have no x16 layout");
   if (x.size(0) == 0) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "quant_linear", [&] {
     run_linear<scalar_t>(x, weight, static_cast<int>(qtype), bp, out, chosen,

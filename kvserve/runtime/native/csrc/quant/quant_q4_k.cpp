@@ -1,0 +1,120 @@
+// Q4_K as stored (block_q4_K, 144 bytes / 256 values: fp16 d, fp16 dmin, 12 bytes of 6-bit
+// scales and mins, 128 bytes of nibbles): value = d * sc * q - dmin * m per 32-value sub-block.
+// Bytes 32 j .. 32 j + 31 of the nibbles hold sub-block 2 j (low nibbles) and 2 j + 1 (high).
+// The dot: scalar, and AVX2 tiles of 4 rows x 2 tokens (quant_kquant.h).
+#include "quant_kquant.h"
+
+namespace kvserve_quant {
+
+namespace {
+
+constexpr int64_t kBytes = 144;
+
+float dot_scalar(const uint8_t* w, const QAct& a, int64_t t) {
+  const int8_t* xq = a.q + t * a.k;
+  const float* xd = a.d + t * a.nb;
+  const float* xs = a.s + t * a.nb;
+  float acc = 0.0f;
+  for (int64_t s = 0; s < a.k / kSuper; ++s) {
+    const uint8_t* blk = w + s * kBytes;
+    const float d = load_half(blk), dmin = load_half(blk + 2);
+    uint8_t sc[8], mn[8];
+    kquant_scale_min(blk + 4, sc, mn);
+    const uint8_t* qs = blk + 16;
+    for (int j = 0; j < 4; ++j) {
+      const int8_t* x = xq + s * kSuper + 64 * j;
+      int32_t lo = 0, hi = 0;
+      for (int i = 0; i < 32; ++i) {
+        lo += static_cast<int32_t>(qs[32 * j + i] & 0x0F) * x[i];
+        hi += static_cast<int32_t>(qs[32 * j + i] >> 4) * x[32 + i];
+      }
+      const int64_t b = s * 8 + 2 * j;
+      acc += d * sc[2 * j] * xd[b] * static_cast<float>(lo) - dmin * mn[2 * j] * xs[b];
+      acc += d * sc[2 * j + 1] * xd[b + 1] * static_cast<float>(hi) -
+             dmin * mn[2 * j + 1] * xs[b + 1];
+    }
+  }
+  return acc;
+}
+
+// The 8 sub-block dots of one super-block's nibbles qs (128 bytes) with activations x (256).
+KVQ_K_AVX2 inline __m256i super_dots(const uint8_t* qs, const int8_t* x) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256i d[8];
+  for (int j = 0; j < 4; ++j) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 64 * j));
+    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 64 * j + 32));
+    // NOTE: vpmaddubsw pairs: 15 * 127 * 2 stays below the int16 saturation.
+    d[2 * j] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v, low4), x0), ones);
+    d[2 * j + 1] = _mm256_madd_epi16(
+        _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), x1), ones);
+  }
+  return kq_sum8(d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]);
+}
+
+// Per super-block and (row, token): the 8 sub-block dots in one vector, then in fp32
+// (d sc) (xd) dot - (dmin m) xs lane by lane (lane i = sub-block i).
+template <int R, int T>
+KVQ_K_AVX2 void tile_avx2(const uint8_t* w, int64_t row_bytes, const QAct& a, int64_t t0,
+                          float* res) {
+  __m256 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < a.k / kSuper; ++s) {
+    __m256 xd[T], xs[T];
+    for (int t = 0; t < T; ++t) {
+      xd[t] = _mm256_loadu_ps(a.d + (t0 + t) * a.nb + s * 8);
+      xs[t] = _mm256_loadu_ps(a.s + (t0 + t) * a.nb + s * 8);
+    }
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = w + r * row_bytes + s * kBytes;
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * kBytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * kBytes + 64), _MM_HINT_T0);
+      uint8_t sc[8], mn[8];
+      kquant_scale_min(blk + 4, sc, mn);
+      const __m256 ds = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(load_u16(blk))), kq_u8x8_ps(sc));
+      const __m256 dm =
+          _mm256_mul_ps(_mm256_set1_ps(-_cvtsh_ss(load_u16(blk + 2))), kq_u8x8_ps(mn));
+      for (int t = 0; t < T; ++t) {
+        const __m256i dots = super_dots(blk + 16, a.q + (t0 + t) * a.k + s * kSuper);
+        acc[r][t] =
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(ds, xd[t]), acc[r][t]);
+        acc[r][t] = _mm256_fmadd_ps(dm, xs[t], acc[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) res[r * T + t] = kq_hsum256(acc[r][t]);
+}
+
+const KTiles kTiles = {{{&tile_avx2<1, 1>, &tile_avx2<1, 2>}, {&tile_avx2<4, 1>, &tile_avx2<4, 2>}}};
+
+}  // namespace
+
+void q4_k_dequant(const uint8_t* row, int64_t k, float* o) {
+  for (int64_t s = 0; s < k / kSuper; ++s) {
+    const uint8_t* blk = row + s * kBytes;
+    const float d = load_half(blk), dmin = load_half(blk + 2);
+    uint8_t sc[8], mn[8];
+    kquant_scale_min(blk + 4, sc, mn);
+    const uint8_t* qs = blk + 16;
+    float* y = o + s * kSuper;
+    for (int j = 0; j < 4; ++j) {
+      // NOTE: (d * sc) * q - (dmin * m), the order of gguf.quants and llama.cpp.
+      const float d1 = d * sc[2 * j], m1 = dmin * mn[2 * j];
+      const float d2 = d * sc[2 * j + 1], m2 = dmin * mn[2 * j + 1];
+      for (int i = 0; i < 32; ++i) {
+        y[64 * j + i] = d1 * (qs[32 * j + i] & 0x0F) - m1;
+        y[64 * j + 32 + i] = d2 * (qs[32 * j + i] >> 4) - m2;
+      }
+    }
+  }
+}
+
+void q4_k_tile(const uint8_t* w, int64_t row_bytes, int rows, const QAct& a, int64_t t0,
+               int tokens, float* res, int isa) {
+  run_ktile(kTiles, &dot_scalar, w, row_bytes, rows, a, t0, tokens, res, isa);
+}
+
+}  // namespace kvserve_quant

@@ -57,17 +57,25 @@ class StepPlan:
         return 0
 
     def emit(
-        self, request: Request, num_new: int, block_ids: list[int], clock: Callable[[], float]
+        self,
+        request: Request,
+        num_new: int,
+        block_ids: list[int],
+        clock: Callable[[], float],
+        drafts: list[int] | None = None,
     ) -> None:
         """Append the ScheduledRequest for ``num_new`` tokens from num_computed_tokens on,
-        reading the request's ``block_ids`` table; charge the budget."""
+        reading the request's ``block_ids`` table; charge the budget. ``drafts``
+        (speculative decoding): the last ``len(drafts)`` of the ``num_new`` tokens."""
+        drafts = drafts or []
         start = request.num_computed_tokens
-        end = start + num_new
+        end = start + num_new - len(drafts)
         params = request.sampling_params
         token_ids = request.token_ids_slice(start, end)
         if end > request.num_tokens:
             # NOTE: async scheduling: the in-flight step samples this token (resolve_ahead).
             token_ids.extend([PLACEHOLDER_TOKEN_ID] * (end - max(start, request.num_tokens)))
+        token_ids.extend(drafts)
         self.out.scheduled.append(
             ScheduledRequest(
                 request_id=request.request_id,
@@ -79,6 +87,7 @@ class StepPlan:
                 prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=request.output_token_ids,
                 seed=None if params.seed is None else params.seed + request.sample_index,
+                spec_token_ids=drafts,
             )
         )
         self.scheduled_ids.add(request.request_id)

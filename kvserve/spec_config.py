@@ -105,6 +105,10 @@ class SpeculativeConfig:
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"speculative_config.adaptive must be a bool, got {self.adaptive!r}")
 
+    def __str__(self) -> str:
+        """The config as the JSON ``--speculative-config`` takes (replicas get it so)."""
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)})
+
     @classmethod
     def parse(cls, value: object) -> SpeculativeConfig | None:
         """None, a ``SpeculativeConfig``, a dict (vLLM's form) or its JSON text -> the config.

@@ -9,12 +9,13 @@ of the step). The order is internal: results go back by request id.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
 from kvserve.runtime.attention.metadata import AttentionMetadata, SeqSpec, build_attention_metadata
+from kvserve.runtime.spec_verify import spec_rows
 
 
 @dataclass(slots=True)
@@ -27,6 +28,9 @@ class InputBatch:
     requests: list[ScheduledRequest]  # flat-batch order
     logits_indices: torch.Tensor  # [N] long: rows of the hidden states that sample
     sample_requests: list[ScheduledRequest]  # row i of the logits belongs to sample_requests[i]
+    # Speculative decoding: the requests with drafts; each has k + 1 rows in sample_requests
+    # (``spec_verify.spec_rows``), folded back into one result by ``fold_verified``.
+    spec_requests: list[ScheduledRequest] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -56,6 +60,7 @@ def build_input_batch(
     seqs: list[SeqSpec] = []
     logits_rows: list[int] = []
     sample_requests: list[ScheduledRequest] = []
+    spec_requests: list[ScheduledRequest] = []
     for r in reqs:
         n = len(r.token_ids)
         if n == 0:
@@ -77,7 +82,12 @@ def build_input_batch(
         seqs.append(SeqSpec(offset, n, r.start_pos, r.block_ids))
         input_ids.extend(r.token_ids)
         positions.extend(range(r.start_pos, end))
-        if r.sample:
+        if r.sample and r.spec_token_ids:
+            k = len(r.spec_token_ids)
+            logits_rows.extend(range(offset + n - 1 - k, offset + n))
+            sample_requests.extend(spec_rows(r))
+            spec_requests.append(r)
+        elif r.sample:
             logits_rows.append(offset + n - 1)
             sample_requests.append(r)
     meta = build_attention_metadata(
@@ -99,4 +109,5 @@ def build_input_batch(
         requests=reqs,
         logits_indices=flat[2 * num_tokens :],
         sample_requests=sample_requests,
+        spec_requests=spec_requests,
     )

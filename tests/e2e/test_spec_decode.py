@@ -138,6 +138,8 @@ def test_speculation_refuses_async_scheduling() -> None:
         EngineConfig(speculative_config=NGRAM, async_scheduling=True)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineConfig(speculative_config={"num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="speculative_config.model"):
+        EngineConfig(speculative_config={"model": "/x/draft.gguf"})
     config = EngineConfig(
         speculative_config=str(EngineConfig(speculative_config=NGRAM).speculative_config)
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from kvserve.config import SchedulerConfig
+from kvserve.core.errors import IntegrityError
 from kvserve.core.kv.kv_cache_manager import KVCacheManager
 from kvserve.core.sched.scheduler import Scheduler
 from kvserve.core.sched.speculate import (
@@ -98,7 +99,7 @@ def test_integrity_catches_a_table_past_its_lookahead() -> None:
     req = Request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=None))
     kv.allocate_slots(req, 5 + 8)  # as if 8 lookahead slots ...
     kv.set_lookahead(req, 2)  # ... but only 2 recorded
-    with pytest.raises(Exception, match="lookahead"):
+    with pytest.raises(IntegrityError, match="lookahead"):
         kv.check_integrity()
 
 

@@ -73,6 +73,10 @@ class Request:
     # When a sample beyond its request's seat share joined the waiting queue (its queue
     # position); None: queued at arrival_time.
     requeue_time: float | None = None
+    # Speculative decoding (core/sched/speculate.py): decayed counts of draft tokens accepted
+    # and of draft tokens tested (accepted + the first rejected one) in its verifications.
+    spec_accepted: float = 0.0
+    spec_tested: float = 0.0
     # Timestamps (time.monotonic) for latency figures.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -8,7 +8,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from kvserve.bench import capacity, prefix, serve, startup, throughput
+from kvserve.bench import capacity, prefix, serve, spec, startup, throughput
 from kvserve.bench.workload_args import add_workload_args, build_workload
 
 EngineParser = Callable[[argparse._SubParsersAction, str, str], argparse.ArgumentParser]
@@ -59,6 +59,7 @@ def register(sub: argparse._SubParsersAction, engine_parser: EngineParser) -> No
     serve.register(bench_sub, engine_parser)
     capacity.register(bench_sub, engine_parser)
     prefix.register(bench_sub, engine_parser)
+    spec.register(bench_sub, engine_parser)
 
     w = bench_sub.add_parser(
         "workload",

@@ -40,6 +40,10 @@ class ScheduledRequest:
     # Hybrid KV cache (core/kv/hybrid.py): every KV cache group's table, in group order
     # (``block_ids`` is group 0's); None for a single-group cache.
     group_block_ids: list[list[int]] | None = None
+    # Speculative decoding: the draft tokens at the end of ``token_ids`` (unverified, not in
+    # the request's tokens). The runner samples at each of the last len + 1 positions and
+    # reports how many drafts the target's samples confirmed (``spec_num_accepted``).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -116,3 +120,6 @@ class ModelRunnerOutput:
     # request id -> (position of the first scored prompt token, one entry per scored token:
     # that prompt token's raw logprob and the top-N), for requests with prompt_logprobs.
     prompt_logprobs: dict[str, tuple[int, list[LogprobsEntry]]] = field(default_factory=dict)
+    # Speculative decoding: request id -> how many of its draft tokens were accepted (a
+    # prefix of ``spec_token_ids``); ``sampled_token_ids`` holds the token sampled after them.
+    spec_num_accepted: dict[str, int] = field(default_factory=dict)

@@ -15,6 +15,7 @@ from typing import Any, get_args
 
 from kvserve.config import QUANTIZATION_CHOICES, CacheConfig, SchedulerConfig
 from kvserve.core.sched.step_budget import PREFILL_POLICIES, StepBudgetConfig
+from kvserve.spec_config import SpeculativeConfig
 
 GiB = 1 << 30
 # NOTE: kept here (torch-free) and checked against runtime/autotune by a test.
@@ -122,6 +123,11 @@ _HELP: dict[str, str] = {
     "own, assuming one new token per running request (vLLM's --async-scheduling); outputs "
     "are those of synchronous scheduling; off by default: no gain was measured on a 2-core "
     "CPU (docs/scheduling.md)",
+    "speculative_config": "speculative decoding (vLLM's --speculative-config), as JSON: "
+    '{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N, '
+    '"prompt_lookup_min": M} (prompt lookup) or {"model": PATH, "num_speculative_tokens": K} '
+    "(a draft model sharing the tokenizer); greedy output is unchanged, sampled output keeps "
+    "its distribution (docs/speculative.md); off by default",
     "kernel_selection": "projection kernels: auto (measured at start-up, cached under "
     "~/.cache/kvserve), measure (measure again) or off (torch.mm everywhere)",
 }
@@ -176,8 +182,11 @@ class EngineConfig:
     enforce_eager: bool = False
     async_scheduling: bool = False
     disable_any_whitespace: bool = False
+    speculative_config: SpeculativeConfig | None = None  # a dict or its JSON is taken too
 
     def __post_init__(self) -> None:
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        object.__setattr__(self, "speculative_config", spec)
         _check_field_types(self)
         if self.seed is None:
             object.__setattr__(self, "seed", int.from_bytes(os.urandom(7), "little"))
@@ -227,6 +236,8 @@ class EngineConfig:
                 "async_scheduling needs tensor_parallel_size 1 (tensor-parallel steps are "
                 "broadcast to the workers from the engine thread)"
             )
+        if spec is not None:
+            _check_speculation(self)
         if not 0 < self.kv_cache_memory_fraction < 1:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1)")
         if self.kv_window is not None and self.kv_window < 1:
@@ -350,6 +361,8 @@ class EngineConfig:
                 kwargs["choices"] = list(KERNEL_SELECTION_MODES)
             if f.name == "attention_backend":
                 kwargs["choices"] = list(ATTENTION_BACKEND_CHOICES)
+            if f.name == "speculative_config":
+                kwargs["type"], kwargs["metavar"] = _speculative_config_arg, "JSON"
             group.add_argument(flag, **kwargs)
 
     @classmethod
@@ -373,8 +386,41 @@ def _check_field_types(config: EngineConfig) -> None:
             raise ValueError(f"{f.name} must be {allowed}, got {value!r}")
 
 
+def _check_speculation(config: EngineConfig) -> None:
+    """ValueError for what speculative decoding does not combine with (yet)."""
+    spec = config.speculative_config
+    if spec is not None and spec.method == "draft_model":
+        # NOTE: docs/speculative.md, "Not done": no proposer runs a second model yet.
+        raise ValueError(
+            f"speculative_config.model={spec.model!r}: draft models are not supported yet; "
+            "use method 'ngram'"
+        )
+    for name, off in (
+        ("async_scheduling", not config.async_scheduling),
+        ("tensor_parallel_size", config.tensor_parallel_size == 1),
+        ("kv_allocator", config.kv_allocator == "paged"),
+        ("kv_window", config.kv_window is None),
+    ):
+        if not off:
+            raise ValueError(
+                f"speculative_config cannot be combined with {name}={getattr(config, name)!r} "
+                "(speculative decoding runs with synchronous scheduling, one process, the paged "
+                "allocator and full attention)"
+            )
+
+
+def _speculative_config_arg(text: str) -> SpeculativeConfig | None:
+    """argparse type of ``--speculative-config JSON``: errors name the field."""
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
 def _field_type(annotation: object) -> type:
     text = str(annotation)
+    if text.startswith("SpeculativeConfig"):
+        return SpeculativeConfig
     for name, kind in (("bool", bool), ("int", int), ("float", float), ("str", str)):
         if text.startswith(name):
             return kind

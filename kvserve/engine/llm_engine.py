@@ -420,7 +420,7 @@ class LLMEngine:
         if new_ids:
             gap = None if state.last_token_time is None else now - state.last_token_time
             state.last_token_time = now
-            self.latency.record_token(gap)
+            self.latency.record_token(gap, len(new_ids))
             # NOTE: a request stopped by a grammar or a stop string did not end on its token.
             stop_token = req.status == RequestStatus.FINISHED_STOPPED and is_stop_token(
                 req, new_ids[-1]

@@ -47,9 +47,10 @@ class LatencyStats:
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
 
-    def record_token(self, gap: float | None) -> None:
-        """One generated token; ``gap`` is the time since the request's previous token."""
-        self.num_generation_tokens += 1
+    def record_token(self, gap: float | None, num_tokens: int = 1) -> None:
+        """``num_tokens`` generated tokens of one request in one step (more than one with
+        speculative decoding); ``gap`` is the time since the request's previous ones."""
+        self.num_generation_tokens += num_tokens
         if gap is not None:
             self.itl.append(gap)
 

@@ -36,6 +36,7 @@ from kvserve.core.kv.kv_cache_manager import KVCacheManager
 from kvserve.core.kv.kv_groups import KVGroupSpec, group_layers
 from kvserve.core.kv.managers import create_kv_cache_manager
 from kvserve.core.sched.scheduler import Scheduler
+from kvserve.core.sched.speculate import Speculator
 from kvserve.core.sched.step_budget import StepTimeBudget
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.memory_budget import MemoryReport, measure_kernel_scratch, plan_kv_blocks
@@ -287,6 +288,9 @@ def kv_groups_of(config: EngineConfig, arch: ModelArchConfig) -> tuple[KVGroupSp
         raise ValueError(f"enable_host_prefix_cache is not supported with {what}")
     if config.tensor_parallel_size > 1:
         raise ValueError(f"tensor_parallel_size > 1 is not supported with {what}")
+    if config.speculative_config is not None:
+        # NOTE: the hybrid manager has no rollback of rejected draft slots (release_rejected).
+        raise ValueError(f"speculative_config is not supported with {what}")
     return group_layers(arch.layer_types or (), arch.sliding_window)
 
 
@@ -401,8 +405,12 @@ def build_scheduler(
 ) -> Scheduler:
     """Phase 8: the scheduler over the manager (with the step-time budget unless it is off)."""
     step_budget = StepTimeBudget(config.step_budget_config()) if config.step_budget else None
+    spec = config.speculative_config
     return Scheduler(
-        config.scheduler_config(max_model_len), kv_cache_manager, step_budget=step_budget
+        config.scheduler_config(max_model_len),
+        kv_cache_manager,
+        step_budget=step_budget,
+        speculator=Speculator(spec, max_model_len) if spec is not None else None,
     )
 
 

@@ -10,13 +10,14 @@ of the step). The order is internal: results go back by request id.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kvserve.core.kv.kv_groups import KVGroupSpec
 from kvserve.core.outputs import ScheduledRequest, SchedulerOutput
 from kvserve.runtime.attention.metadata import AttentionMetadata, SeqSpec, build_attention_metadata
+from kvserve.runtime.spec_verify import spec_rows
 
 
 @dataclass(slots=True)
@@ -29,6 +30,9 @@ class InputBatch:
     requests: list[ScheduledRequest]  # flat-batch order
     logits_indices: torch.Tensor  # [N] long: rows of the hidden states that sample
     sample_requests: list[ScheduledRequest]  # row i of the logits belongs to sample_requests[i]
+    # Speculative decoding: the requests with drafts; each has k + 1 rows in sample_requests
+    # (``spec_verify.spec_rows``), folded back into one result by ``fold_verified``.
+    spec_requests: list[ScheduledRequest] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +68,7 @@ def build_input_batch(
     seqs: list[SeqSpec] = []
     logits_rows: list[int] = []
     sample_requests: list[ScheduledRequest] = []
+    spec_requests: list[ScheduledRequest] = []
     for r in reqs:
         n = len(r.token_ids)
         if n == 0:
@@ -76,7 +81,12 @@ def build_input_batch(
         seqs.append(SeqSpec(offset, n, r.start_pos, r.block_ids))
         input_ids.extend(r.token_ids)
         positions.extend(range(r.start_pos, end))
-        if r.sample:
+        if r.sample and r.spec_token_ids:
+            k = len(r.spec_token_ids)
+            logits_rows.extend(range(offset + n - 1 - k, offset + n))
+            sample_requests.extend(spec_rows(r))
+            spec_requests.append(r)
+        elif r.sample:
             logits_rows.append(offset + n - 1)
             sample_requests.append(r)
     if kv_groups is not None:
@@ -101,6 +111,7 @@ def build_input_batch(
         requests=reqs,
         logits_indices=flat[2 * num_tokens :],
         sample_requests=sample_requests,
+        spec_requests=spec_requests,
     )
 
 

@@ -22,6 +22,7 @@ from kvserve.runtime.input_batch import InputBatch, build_input_batch
 from kvserve.runtime.kv_cache import KVCache
 from kvserve.runtime.prompt_logprobs import compute_prompt_logprobs
 from kvserve.runtime.sampler import Sampler
+from kvserve.runtime.spec_verify import fold_verified
 from kvserve.runtime.workspace import Workspace
 
 
@@ -180,6 +181,8 @@ class ModelRunner:
                 out.sampled_token_ids, out.logprobs, out.failed = sample_guarded(
                     self.sampler, logits, batch.sample_requests, sched.grammar_bitmask
                 )
+                if batch.spec_requests:  # speculative decoding: accept drafts
+                    fold_verified(out, batch.spec_requests)
             out.prompt_logprobs = compute_prompt_logprobs(self.model, hidden, batch)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

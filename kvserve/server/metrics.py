@@ -76,6 +76,17 @@ _GAUGES: list[tuple[str, tuple[str, ...], str]] = [
         ("host_load_recompute_seconds",),
         "Prefill seconds the host-tier loaded tokens would have cost at the measured rate",
     ),
+    # Speculative decoding: derived from the counters below (vLLM logs these two).
+    (
+        "spec_decode_acceptance_rate",
+        ("spec_decode_acceptance_rate",),
+        "Accepted draft tokens / draft tokens",
+    ),
+    (
+        "spec_decode_mean_acceptance_length",
+        ("spec_decode_mean_acceptance_length",),
+        "Tokens per verification: 1 + accepted draft tokens / drafts",
+    ),
     # --kv-allocator contiguous only
     ("largest_free_run_blocks", ("largest_free_run_blocks",), "Longest run of free blocks"),
     (
@@ -138,7 +149,18 @@ _COUNTERS: list[tuple[str, tuple[str, ...], str]] = [
         "Allocations refused for want of a free run although enough blocks were free",
     ),
     ("window_freed_blocks", ("window_freed_blocks",), "Blocks freed out of the KV window"),
+    # Speculative decoding: vLLM v1's spec_decode_* counters, under the kvserve: prefix.
+    ("spec_decode_num_drafts", ("spec_decode_num_drafts",), "Verifications of draft tokens"),
+    ("spec_decode_num_draft_tokens", ("spec_decode_num_draft_tokens",), "Draft tokens"),
+    (
+        "spec_decode_num_accepted_tokens",
+        ("spec_decode_num_accepted_tokens",),
+        "Draft tokens accepted",
+    ),
 ]
+# The per-position counter (vLLM's spec_decode_num_accepted_tokens_per_pos, label
+# ``position``): stats() key prefix -> position.
+_PER_POS = "spec_decode_num_accepted_tokens_per_pos"
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -170,6 +192,18 @@ class _EngineStatsCollector(Collector):
             if value is not None:
                 # NOTE: prometheus_client appends the `_total` suffix to counters itself.
                 yield CounterMetricFamily(PREFIX + name, help_, value=value)
+        per_pos = sorted(
+            (int(key.rsplit("_", 1)[1]), float(value))
+            for key, value in self.stats.items()
+            if key.startswith(_PER_POS + "_")
+        )
+        if per_pos:
+            family = CounterMetricFamily(
+                PREFIX + _PER_POS, "Draft tokens accepted, by draft position", labels=["position"]
+            )
+            for pos, value in per_pos:
+                family.add_metric([str(pos)], value)
+            yield family
 
 
 class ServerMetrics:

@@ -9,6 +9,13 @@ wrong prefix hit, a leaked salt, a missed copy-on-write or a bad swap plan is ca
 wrong read, not only as a broken invariant. With the host prefix tier on, offloads and
 loads are carried out in the runner's order (every swap-out, then every swap-in, then the
 copies), so a plan that reuses a host block within a step is caught the same way.
+
+Speculative decoding (``speculate``): a decoding request takes its known token plus draft
+slots (all or nothing), the drafts' K/V is written, a random number of drafts is accepted,
+and the blocks that held only rejected ones must go back to the pool, exactly those; the
+accepted drafts' slots must then read as the request's own K/V, and no draft ever reaches
+the prefix cache (``check_integrity`` while the lookahead is held, and every read after).
+It interleaves with preemption, swap, fork and abort (an abort may come mid-step).
 """
 
 from __future__ import annotations
@@ -246,6 +253,57 @@ class KVCacheMachine(RuleBasedStateMachine):
                 self._unchanged(before)
                 continue
             self._run_step(req, num_new, cached_before)
+
+    @rule(data=st.data(), drafts=st.binary(min_size=1, max_size=5))
+    def speculate(self, data: st.DataObject, drafts: bytes) -> None:
+        """A speculative decoding step of one decoding request (see the module docstring)."""
+        req = self._pick(self.running, data)
+        if req is None:
+            return
+        if req.num_computed_tokens == req.num_tokens:
+            req.output_token_ids.append(self._sample(req))
+        start = req.num_computed_tokens
+        if req.num_tokens - start != 1:
+            return  # still prefilling: the scheduler drafts for decodes only
+        draft, bs = [b % 4 for b in drafts], self.bs
+        num_held = len(self.kv.get_block_ids(req.request_id))
+        before = self._state_if_may_fail(start + 1 + len(draft), 0, num_held)
+        cached_before = self._cached_ids(req)
+        if self.kv.allocate_slots(req, 1 + len(draft)) is None:
+            self._unchanged(before)
+            return
+        self.kv.set_lookahead(req, len(draft))
+        self.kv.check_integrity()
+        self._execute()
+        self._check_reads(req, start)
+        ids = self.kv.get_block_ids(req.request_id)
+        assert len(ids) == self.kv.num_blocks_for(start + 1 + len(draft))
+        prev = self._fps(req)[start]
+        for p, fp in enumerate([prev], start):
+            self.device[ids[p // bs]][p % bs] = fp
+        for p, token in enumerate(draft, start + 1):
+            prev = self.fingerprints.setdefault((prev, token), len(self.fingerprints))
+            assert ids[p // bs] not in cached_before, (
+                f"draft written into cached block {ids[p // bs]}"
+            )
+            self.device[ids[p // bs]][p % bs] = prev
+        if data.draw(st.integers(0, 9)) == 0:  # aborted before its step is applied
+            self.running.remove(req)
+            self.kv.free(req)
+            return
+        num_accepted = data.draw(st.integers(0, len(draft)))
+        verified = start + 1 + num_accepted
+        keep = self.kv.num_blocks_for(verified)
+        num_free = self.kv.num_free_blocks
+        freed = self.kv.release_rejected(req, verified)
+        assert freed == ids[keep:], "not exactly the blocks past the verified tokens"
+        assert self.kv.get_block_ids(req.request_id) == ids[:keep]
+        assert self.kv.num_free_blocks == num_free + len(freed), "a rejected block was kept"
+        assert all(self.kv.block_pool.blocks[i].ref_cnt == 0 for i in freed)
+        req.output_token_ids.extend(draft[:num_accepted])
+        req.num_computed_tokens = verified
+        self._check_reads(req, verified)
+        req.output_token_ids.append(self._sample(req))
 
     @rule(data=st.data(), recompute_last=st.booleans())
     def fork(self, data: st.DataObject, recompute_last: bool) -> None:

@@ -146,3 +146,29 @@ def test_tpot_is_a_histogram_observed_once_when_a_request_finishes() -> None:
     page = metrics.render().decode().splitlines()
     assert "kvserve:request_time_per_output_token_seconds_count 1.0" in page
     assert "kvserve:request_time_per_output_token_seconds_sum 0.05" in page
+
+
+def test_speculative_decoding_figures_follow_vllm_names() -> None:
+    metrics = ServerMetrics()
+    metrics.set_engine_stats(
+        {
+            "spec_decode_num_drafts": 10,
+            "spec_decode_num_draft_tokens": 30,
+            "spec_decode_num_accepted_tokens": 12,
+            "spec_decode_acceptance_rate": 0.4,
+            "spec_decode_mean_acceptance_length": 2.2,
+            "spec_decode_num_accepted_tokens_per_pos_0": 7,
+            "spec_decode_num_accepted_tokens_per_pos_1": 5,
+        }
+    )
+    lines = metrics.render().decode().splitlines()
+    for line in (
+        "kvserve:spec_decode_num_drafts_total 10.0",
+        "kvserve:spec_decode_num_draft_tokens_total 30.0",
+        "kvserve:spec_decode_num_accepted_tokens_total 12.0",
+        "kvserve:spec_decode_acceptance_rate 0.4",
+        "kvserve:spec_decode_mean_acceptance_length 2.2",
+        'kvserve:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 7.0',
+        'kvserve:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 5.0',
+    ):
+        assert line in lines, line

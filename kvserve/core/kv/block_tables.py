@@ -203,6 +203,40 @@ class BlockTableManager:
         self._pool.free(freed)
         return [b.block_id for b in freed]
 
+    def set_lookahead(self, request: Request, num_tokens: int) -> None:
+        """Speculative decoding: the table's slots past the request's known tokens (its
+        ``num_tokens`` + async placeholders) hold ``num_tokens`` draft tokens this step.
+
+        Call right after the ``allocate_slots`` that covered them (all or nothing with the
+        step's other slots). Draft tokens are not the request's tokens, so the prefix cache
+        (which hashes a request's own tokens, full blocks only) never takes their blocks.
+        """
+        check_count("num_tokens", num_tokens)
+        table = self._tables.get(request.request_id)
+        if table is None:
+            raise ValueError(f"set_lookahead: request {request.request_id!r} has no table")
+        table.num_lookahead = num_tokens
+
+    def release_rejected(self, request: Request, num_verified_tokens: int) -> list[int]:
+        """After verification: the request's KV is valid for its first ``num_verified_tokens``
+        positions; free the blocks past those that cover them (blocks that held only rejected
+        draft tokens), tail first. The lookahead ends. Returns the freed block ids.
+
+        A kept block's rejected slots are written again by later steps before any read.
+        """
+        check_count("num_verified_tokens", num_verified_tokens)
+        table = self._tables.get(request.request_id)
+        if table is None:
+            return []
+        table.num_lookahead = 0
+        keep = -(-num_verified_tokens // self.block_size)
+        tail = table.blocks[keep:]
+        if not tail:
+            return []
+        del table.blocks[keep:]
+        self._release(reversed(tail))
+        return [b.block_id for b in tail]
+
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write (src, dst) device block pairs queued since the last call; clears.
 
@@ -283,4 +317,5 @@ class BlockTableManager:
         for table in tables:
             skippable = self._skipped_blocks(table.request)
             integrity.check_table(table, cache, self.block_size, self._null, skippable)
+            integrity.check_lookahead(table, self.block_size)
             self._check_table_policy(table)

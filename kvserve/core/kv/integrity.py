@@ -96,6 +96,24 @@ def check_table(
         raise IntegrityError(f"request {rid!r}: its cached blocks are not what its tokens match")
 
 
+def check_lookahead(table: BlockTable, block_size: int) -> None:
+    """Speculative decoding: a table with draft slots (``num_lookahead``) holds no block past
+    the request's known tokens plus those slots, and no cached block reaches past its known
+    tokens (``check_table``: cached blocks are what its own tokens match, so never a draft)."""
+    if not table.num_lookahead:
+        return
+    request = table.request
+    rid = request.request_id
+    end = request.num_tokens + request.num_output_placeholders + table.num_lookahead
+    if len(table.blocks) > -(-end // block_size):
+        raise IntegrityError(
+            f"request {rid!r}: {len(table.blocks)} blocks for {end} tokens with lookahead"
+        )
+    for i, block in enumerate(table.blocks):
+        if block.cache_node is not None and (i + 1) * block_size > request.num_tokens:
+            raise IntegrityError(f"request {rid!r}: cached block {block.block_id} holds a draft")
+
+
 def check_eviction_order(pool: BlockPool, cache: PrefixCache) -> None:
     """Held cached blocks have held parents; free ones precede their free parents; a cached
     device block's parent is a device block."""

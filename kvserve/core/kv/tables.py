@@ -23,6 +23,9 @@ class BlockTable:
     blocks: list[KVBlock]
     num_cached_blocks: int = 0  # blocks[:n] are this request's own path in the prefix cache
     num_full_checked: int = 0  # full blocks already offered to the prefix cache
+    # Speculative decoding: slots past the request's known tokens that hold draft tokens
+    # until verification (``BlockTableManager.set_lookahead`` / ``release_rejected``).
+    num_lookahead: int = 0
 
     def token_ids(self) -> list[int]:
         """Prompt + output of the request (no copy while there is no output yet)."""

@@ -16,16 +16,12 @@ this order:
    only: if the head cannot be admitted, nobody behind it is. No admission while any
    request is swapped out. Steps 3 and 4 are skipped in a step that preempted.
 
-Steps 2-4 respect per-request prefill chunk caps planned right after step 1: by default the
-fair prefill share's (``fair_prefill.py``: a long prompt leaves room for others' chunks);
-with a step-time budget (``step_budget.StepTimeBudget``; off by default, on under
-``--step-budget``, ``--max-step-ms`` or ``--target-itl-ms``) its caps instead, so the step's
-predicted time stays within its target (decodes are never capped; see that module).
-``observe_step`` feeds it the engine's step records.
-
+Steps 2-4 respect per-request prefill chunk caps planned after step 1: the fair prefill
+share's (``fair_prefill.py``), or with a step-time budget (``step_budget.StepTimeBudget``,
+fed by ``observe_step``) its caps, so the step's predicted time stays within its target.
 Rules: ``admission.py`` (seats, headroom, hysteresis, no deadlock: steps 3 and 4),
-``preemption.py`` ("recompute", or "swap" with a fallback), ``stop_checks``; ``step_plan``
-holds the step's token budget, chunk sizes and output; this file the queues and the order.
+``preemption.py``, ``stop_checks``, ``speculate`` (a decode's drafts); ``step_plan`` the
+step's budget and output; this file the order.
 
 ``update_from_output`` advances the counters, forks pending n > 1 children once the parent's
 prompt is computed, appends sampled tokens, applies stop checks and frees finished requests'
@@ -48,6 +44,7 @@ from kvserve.core.sched.fair_prefill import plan_fair_prefill
 from kvserve.core.sched.policy import PreemptionPolicy, PriorityPolicy
 from kvserve.core.sched.preemption import choose_victim, release_victim
 from kvserve.core.sched.sched_stats import SchedulerStats, StepStats
+from kvserve.core.sched.speculate import Speculator
 from kvserve.core.sched.step_budget import StepTimeBudget, prefill_candidates
 from kvserve.core.sched.step_plan import StepPlan
 from kvserve.core.sched.stop_checks import append_token, check_stop
@@ -68,8 +65,9 @@ class Scheduler:
         policy: PreemptionPolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
         step_budget: StepTimeBudget | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
-        self.config = config
+        self.config, self.spec = config, speculator  # spec: None without speculative decoding
         self.step_budget = step_budget  # None: the token budget alone sizes prefill chunks
         self.kv = kv_cache_manager
         self.policy = policy if policy is not None else PriorityPolicy()
@@ -86,11 +84,8 @@ class Scheduler:
     # ------------------------------------------------------------------ requests in and out
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request (with its n > 1 samples in ``request.pending_children``).
-
-        Raises ValueError naming the limit if it can never run (the list is
-        ``admission.validate_request``'s). Nothing changes on error.
-        """
+        """Queue a new request (its n > 1 samples in ``request.pending_children``); ValueError,
+        nothing changed, if it can never run (``admission.validate_request``'s list)."""
         validate_request(request, self.config, self.kv, self.requests)
         for r in (request, *request.pending_children):
             self.requests[r.request_id] = r
@@ -153,6 +148,8 @@ class Scheduler:
         d.update(num_swapped=self.num_swapped, admission_closed=int(waits))
         if self.step_budget is not None:
             d.update(self.step_budget.stats())
+        if self.spec is not None:
+            d.update(self.spec.stats.as_dict())
         return d
 
     def observe_step(self, record: dict[str, float]) -> None:
@@ -202,8 +199,7 @@ class Scheduler:
             if request.request_id in step.scheduled_ids:
                 self.kv.remove_skipped_blocks(request)
         step.out.blocks_to_copy = self.kv.take_pending_copies()
-        # Host prefix tier: evicted cached blocks copied out, host hits loaded back.
-        offloads, loads = self.kv.take_pending_swaps()
+        offloads, loads = self.kv.take_pending_swaps()  # host prefix tier: offloads and loads
         step.out.blocks_to_swap_out.extend(offloads)
         step.out.blocks_to_swap_in.extend(loads)
         queues = (self.num_running, self.num_waiting, self.num_swapped)
@@ -226,12 +222,13 @@ class Scheduler:
             if ahead.ends_with_placeholder(request, self.config.max_model_len, self.kv):
                 continue  # async scheduling: its in-flight token ends it
             num_new = step.chunk(request, remaining)
-            if num_new and self._allocate_or_preempt(request, num_new, step):
-                self._emit(request, num_new, step)
+            spec = self.spec if decodes and num_new else None
+            drafts = spec.draft(request, self.kv, step.budget, len(self.running)) if spec else []
+            if drafts or (num_new and self._allocate_or_preempt(request, num_new, step)):
+                self._emit(request, num_new + len(drafts), step, drafts)
 
     def _plan_prefill(self, step: StepPlan) -> dict[str, int] | None:
-        """Prefill chunk caps after the decodes: the step-time budget's, else the fair share's
-        (candidates: ``prefill_candidates``, waiting ones while admission is open, none swapped)."""
+        """Prefill chunk caps after the decodes: the step-time budget's, else the fair share's."""
         if not self.config.enable_chunked_prefill:
             return None
         admit = not self.swapped and (not self.running or not self.admission_closed)
@@ -248,10 +245,8 @@ class Scheduler:
         return self.step_budget.plan(decode_contexts, candidates, step.budget)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, step: StepPlan) -> bool:
-        """Allocate slots for ``num_new`` tokens, preempting victims until it works.
-
-        Returns False if ``request`` itself was chosen as the victim.
-        """
+        """Allocate ``num_new`` slots, preempting victims until it works; False if ``request``
+        itself was chosen as the victim."""
         while self.kv.allocate_slots(request, num_new) is None:
             victim = choose_victim(self.policy, request, self.running, step.scheduled_ids, self.kv)
             self._preempt(victim, step)
@@ -359,9 +354,11 @@ class Scheduler:
         self._emit(request, num_new, step)
         return True
 
-    def _emit(self, request: Request, num_new: int, step: StepPlan) -> None:
-        """Schedule ``num_new`` tokens of ``request`` from num_computed_tokens on."""
-        step.emit(request, num_new, self.kv, self.clock)
+    def _emit(
+        self, request: Request, num_new: int, step: StepPlan, drafts: list[int] | None = None
+    ) -> None:
+        """Schedule ``num_new`` tokens of ``request`` (``drafts`` last) from num_computed on."""
+        step.emit(request, num_new, self.kv, self.clock, drafts)
 
     # ------------------------------------------------------------------ update
 
@@ -384,6 +381,7 @@ class Scheduler:
                 if not running or request.num_computed_tokens != sr.start_pos:
                     continue
                 request.num_computed_tokens += sr.num_tokens
+            accepted = self.spec.verified(request, sr, out, self.kv) if sr.spec_token_ids else []
             done = request.num_computed_tokens >= request.num_prompt_tokens
             if request.pending_children and running and done:
                 self._fork_children(request)
@@ -394,7 +392,7 @@ class Scheduler:
                 raise ValueError(f"ModelRunnerOutput lacks the sampled token of {sr.request_id!r}")
             if committed:
                 ahead.take_sampled(request)
-            self._append_token(request, token_id)
+            self._append_tokens(request, (*accepted, token_id))
             touched.append(request)
         return touched
 
@@ -418,11 +416,13 @@ class Scheduler:
             self.running.append(child)
         parent.pending_children = []
 
-    def _append_token(self, request: Request, token_id: int) -> None:
-        append_token(request, token_id, self.clock())
-        status = check_stop(request, token_id, max_model_len=self.config.max_model_len, kv=self.kv)
-        if status is not None:
-            self._finish(request, status)
+    def _append_tokens(self, request: Request, token_ids: Iterable[int]) -> None:
+        limit = self.config.max_model_len
+        for token_id in token_ids:  # NOTE: accepted drafts first: a stop among them ends it
+            append_token(request, token_id, self.clock())
+            status = check_stop(request, token_id, max_model_len=limit, kv=self.kv)
+            if status is not None:
+                return self._finish(request, status)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """Mark finished, take it out of whatever queue holds it and free its blocks."""

@@ -57,18 +57,26 @@ class StepPlan:
         return 0
 
     def emit(
-        self, request: Request, num_new: int, kv: KVCacheManager, clock: Callable[[], float]
+        self,
+        request: Request,
+        num_new: int,
+        kv: KVCacheManager,
+        clock: Callable[[], float],
+        drafts: list[int] | None = None,
     ) -> None:
         """Append the ScheduledRequest for ``num_new`` tokens from num_computed_tokens on,
         reading the request's block table (every group's of a hybrid cache) from ``kv``;
-        charge the budget."""
+        charge the budget. ``drafts`` (speculative decoding): the last ``len(drafts)`` of
+        the ``num_new`` tokens."""
+        drafts = drafts or []
         start = request.num_computed_tokens
-        end = start + num_new
+        end = start + num_new - len(drafts)
         params = request.sampling_params
         token_ids = request.token_ids_slice(start, end)
         if end > request.num_tokens:
             # NOTE: async scheduling: the in-flight step samples this token (resolve_ahead).
             token_ids.extend([PLACEHOLDER_TOKEN_ID] * (end - max(start, request.num_tokens)))
+        token_ids.extend(drafts)
         self.out.scheduled.append(
             ScheduledRequest(
                 request_id=request.request_id,
@@ -81,6 +89,7 @@ class StepPlan:
                 output_token_ids=request.output_token_ids,
                 seed=None if params.seed is None else params.seed + request.sample_index,
                 group_block_ids=kv.get_group_block_ids(request.request_id),
+                spec_token_ids=drafts,
             )
         )
         self.scheduled_ids.add(request.request_id)

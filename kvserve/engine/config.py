@@ -122,6 +122,12 @@ _HELP: dict[str, str] = {
     "own, assuming one new token per running request (vLLM's --async-scheduling); outputs "
     "are those of synchronous scheduling; off by default: no gain was measured on a 2-core "
     "CPU (docs/scheduling.md)",
+    "batch_invariant": "batch-invariant numerics (on by default): a request's logits, and so "
+    "its greedy tokens, do not depend on its batch: the other requests, the step's size, the "
+    "chunk its prompt fell in, or a prefix-cache hit, recompute or swap (docs/CONTRACTS.md); "
+    "each projection keeps one row-invariant kernel for every M and every prefill row attends "
+    "through the paged decode kernel. --no-batch-invariant lets the kernel selection choose "
+    "per batch size (docs/kernels.md has the measured difference)",
     "kernel_selection": "projection kernels: auto (measured at start-up, cached under "
     "~/.cache/kvserve), measure (measure again) or off (torch.mm everywhere)",
 }
@@ -172,6 +178,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     max_seats_per_request: int | None = None
     kernel_selection: str = "auto"
+    batch_invariant: bool = True
     attention_backend: str = "auto"
     enforce_eager: bool = False
     async_scheduling: bool = False

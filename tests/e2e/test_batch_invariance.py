@@ -24,7 +24,7 @@ from kvserve.sampling_params import SamplingParams
 from tests.e2e.prompts import chat_prompts
 from tests.examples import examples
 
-MAX_TOKENS = 10
+MAX_TOKENS = 16
 BLOCK = 16
 
 PATHS = {
@@ -32,24 +32,26 @@ PATHS = {
     "float32": {"quantization": "none", "dtype": "float32"},
     "bfloat16": {"quantization": "none", "dtype": "bfloat16"},
 }
-# The engines a formation runs on: the roomy one (the reference's), and two whose pool holds
-# about two requests, so that a batch of them preempts (recompute, swap).
+# The engines a formation runs on: the roomy one (the reference's), one that cuts prompts into
+# chunks of 16 tokens with the prefix cache on, and two whose pool holds about two requests,
+# so that a batch of them preempts (recompute with the prefix cache on, swap with it off).
 ENGINES = {
     "roomy": {"num_kv_blocks": 512, "enable_prefix_caching": False},
-    "recompute": {"preemption_mode": "recompute", "max_num_batched_tokens": 16},
+    "chunked": {"num_kv_blocks": 512, "max_num_batched_tokens": 16},
+    "recompute": {"preemption_mode": "recompute", "max_num_batched_tokens": 256},
     "swap": {
         "preemption_mode": "swap",
         "max_num_batched_tokens": 40,
         "enable_prefix_caching": False,
-        "prefill_share": 1.0,
     },
 }
+TIGHT = ("recompute", "swap")
 
 
 def _prompts(tokenizer: object) -> list[list[int]]:
-    """Six chat prompts sharing a system prefix, lengthened to 1-3 blocks past it so that
+    """Six chat prompts sharing a system prefix, lengthened by 0-30 tokens so that blocks and
     budgets cut them at different places."""
-    return [p + p[: 20 * i] for i, p in enumerate(chat_prompts(tokenizer))]
+    return [p + p[: 6 * i] for i, p in enumerate(chat_prompts(tokenizer))]
 
 
 @pytest.fixture(
@@ -69,10 +71,10 @@ def path(request, make_llm):  # type: ignore[no-untyped-def]
     roomy = make_llm(**opts, **ENGINES["roomy"])
     prompts = _prompts(roomy.tokenizer)
     longest = max(len(p) for p in prompts) + MAX_TOKENS
-    tight = 2 * -(-longest // BLOCK) + 2  # about two requests at a time
+    tight = {"num_kv_blocks": 2 * -(-longest // BLOCK) + 1}  # about two requests at a time
     engines = {"roomy": roomy}
-    for name in ("recompute", "swap"):
-        engines[name] = make_llm(**opts, num_kv_blocks=tight, **ENGINES[name])
+    for name in ("chunked", *TIGHT):
+        engines[name] = make_llm(**opts, **(tight if name in TIGHT else {}), **ENGINES[name])
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     reference = [o.outputs[0].token_ids for o in roomy.generate(prompts, greedy, use_tqdm=False)]
     return engines, prompts, reference
@@ -123,7 +125,7 @@ def test_preempted_batches_are_identical(path, name: str) -> None:  # type: igno
 def test_prefix_cache_hits_are_identical(path) -> None:  # type: ignore[no-untyped-def]
     """The prompts twice on the prefix-caching engine: the second pass hits the cache."""
     engines, prompts, reference = path
-    llm = engines["recompute"]
+    llm = engines["chunked"]
     requests = [(i, MAX_TOKENS, 1) for i in range(len(prompts))]
     for _ in range(2):
         for i, t, n in requests:  # one at a time: no preemption, whole hits

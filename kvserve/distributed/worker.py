@@ -71,7 +71,9 @@ def build_rank_model(
     model = model.to(device=config.device, dtype=_DTYPES[config.dtype]).eval()
     # NOTE: the projection kernels are chosen for this rank's own weight shapes (measured at
     # start-up or read from the cache), not the full model's that the engine selected for.
-    settings = TuneSettings(config.dtype, config.device, config.kernel_selection)
+    settings = TuneSettings(
+        config.dtype, config.device, config.kernel_selection, config.batch_invariant
+    )
     model.rank_linear_plan = choose_kernels(settings, spec.local_arch()).plan
     model.set_linear_plan(None)
     return model

@@ -128,6 +128,12 @@ _HELP: dict[str, str] = {
     '"prompt_lookup_min": M} (prompt lookup) or {"model": PATH, "num_speculative_tokens": K} '
     "(a draft model sharing the tokenizer); greedy output is unchanged, sampled output keeps "
     "its distribution (docs/speculative.md); off by default",
+    "batch_invariant": "batch-invariant numerics (on by default): a request's logits, and so "
+    "its greedy tokens, do not depend on its batch: the other requests, the step's size, the "
+    "chunk its prompt fell in, or a prefix-cache hit, recompute or swap (docs/CONTRACTS.md); "
+    "each projection keeps one row-invariant kernel for every M and every prefill row attends "
+    "through the paged decode kernel. --no-batch-invariant lets the kernel selection choose "
+    "per batch size (docs/kernels.md has the measured difference)",
     "kernel_selection": "projection kernels: auto (measured at start-up, cached under "
     "~/.cache/kvserve), measure (measure again) or off (torch.mm everywhere)",
 }
@@ -178,6 +184,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     max_seats_per_request: int | None = None
     kernel_selection: str = "auto"
+    batch_invariant: bool = True
     attention_backend: str = "auto"
     enforce_eager: bool = False
     async_scheduling: bool = False

@@ -93,7 +93,9 @@ def loads_quantized(config: EngineConfig) -> str:
 
 def tune_settings(config: EngineConfig) -> TuneSettings:
     """What kernel selection takes of the engine's options."""
-    return TuneSettings(config.dtype, config.device, config.kernel_selection)
+    return TuneSettings(
+        config.dtype, config.device, config.kernel_selection, config.batch_invariant
+    )
 
 
 def resolve_model_source(config: EngineConfig) -> EngineConfig:
@@ -156,6 +158,7 @@ def load_engine_model(config: EngineConfig, kernels: KernelChoice) -> EngineMode
             config.max_num_batched_tokens,
             mode=config.kernel_selection,
             device=config.device,
+            batch_invariant=config.batch_invariant,
         )
     # NOTE: a parameter that only a prepacked copy reads is freed (the copy rebuilds it when
     # needed), so such weights are held once; under tensor parallelism the workers keep theirs.

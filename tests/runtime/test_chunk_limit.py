@@ -19,9 +19,11 @@ from kvserve.runtime.attention.native_cpu import NativeCPUBackend, amx_prefill_a
 from kvserve.runtime.attention.sdpa import TorchSDPABackend
 from kvserve.runtime.native import chunk_limit
 from kvserve.runtime.native.chunk_limit import (
+    INVARIANT,
     ChunkAttention,
     choice_from_timings,
     chunk_attention_limit,
+    configure_backend,
     probe_rows,
 )
 
@@ -187,12 +189,37 @@ def test_engine_gives_its_backend_the_measured_limit(monkeypatch) -> None:
 
     monkeypatch.setattr("kvserve.runtime.native.chunk_limit.chunk_attention_limit", limit)
     engine = LLMEngine(
-        model=default_model_path(), max_num_batched_tokens=64, dtype="float32", max_model_len=256
+        model=default_model_path(),
+        max_num_batched_tokens=64,
+        dtype="float32",
+        max_model_len=256,
+        batch_invariant=False,
     )
     assert asked == [(torch.float32, 64, "auto")]
     backend = engine.runner.model.attn_backend
     assert isinstance(backend, NativeCPUBackend) and backend.chunk_kernel_max_tokens == 48
     assert backend.chunk_sdpa_float32
+
+
+def test_batch_invariant_backend_takes_every_row_through_the_decode_kernel(monkeypatch) -> None:
+    """Nothing measured: every chunk, however long, attends as decode queries."""
+
+    def limit(*args: object, **kwargs: object) -> ChunkAttention:
+        raise AssertionError("measured under batch invariance")
+
+    monkeypatch.setattr("kvserve.runtime.native.chunk_limit.chunk_attention_limit", limit)
+    backend = NativeCPUBackend(16, chunk_sdpa_float32=True, chunk_amx=True)
+    configure_backend(
+        backend, ARCH, torch.float32, 512, mode="auto", device="cpu", batch_invariant=True
+    )
+    assert ChunkAttention.of(backend) == INVARIANT == ChunkAttention(2**31 - 1)
+    # a decode, then a prompt of 2,048 tokens in one chunk
+    seqs = [SeqSpec(0, 1, 5, [7, 2]), SeqSpec(1, 2048, 0, list(range(1, 129)))]
+    meta = build_attention_metadata(
+        seqs, block_size=16, device=torch.device("cpu"), dtype=torch.float32
+    )
+    plan = backend.kernel_rows(meta)
+    assert plan.rest == () and plan.end == 2049
 
 
 def test_choice_read_back_from_a_backend_and_applied_to_another() -> None:

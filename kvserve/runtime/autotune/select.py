@@ -46,7 +46,8 @@ from kvserve.runtime.autotune.candidates import (
 )
 from kvserve.runtime.autotune.check import step_check
 from kvserve.runtime.autotune.choose import Selection, choose
-from kvserve.runtime.autotune.measure import Timer, measure, wall_timer
+from kvserve.runtime.autotune.invariant import choose_invariant
+from kvserve.runtime.autotune.measure import Timer, Timing, measure, wall_timer
 from kvserve.runtime.native import quant_ops
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ def select_kernels(
     margin: float = 0.05,
     budget_s: float = 0.010,
     counts: Mapping[tuple[int, int], int] | None = None,
+    batch_invariant: bool = False,
 ) -> Selection:
     """Choose a method per weight shape and M bucket (see the module docstring).
 
@@ -75,7 +77,9 @@ def select_kernels(
     random weights of those shapes (timings do not depend on the values), so this can run
     before the model's weights are loaded. ``counts``: the calls a decode step makes of each
     shape, in step order (layers; the lm_head once); given, the decode buckets' choices are
-    checked on whole steps (``check.step_check``). Raises ValueError for an unknown ``mode``.
+    checked on whole steps (``check.step_check``). ``batch_invariant``: one row-invariant
+    method per shape for every M (``invariant.choose_invariant``; no step check). Raises
+    ValueError for an unknown ``mode``.
     """
     check_mode(mode)
     device = torch.device(device)
@@ -93,6 +97,7 @@ def select_kernels(
         factories=facs,
         counts=counts,
     )
+    key["batch_invariant"] = batch_invariant
     path = cache_path(key, directory)
     load = machine_load()
     if mode == "auto":
@@ -125,9 +130,8 @@ def select_kernels(
         skipped=skipped,
         budget_s=budget_s,
     )
-    plan = choose(timings, buckets, margin=margin)
-    plan, checks = step_check(
-        weights, counts, plan, timings, act_dtype, device, facs, max_rows, margin
+    plan, checks = _plan(
+        weights, counts, timings, act_dtype, device, facs, max_rows, margin, batch_invariant
     )
     sel = Selection(
         act_dtype, plan, timings, skipped, "measured", time.perf_counter() - t0, load, checks
@@ -143,6 +147,7 @@ def quantized_cache_key(
     device: torch.device,
     max_rows: dict[tuple[int, int], int] | None,
     counts: dict[tuple[int, int], int] | None = None,
+    batch_invariant: bool = False,
 ) -> dict[str, object]:
     """The dense selection's cache key plus the formats, layouts and the kernels' build."""
     formats = quantized.formats
@@ -160,6 +165,7 @@ def quantized_cache_key(
     # NOTE: int8_amx runs in the `kvserve` op library (native/csrc/amx_int8.cpp), not this one.
     key["native_kernels"] = native.build_name() if native.available() else None
     key["quant_candidates"] = QUANT_CANDIDATES_VERSION
+    key["batch_invariant"] = batch_invariant
     return key
 
 
@@ -173,10 +179,12 @@ def quantized_selection(
     margin: float = 0.05,
     budget_s: float = 0.010,
     directory: Path | None = None,
+    batch_invariant: bool = False,
 ) -> Selection:
     """The quantized projections' selection (see the module docstring). ``head_shape``: the
     lm_head's, measured up to the decode sizes only. With ``quantized.counts`` the decode
-    buckets' choices are checked on whole steps (``check.step_check``). An empty plan
+    buckets' choices are checked on whole steps (``check.step_check``); ``batch_invariant``:
+    as in ``select_kernels``. An empty plan
     (source "off") when ``mode`` is "off" or nothing is quantized."""
     formats = quantized.formats
     if mode == "off" or not formats:
@@ -185,7 +193,12 @@ def quantized_selection(
     max_rows = {head_shape: DECODE_BOUNDS[-1]} if head_shape is not None else None
     step = {s: n for s, n in quantized.counts.items() if s in formats} or None
     key = quantized_cache_key(
-        quantized, act_dtype=act_dtype, device=device, max_rows=max_rows, counts=step
+        quantized,
+        act_dtype=act_dtype,
+        device=device,
+        max_rows=max_rows,
+        counts=step,
+        batch_invariant=batch_invariant,
     )
     path = cache_path(key, directory)
     load = machine_load()
@@ -210,12 +223,42 @@ def quantized_selection(
         factories=factories,
         budget_s=budget_s,
     )
-    plan = choose(timings, m_buckets(), margin=margin)
-    plan, checks = step_check(
-        weights, step, plan, timings, act_dtype, device, factories, max_rows, margin
+    plan, checks = _plan(
+        weights, step, timings, act_dtype, device, factories, max_rows, margin, batch_invariant
     )
     seconds = time.perf_counter() - t0
     sel = Selection(act_dtype, plan, timings, {}, "measured", seconds, load, checks)
     save_cached(path, key, sel)
     log.debug("quantized %s", sel.summary())
     return sel
+
+
+def _plan(
+    weights: Mapping[tuple[int, int], object],
+    counts: Mapping[tuple[int, int], int] | None,
+    timings: list[Timing],
+    act_dtype: torch.dtype,
+    device: torch.device,
+    factories: Sequence[CandidateFactory],
+    max_rows: Mapping[tuple[int, int], int] | None,
+    margin: float,
+    batch_invariant: bool,
+) -> tuple[dict[tuple[int, int], list[tuple[int, str]]], list[dict[str, object]]]:
+    """The plan from the timings and the step check's records: per bucket (``choose``, then
+    ``step_check``), or, batch-invariant, one row-invariant method per shape."""
+    if batch_invariant:
+        plan = choose_invariant(
+            timings,
+            weights,
+            act_dtype=act_dtype,
+            device=device,
+            buckets=m_buckets(),
+            max_rows=max_rows,
+            factories=factories,
+            margin=margin,
+        )
+        return plan, []
+    plan = choose(timings, m_buckets(), margin=margin)
+    return step_check(
+        weights, counts, plan, timings, act_dtype, device, factories, max_rows, margin
+    )

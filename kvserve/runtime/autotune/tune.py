@@ -43,11 +43,14 @@ log = logging.getLogger(__name__)
 class TuneSettings:
     """What the choice depends on of the engine's options (start-up builds it from its
     ``EngineConfig``): ``dtype`` ("auto" or a name in ``DTYPES``), ``device`` and ``mode``
-    (``--kernel-selection``: "auto", "measure" or "off")."""
+    (``--kernel-selection``: "auto", "measure" or "off"); ``batch_invariant``
+    (``--batch-invariant``): one row-invariant method per projection for every M
+    (``invariant.choose_invariant``), so a token's result does not depend on its batch."""
 
     dtype: str = "auto"
     device: str = "cpu"
     mode: str = "auto"
+    batch_invariant: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -113,10 +116,12 @@ def choose_kernels(
         return _pending(settings)
     device = torch.device(settings.device)
     mode = settings.mode
+    invariant = settings.batch_invariant
 
     def select(dtype: torch.dtype, how: str) -> Selection:
-        dense = select_shapes(device, arch, dtype, how, quantized.formats if quantized else ())
-        return _with_quantized(dense, quantized, arch, device, how)
+        formats = quantized.formats if quantized else ()
+        dense = select_shapes(device, arch, dtype, how, formats, batch_invariant=invariant)
+        return _with_quantized(dense, quantized, arch, device, how, batch_invariant=invariant)
 
     if settings.dtype != "auto":
         dtype = DTYPES[settings.dtype]
@@ -163,9 +168,12 @@ def select_shapes(
     dtype: torch.dtype,
     mode: str,
     quantized: Collection[tuple[int, int]] = (),
+    *,
+    batch_invariant: bool = False,
 ) -> Selection:
     """The dense selection for the projection shapes outside ``quantized`` (those run their
-    own kernels, ``_with_quantized``): an empty plan when every shape is quantized."""
+    own kernels, ``_with_quantized``): an empty plan when every shape is quantized;
+    ``batch_invariant``: as ``select.select_kernels``."""
     counts = {s: n for s, n in projection_shapes(arch).items() if s not in quantized}
     if not counts:
         return Selection(dtype, {}, source="off" if mode == "off" else "cache")
@@ -177,6 +185,7 @@ def select_shapes(
         counts=counts,
         # NOTE: the lm_head runs on the sampled rows only: measured up to the decode sizes.
         max_rows={(arch.vocab_size, arch.hidden_size): DECODE_BOUNDS[-1]},
+        batch_invariant=batch_invariant,
     )
 
 
@@ -191,6 +200,8 @@ def _with_quantized(
     arch: ModelArchConfig,
     device: torch.device,
     mode: str,
+    *,
+    batch_invariant: bool = False,
 ) -> Selection:
     """``sel`` (the dense shapes' selection) joined with the quantized projections' own
     (``quantized_selection`` at ``sel``'s dtype, its step check on ``quantized.counts``);
@@ -204,6 +215,7 @@ def _with_quantized(
         act_dtype=sel.dtype,
         device=device,
         mode=mode,
+        batch_invariant=batch_invariant,
     )
     measured = "measured" in (sel.source, quant.source)
     return Selection(

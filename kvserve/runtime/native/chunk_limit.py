@@ -85,6 +85,16 @@ class ChunkAttention:
         return f"the decode kernel up to {self.max_kernel_tokens} rows, {above}"
 
 
+# NOTE: batch-invariant attention: every query row, decode or prefill, through the paged decode
+# kernel, whose result for a row depends on its own query and visible K/V only: scores over
+# positions in order from 0, the softmax over the whole row, the V sum in position order, the
+# same per-shape kernel whatever the batch (README of runtime/native, "Numerics"). SDPA and
+# the AMX prefill kernel split a chunk's keys into tiles that start at the chunk, so a row's
+# bits depended on where its prompt was cut (1.9e-5 on the final hidden state of the dense
+# model, 40 tokens in 1 vs 2 chunks).
+INVARIANT = ChunkAttention(max_kernel_tokens=(1 << 31) - 1)
+
+
 def chunk_ways(arch: ModelArchConfig, dtype: torch.dtype) -> tuple[str, ...]:
     """The ways timed for a model of ``arch`` in ``dtype``: SDPA in float32 for a
     half-precision model, the AMX prefill kernel for a bf16 model of its head size where it
@@ -178,10 +188,15 @@ def configure_backend(
     *,
     mode: str,
     device: str | torch.device,
+    batch_invariant: bool = False,
 ) -> None:
     """Give a ``NativeCPUBackend`` on CPU its measured chunk choice
-    (``chunk_attention_limit``); any other backend or device is left as it is."""
+    (``chunk_attention_limit``), or, ``batch_invariant``, every row through the decode kernel
+    (``INVARIANT``); any other backend or device is left as it is."""
     if isinstance(backend, NativeCPUBackend) and torch.device(device).type == "cpu":
+        if batch_invariant:
+            INVARIANT.apply(backend)
+            return
         chunk_attention_limit(arch, dtype, max_tokens, mode=mode).apply(backend)
 
 

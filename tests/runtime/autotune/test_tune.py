@@ -52,7 +52,7 @@ def fake_select(monkeypatch):  # type: ignore[no-untyped-def]
     costs = {torch.float32: 2.0, torch.bfloat16: 1.0}
     calls: list[tuple[torch.dtype, str]] = []
 
-    def select(config, arch, dtype, mode, quantized=()):  # type: ignore[no-untyped-def]
+    def select(config, arch, dtype, mode, quantized=(), **kw):  # type: ignore[no-untyped-def]
         calls.append((dtype, mode))
         return _selection(dtype, costs[dtype], mode)
 

@@ -12,7 +12,6 @@ import torch
 
 from kvserve.config import ModelArchConfig
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.models.loader import default_model_path
 from kvserve.runtime import native
 from kvserve.runtime.attention.metadata import SeqSpec, build_attention_metadata
 from kvserve.runtime.attention.native_cpu import NativeCPUBackend, amx_prefill_available
@@ -26,6 +25,7 @@ from kvserve.runtime.native.chunk_limit import (
     configure_backend,
     probe_rows,
 )
+from tests.tiny_models import make_tiny_model
 
 ARCH = ModelArchConfig(
     architecture="llama",
@@ -180,7 +180,7 @@ def test_real_probe_times_the_amx_kernel(tmp_path, monkeypatch, caplog) -> None:
 
 
 @pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
-def test_engine_gives_its_backend_the_measured_limit(monkeypatch) -> None:
+def test_engine_gives_its_backend_the_measured_limit(monkeypatch, tmp_path) -> None:
     asked = []
 
     def limit(arch: ModelArchConfig, dtype: torch.dtype, budget: int, mode: str) -> ChunkAttention:
@@ -188,8 +188,10 @@ def test_engine_gives_its_backend_the_measured_limit(monkeypatch) -> None:
         return ChunkAttention(48, True)
 
     monkeypatch.setattr("kvserve.runtime.native.chunk_limit.chunk_attention_limit", limit)
+    # NOTE: a tiny model: the per-bucket kernel selection (not the invariant one) measures
+    # every shape anew, 60 s on the embedded model's.
     engine = LLMEngine(
-        model=default_model_path(),
+        model=make_tiny_model(tmp_path, "llama"),
         max_num_batched_tokens=64,
         dtype="float32",
         max_model_len=256,

@@ -21,7 +21,7 @@ does not count it, and integrity allows it only where ``_skipped_blocks`` does.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, ValuesView
+from collections.abc import Callable, Container, Iterable, ValuesView
 
 from kvserve.core.kv import integrity
 from kvserve.core.kv.block_pool import BlockPool, KVBlock
@@ -35,6 +35,26 @@ def check_count(name: str, value: object) -> None:
     """ValueError unless ``value`` is a non-negative int (bools are not counts)."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+
+
+def check_allocate_args(
+    request_id: str,
+    swapped: Container[str],
+    num_new_tokens: int,
+    num_new_computed_tokens: int,
+    reserve: int,
+) -> None:
+    """ValueError for an ``allocate_slots`` call no manager takes: a negative count, or a
+    request that is swapped out (it must be swapped in first)."""
+    if num_new_tokens < 0 or num_new_computed_tokens < 0 or reserve < 0:
+        raise ValueError(
+            f"allocate_slots: num_new_tokens={num_new_tokens}, num_new_computed_tokens="
+            f"{num_new_computed_tokens} and reserve={reserve} must all be >= 0"
+        )
+    if request_id in swapped:
+        raise ValueError(
+            f"request {request_id!r} is swapped out: swap_in() before allocate_slots()"
+        )
 
 
 class BlockTableManager:

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 from kvserve.core.errors import IntegrityError
 from kvserve.core.kv.block_pool import BlockPool, KVBlock
-from kvserve.core.kv.block_tables import check_count
+from kvserve.core.kv.block_tables import check_allocate_args, check_count
 from kvserve.core.kv.host_tier import HostTier
 from kvserve.core.kv.hybrid_figures import HybridFigures
 from kvserve.core.kv.hybrid_integrity import check_hybrid
@@ -188,16 +188,9 @@ class HybridKVCacheManager(HybridSwap, HybridFigures):
         """
         t0 = time.perf_counter()
         try:
-            if num_new_tokens < 0 or num_new_computed_tokens < 0 or reserve < 0:
-                raise ValueError(
-                    f"allocate_slots: num_new_tokens={num_new_tokens}, num_new_computed_tokens="
-                    f"{num_new_computed_tokens} and reserve={reserve} must all be >= 0"
-                )
-            if request.request_id in self._swapped:
-                raise ValueError(
-                    f"request {request.request_id!r} is swapped out: "
-                    "swap_in() before allocate_slots()"
-                )
+            check_allocate_args(
+                request.request_id, self._swapped, num_new_tokens, num_new_computed_tokens, reserve
+            )
             return self._allocate(
                 request, num_new_tokens, new_computed_blocks or [], num_new_computed_tokens, reserve
             )

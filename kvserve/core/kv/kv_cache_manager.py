@@ -39,7 +39,7 @@ from typing import ClassVar
 from kvserve.core.errors import IntegrityError
 from kvserve.core.kv import integrity
 from kvserve.core.kv.block_pool import KVBlock
-from kvserve.core.kv.block_tables import BlockTableManager, check_count
+from kvserve.core.kv.block_tables import BlockTableManager, check_allocate_args, check_count
 from kvserve.core.kv.host_prefix import HostPrefixTier
 from kvserve.core.kv.host_tier import HostBlock, HostTier
 from kvserve.core.kv.kv_cache_config import KVCacheConfig, check_cache_options
@@ -176,16 +176,9 @@ class KVCacheManager(BlockTableManager):
         t0 = time.perf_counter()  # NOTE: try/finally, not a context manager: a hot path
         try:
             # NOTE: checked here for every allocator (variants override _allocate_slots).
-            if num_new_tokens < 0 or num_new_computed_tokens < 0 or reserve < 0:
-                raise ValueError(
-                    f"allocate_slots: num_new_tokens={num_new_tokens}, num_new_computed_tokens="
-                    f"{num_new_computed_tokens} and reserve={reserve} must all be >= 0"
-                )
-            if request.request_id in self._swapped:
-                raise ValueError(
-                    f"request {request.request_id!r} is swapped out: "
-                    "swap_in() before allocate_slots()"
-                )
+            check_allocate_args(
+                request.request_id, self._swapped, num_new_tokens, num_new_computed_tokens, reserve
+            )
             return self._allocate_slots(
                 request, num_new_tokens, new_computed_blocks or [], num_new_computed_tokens, reserve
             )

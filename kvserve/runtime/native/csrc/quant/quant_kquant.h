@@ -49,6 +49,46 @@ KVQ_K_AVX2 inline __m256 kq_u8x8_ps(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
+// The 8 sub-block int32 dots of one Q4_K / Q5_K super-block (its bytes after the scales and
+// mins, blk + 16) with 256 activations x, lane i = sub-block i.
+using KSuperDotsFn = __m256i (*)(const uint8_t* quants, const int8_t* x);
+
+// The AVX2 tile of Q4_K / Q5_K (super-blocks of Bytes bytes, Dots their sub-block dots): per
+// super-block and (row, token), the 8 sub-block dots in one vector, then in fp32
+// (d sc) (xd) dot - (dmin m) xs lane by lane (lane i = sub-block i).
+template <int R, int T, int64_t Bytes, KSuperDotsFn Dots>
+KVQ_K_AVX2 void scale_min_tile_avx2(const uint8_t* w, int64_t row_bytes, const QAct& a,
+                                    int64_t t0, float* res) {
+  __m256 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < a.k / kSuper; ++s) {
+    __m256 xd[T], xs[T];
+    for (int t = 0; t < T; ++t) {
+      xd[t] = _mm256_loadu_ps(a.d + (t0 + t) * a.nb + s * 8);
+      xs[t] = _mm256_loadu_ps(a.s + (t0 + t) * a.nb + s * 8);
+    }
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = w + r * row_bytes + s * Bytes;
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * Bytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * Bytes + 64), _MM_HINT_T0);
+      uint8_t sc[8], mn[8];
+      kquant_scale_min(blk + 4, sc, mn);
+      const __m256 ds = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(load_u16(blk))), kq_u8x8_ps(sc));
+      const __m256 dm =
+          _mm256_mul_ps(_mm256_set1_ps(-_cvtsh_ss(load_u16(blk + 2))), kq_u8x8_ps(mn));
+      for (int t = 0; t < T; ++t) {
+        const __m256i dots = Dots(blk + 16, a.q + (t0 + t) * a.k + s * kSuper);
+        acc[r][t] =
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(ds, xd[t]), acc[r][t]);
+        acc[r][t] = _mm256_fmadd_ps(dm, xs[t], acc[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) res[r * T + t] = kq_hsum256(acc[r][t]);
+}
+
 // A kernel's tile: weight rows from w (row_bytes apart) x tokens t0.. of a, res [R][T].
 using KTileFn = void (*)(const uint8_t* w, int64_t row_bytes, const QAct& a, int64_t t0,
                          float* res);

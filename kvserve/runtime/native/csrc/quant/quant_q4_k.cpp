@@ -53,42 +53,9 @@ KVQ_K_AVX2 inline __m256i super_dots(const uint8_t* qs, const int8_t* x) {
   return kq_sum8(d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]);
 }
 
-// Per super-block and (row, token): the 8 sub-block dots in one vector, then in fp32
-// (d sc) (xd) dot - (dmin m) xs lane by lane (lane i = sub-block i).
 template <int R, int T>
-KVQ_K_AVX2 void tile_avx2(const uint8_t* w, int64_t row_bytes, const QAct& a, int64_t t0,
-                          float* res) {
-  __m256 acc[R][T];
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
-  for (int64_t s = 0; s < a.k / kSuper; ++s) {
-    __m256 xd[T], xs[T];
-    for (int t = 0; t < T; ++t) {
-      xd[t] = _mm256_loadu_ps(a.d + (t0 + t) * a.nb + s * 8);
-      xs[t] = _mm256_loadu_ps(a.s + (t0 + t) * a.nb + s * 8);
-    }
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* blk = w + r * row_bytes + s * kBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * kBytes), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * kBytes + 64), _MM_HINT_T0);
-      uint8_t sc[8], mn[8];
-      kquant_scale_min(blk + 4, sc, mn);
-      const __m256 ds = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(load_u16(blk))), kq_u8x8_ps(sc));
-      const __m256 dm =
-          _mm256_mul_ps(_mm256_set1_ps(-_cvtsh_ss(load_u16(blk + 2))), kq_u8x8_ps(mn));
-      for (int t = 0; t < T; ++t) {
-        const __m256i dots = super_dots(blk + 16, a.q + (t0 + t) * a.k + s * kSuper);
-        acc[r][t] =
-            _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(ds, xd[t]), acc[r][t]);
-        acc[r][t] = _mm256_fmadd_ps(dm, xs[t], acc[r][t]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) res[r * T + t] = kq_hsum256(acc[r][t]);
-}
-
-const KTiles kTiles = {{{&tile_avx2<1, 1>, &tile_avx2<1, 2>}, {&tile_avx2<4, 1>, &tile_avx2<4, 2>}}};
+constexpr KTileFn tile = &scale_min_tile_avx2<R, T, kBytes, &super_dots>;
+const KTiles kTiles = {{{tile<1, 1>, tile<1, 2>}, {tile<4, 1>, tile<4, 2>}}};
 
 }  // namespace
 

@@ -79,14 +79,7 @@ def layer_metadata(
 ) -> list[AttentionMetadata]:
     """One metadata per layer (``windows[i]``: layer i's own window), shared by the layers
     of one window: ``kind_metadata`` of each distinct window, made once."""
-    kinds: dict[int | None, AttentionMetadata] = {}
-    out = []
-    for window in windows:
-        m = kinds.get(window)
-        if m is None:
-            m = kinds[window] = kind_metadata(meta, window, scale, logit_softcap)
-        out.append(m)
-    return out
+    return group_layer_metadata([meta] * len(windows), windows, scale, logit_softcap)
 
 
 def group_layer_metadata(

@@ -122,18 +122,10 @@ def router_server(args: argparse.Namespace) -> Any:
     header-read and keep-alive timeouts of ``--timeout-header-read`` / ``--timeout-keep-alive``."""
     import uvicorn
 
-    from kvserve.server.http_timeouts import uvicorn_config
+    from kvserve.server.http_timeouts import uvicorn_config_from_args
 
     app = build_validated_app(args.replica, args)
-    config = uvicorn_config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        header_timeout=args.timeout_header_read,
-        keep_alive_timeout=args.timeout_keep_alive,
-    )
-    return uvicorn.Server(config)
+    return uvicorn.Server(uvicorn_config_from_args(app, args, log_level=args.log_level))
 
 
 def cmd_router(args: argparse.Namespace) -> int:

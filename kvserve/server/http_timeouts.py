@@ -89,14 +89,15 @@ def uvicorn_config(
     return config
 
 
-def uvicorn_config_from_args(app: Any, args: Any) -> Any:
+def uvicorn_config_from_args(app: Any, args: Any, log_level: str | None = None) -> Any:
     """``uvicorn_config`` from ``serve``'s flags (``--host``, ``--port``,
-    ``--uvicorn-log-level``, ``--timeout-header-read``, ``--timeout-keep-alive``)."""
+    ``--uvicorn-log-level`` unless ``log_level`` is given, ``--timeout-header-read``,
+    ``--timeout-keep-alive``); ``kvserve router`` has the same flags."""
     return uvicorn_config(
         app,
         host=args.host,
         port=args.port,
-        log_level=args.uvicorn_log_level,
+        log_level=log_level or args.uvicorn_log_level,
         header_timeout=args.timeout_header_read,
         keep_alive_timeout=args.timeout_keep_alive,
     )

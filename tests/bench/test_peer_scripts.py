@@ -55,3 +55,23 @@ def test_peer_prompts_are_the_trace_prompts(tmp_path) -> None:
     unresolved.write_text('{"prompt_len": 3, "output_len": 2, "arrival_time": 0}\n')
     with pytest.raises(ValueError, match="bench workload"):
         _load("peer_record").load_prompts(str(unresolved))
+
+
+def test_llama_cpp_agreement_kl_over_a_partition_bounds_the_full_kl() -> None:
+    """The top-K KL the llama.cpp comparison prints is the full KL when K is the vocabulary,
+    and below it (data processing) when the rest of the vocabulary is one bucket."""
+    import torch
+
+    mod = _load("llama_cpp_agreement")
+    gen = torch.Generator().manual_seed(0)
+    ref = torch.log_softmax(torch.randn(50, generator=gen) * 3, dim=-1)
+    got = torch.log_softmax(ref + 0.3 * torch.randn(50, generator=gen), dim=-1)
+    full = float((ref.exp() * (ref - got)).sum())
+    every = mod.partition_kl(ref, list(range(50)), got.tolist())
+    assert every == pytest.approx(full, rel=1e-5)
+    top = got.topk(5)
+    coarse = mod.partition_kl(ref, top.indices.tolist(), top.values.tolist())
+    assert 0 < coarse < full
+    assert mod.partition_kl(ref, top.indices.tolist(), ref[top.indices].tolist()) == pytest.approx(
+        0.0, abs=1e-9
+    )

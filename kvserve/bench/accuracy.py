@@ -172,11 +172,17 @@ def teacher_forced(
     """
     bs = runner.block_size
     num_tokens = len(token_ids)
-    if -(-num_tokens // bs) > runner.num_blocks:
+    per_table = -(-num_tokens // bs)
+    # NOTE: a hybrid KV cache (runner.kv_groups) reads one table per group over one pool, and
+    # a block id belongs to one group: each group gets its own ids (windows are masked, not
+    # freed, as with kv_window).
+    num_tables = len(runner.kv_groups) if runner.kv_groups else 1
+    if per_table * num_tables > runner.num_blocks:
         raise ValueError(
             f"{num_tokens} tokens need more than the pool's {runner.num_blocks} blocks"
         )
-    block_ids = list(range(-(-num_tokens // bs)))
+    tables = [list(range(g * per_table, (g + 1) * per_table)) for g in range(num_tables)]
+    block_ids = tables[0]
     params = SamplingParams(temperature=0.0, max_tokens=1)
     nll = kl = 0.0
     same_top1 = 0
@@ -192,10 +198,11 @@ def teacher_forced(
             sampling_params=params,
             prompt_token_ids=token_ids,
             output_token_ids=[],
+            group_block_ids=tables if runner.kv_groups else None,
         )
         batch = runner.prepare_inputs(SchedulerOutput(scheduled=[req]))
         hidden = runner.model(
-            batch.input_ids, batch.positions, runner.kv_cache.layer_caches, batch.attn_meta
+            batch.input_ids, batch.positions, runner.layer_caches, batch.attn_meta
         )  # [n, hidden]
         logits = runner.model.compute_logits(hidden).float()
         logprobs = torch.log_softmax(logits, dim=-1).cpu()  # [n, vocab]

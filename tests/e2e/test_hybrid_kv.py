@@ -172,3 +172,29 @@ def test_input_batch_gives_each_layer_its_groups_metadata() -> None:
             m = meta.layer_metas[layer]
             assert m.sliding_window == spec.window and m.seqs[0].block_ids == tables[g]
             assert m.slot_mapping.tolist() == [tables[g][3] * 4 + 1]  # position 13
+
+
+def test_teacher_forced_accuracy_pass_reads_each_groups_table(hybrid_model: str) -> None:
+    """``kvserve bench accuracy``'s teacher-forced pass on a hybrid cache: each group gets its
+    own block ids, and every position's log-probabilities match transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    from kvserve.bench.accuracy import teacher_forced
+
+    llm = LLM(
+        hybrid_model,
+        dtype="float32",
+        quantization="none",
+        kernel_selection="off",
+        block_size=4,
+        num_kv_blocks=64,
+        max_model_len=128,
+    )
+    tokens = PREFIX + [40 + 5 * j for j in range(28)]  # 40 tokens: 10 blocks in each of 6 groups
+    forced = teacher_forced(llm.engine.runner, tokens, 16, keep_logprobs=True)
+    got = torch.cat(forced.logprobs or [])
+    ref = AutoModelForCausalLM.from_pretrained(hybrid_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = torch.log_softmax(ref(torch.tensor([tokens])).logits[0, :-1].float(), dim=-1)
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() < ATOL_LOGPROB

@@ -11,6 +11,7 @@ from them (``request_state.py``), and failing requests for faults of their own
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -193,6 +194,12 @@ class LLMEngine:
             if rid in self._sample_to_group:
                 raise ValueError(f"request_id {rid!r} is already in use")
         prompt_text, token_ids = tokenize_prompt(self.tokenizer, self.arch.vocab_size, prompt)
+        # NOTE: the model's other end-of-turn ids (generation_config.json) stop it as EOS does,
+        # as stop_token_ids (vLLM's update_from_generation_config).
+        end_ids = self.generation_defaults.end_token_ids(self.tokenizer.eos_token_id)
+        if end_ids and not params.ignore_eos:
+            stops = list(dict.fromkeys([*(params.stop_token_ids or []), *end_ids]))
+            params = dataclasses.replace(params, stop_token_ids=stops)
         now = time.monotonic() if arrival_time is None else arrival_time
         samples = [
             Request(

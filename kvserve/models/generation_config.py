@@ -9,6 +9,11 @@
 
 What it yields is a mapping of ``SamplingParams`` fields to values: the defaults a request
 that leaves a field out gets (the server, ``LLM.get_default_sampling_params``, the CLI).
+
+Its ``eos_token_id`` (an id or a list: Gemma's and Llama 3's instruct models end a turn with
+a token other than the tokenizer's EOS) is read under every option, ``vllm`` included, as
+vLLM's ``update_from_generation_config`` does: the engine stops a request on any of them
+(``end_token_ids``).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvserve.models.errors import ModelFileNotFoundError, ModelLoadError
@@ -58,6 +63,11 @@ class GenerationDefaults:
 
     values: Mapping[str, float | int] = field(default_factory=dict)
     source: str | None = None
+    eos_token_ids: tuple[int, ...] = ()  # generation_config.json's eos_token_id, as a tuple
+
+    def end_token_ids(self, tokenizer_eos: int | None) -> tuple[int, ...]:
+        """The ids besides ``tokenizer_eos`` that end a request as EOS does."""
+        return tuple(t for t in self.eos_token_ids if t != tokenizer_eos)
 
     def describe(self) -> str:
         """One line for the log: the values and their file."""
@@ -71,20 +81,40 @@ def load_generation_defaults(option: str, model_path: str) -> GenerationDefaults
     take (``top_p`` 0, a string) is a ModelLoadError naming the file and the key.
 
     NOTE: ``EngineConfig`` checks ``option`` (auto, vllm or an existing folder)."""
-    if option == "vllm":
-        return GenerationDefaults()
-    if option != "auto":
+    if option not in ("auto", "vllm"):
         path = os.path.join(os.path.expanduser(option), GENERATION_CONFIG_FILE)
         if not os.path.isfile(path):
             raise ModelFileNotFoundError(f"--generation-config {option}: no {path}")
-        return _checked(_from_hf_file(path), path)
-    if os.path.isdir(model_path):
-        path = os.path.join(model_path, GENERATION_CONFIG_FILE)
-        return _checked(_from_hf_file(path), path) if os.path.isfile(path) else GenerationDefaults()
-    return _checked(_from_gguf(model_path), model_path)
+        data = _read_hf_file(path)
+        return replace(_checked(_from_hf(data), path), eos_token_ids=_eos_ids(data, path))
+    if not os.path.isdir(model_path):
+        return (
+            GenerationDefaults()
+            if option == "vllm"
+            else _checked(_from_gguf(model_path), model_path)
+        )
+    path = os.path.join(model_path, GENERATION_CONFIG_FILE)
+    if not os.path.isfile(path):
+        return GenerationDefaults()
+    data = _read_hf_file(path)
+    defaults = GenerationDefaults() if option == "vllm" else _checked(_from_hf(data), path)
+    return replace(defaults, eos_token_ids=_eos_ids(data, path))
 
 
-def _from_hf_file(path: str) -> dict[str, Any]:
+def _eos_ids(data: Mapping[str, Any], path: str) -> tuple[int, ...]:
+    """generation_config.json's ``eos_token_id`` (absent, an id or a list of ids) as a tuple."""
+    value = data.get("eos_token_id")
+    ids = [value] if isinstance(value, int) else value if isinstance(value, list) else []
+    if value is not None and (
+        not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
+    ):
+        raise ModelLoadError(
+            f"{path}: eos_token_id must be a token id or a list of them, got {value!r}"
+        )
+    return tuple(dict.fromkeys(ids))
+
+
+def _read_hf_file(path: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -92,6 +122,10 @@ def _from_hf_file(path: str) -> dict[str, Any]:
         raise ModelLoadError(f"{path}: not readable JSON: {e}") from e
     if not isinstance(data, dict):
         raise ModelLoadError(f"{path}: must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _from_hf(data: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, name in HF_KEYS.items():
         value = data.get(key)

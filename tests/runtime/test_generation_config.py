@@ -49,6 +49,16 @@ def test_hf_generation_config_keys_and_what_vllm_drops(tmp_path: Path) -> None:
     assert defaults.source == str(tmp_path / "generation_config.json")
     assert "temperature 0.6" in defaults.describe()
     assert load_generation_defaults("vllm", folder).values == {}
+    # The end-of-turn ids are read under every option (vLLM's update_from_generation_config).
+    assert defaults.eos_token_ids == (2, 7)
+    assert load_generation_defaults("vllm", folder).eos_token_ids == (2, 7)
+    assert defaults.end_token_ids(2) == (7,)
+
+
+@pytest.mark.parametrize("value", [[], "2", [1, "x"], [-1], True])
+def test_a_bad_eos_token_id_names_the_file(tmp_path: Path, value: object) -> None:
+    with pytest.raises(ModelLoadError, match="generation_config.json: eos_token_id"):
+        load_generation_defaults("auto", _folder(tmp_path, {"eos_token_id": value}))
 
 
 def test_a_folder_without_generation_config_has_no_defaults(tmp_path: Path) -> None:

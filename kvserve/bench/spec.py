@@ -10,8 +10,11 @@ drifting machine load falls on both; the median run of each is reported:
 - ``sharegpt``: the ShareGPT-like synthetic trace (``sim/workloads.py``), all requests in
   flight at once (``--num-inflight``, 32).
 
-Greedy sampling, EOS ignored, so both engines generate the same number of tokens; the
-outputs are compared (greedy speculation must not change them on a batch-invariant path).
+Greedy sampling, so both engines generate the same tokens; the outputs are compared (greedy
+speculation must not change them on a batch-invariant path). ``copy`` answers end at EOS
+(``--copy-max-tokens`` at most): what follows EOS is not the copy the workload measures but
+the model inventing a next turn, fresh text. ``fresh`` and ``sharegpt`` ignore EOS and run
+``--output-len`` / the trace's lengths.
 """
 
 from __future__ import annotations
@@ -55,7 +58,10 @@ def register(sub: argparse._SubParsersAction, engine_parser: Any) -> None:
     g = p.add_argument_group("speculation")
     g.add_argument("--spec-config", default=DEFAULT_SPEC, help="the speculative engine's JSON")
     g.add_argument("--workloads", nargs="+", choices=["copy", "fresh", "sharegpt"], default=None)
-    g.add_argument("--output-len", type=int, default=64, help="tokens per one-stream request")
+    g.add_argument("--output-len", type=int, default=64, help="tokens per fresh request")
+    g.add_argument(
+        "--copy-max-tokens", type=int, default=256, help="a copy answer's cap (it ends at EOS)"
+    )
     g.add_argument("--num-inflight", type=int, default=32, help="sharegpt: requests at once")
     g.add_argument("--sharegpt-output-len", type=int, default=24)
     g.add_argument("--repeats", type=int, default=2, help="runs per engine and workload")
@@ -89,6 +95,7 @@ def _workloads(engine: Any, args: argparse.Namespace) -> dict[str, tuple]:
     chat = [tok.apply_chat_template([{"role": "user", "content": m}]) for m in COPY_PROMPTS]
     fresh = [tok.apply_chat_template([{"role": "user", "content": m}]) for m in FRESH_PROMPTS]
     one = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    copy = SamplingParams(temperature=0.0, max_tokens=args.copy_max_tokens)
     vocab = engine.arch.vocab_size
     trace = generate_workload(
         "sharegpt",
@@ -103,7 +110,7 @@ def _workloads(engine: Any, args: argparse.Namespace) -> dict[str, tuple]:
         SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in trace
     ]
     return {
-        "copy": (chat, one, False),
+        "copy": (chat, copy, False),
         "fresh": (fresh, one, False),
         "sharegpt": ([resolve_prompt_token_ids(r, vocab) for r in trace], many, True),
     }

@@ -222,15 +222,20 @@ def test_acceptance_adapts_the_draft_length() -> None:
 
 
 def test_no_drafts_past_disable_by_batch_size() -> None:
-    d, _ = make_spec_driver(lambda r: 3, spec={"disable_by_batch_size": 2, "adaptive": False})
-    reqs = [make_request(f"r{i}", prompt(4, base=i), max_tokens=6) for i in range(3)]
+    d, spec = make_spec_driver(lambda r: 3, spec={"disable_by_batch_size": 2, "adaptive": False})
+    reqs = [make_request(f"r{i}", prompt(4, base=i), max_tokens=6 + 8 * i) for i in range(3)]
     for r in reqs:
         d.scheduler.add_request(r)
     d.run()
     assert_expected(d, *reqs)
+    alone = 0
     for o in d.outputs:
         if sum(1 for sr in o.scheduled if sr.sample) >= 2:
             assert not any(sr.spec_token_ids for sr in o.scheduled)
+        else:
+            alone += 1
+    # No lookup either while the batch is past the limit (it reads all of a request's tokens).
+    assert 0 < spec.proposed <= alone
 
 
 def test_no_drafts_for_requests_with_logprobs() -> None:

@@ -177,6 +177,10 @@ class Speculator:
         """Drafts for a decoding ``request`` with its ``1 + k`` slots allocated (all or
         nothing) and recorded as lookahead; [] (nothing allocated) when it does not
         speculate this step, and the caller schedules its plain decode."""
+        # NOTE: before the lookup, which reads all the request's tokens: at or past
+        # disable_by_batch_size (ShareGPT-like at 32 in flight) no draft is taken anyway.
+        if self.draft_token_cost(num_running) is None:
+            return []
         limit = self.limit(request, budget)
         if limit < 1:
             return []

@@ -225,10 +225,10 @@ def plan_step_activations(
     """Plan the activations of the largest step ``config``'s scheduler may issue.
 
     Traces (on fake tensors: nothing of the model's size is allocated) the worst-case
-    prefill, decode and mixed steps under max_num_batched_tokens / max_num_seqs /
-    max_model_len (or the pool's size, see ``max_sequence_tokens``), with ``max_layers``
-    layers of the model (None = all), with the native backend's ``chunk_attention`` choice
-    (the engine's; None: the backend's defaults).
+    prefill, decode and mixed steps (and a speculative one, ``speculative_rows``) under
+    max_num_batched_tokens / max_num_seqs / max_model_len (or the pool's size, see
+    ``max_sequence_tokens``), with ``max_layers`` layers of the model (None = all), with the
+    native backend's ``chunk_attention`` choice (the engine's; None: the backend's defaults).
     """
     from kvserve.models.llama import LlamaForCausalLM
 
@@ -244,7 +244,21 @@ def plan_step_activations(
         num_threads=config.num_threads,
         model_factory=LlamaForCausalLM,
         chunk_attention=chunk_attention,
+        speculative=speculative_rows(config),
     )
+
+
+def speculative_rows(config: EngineConfig) -> tuple[int, int] | None:
+    """(the most requests that speculate in one step, draft tokens each) under ``config``'s
+    speculative decoding, None without it: each such request samples ``1 + k`` rows, which
+    the plan's ``speculate`` step sizes the logits for (``speculate.py``: no drafts at or
+    past ``disable_by_batch_size`` running requests)."""
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    limit = spec.disable_by_batch_size
+    num_seqs = config.max_num_seqs if not limit else min(config.max_num_seqs, limit - 1)
+    return (num_seqs, spec.num_speculative_tokens) if num_seqs >= 1 else None
 
 
 def max_sequence_tokens(config: EngineConfig, arch: ModelArchConfig, *, max_model_len: int) -> int:

@@ -183,6 +183,17 @@ def test_worst_case_steps_respect_the_scheduler_limits() -> None:
             assert len(r.block_ids) * 16 >= 100
     with pytest.raises(ValueError, match="max_num_seqs"):
         worst_case_steps(max_num_batched_tokens=4, max_num_seqs=0, max_model_len=8, block_size=4)
+    # Speculation: at most 7 requests draft 4 tokens each, so 5 rows each; the budget of 48
+    # tokens holds 9 such requests, max_num_seqs 8, the speculating ones 7.
+    spec = worst_case_steps(
+        max_num_batched_tokens=48,
+        max_num_seqs=8,
+        max_model_len=100,
+        block_size=16,
+        speculative=(7, 4),
+    )["speculate"]
+    assert [len(r.token_ids) for r in spec.scheduled] == [5] * 7
+    assert all(r.spec_token_ids == [0] * 4 and r.sample for r in spec.scheduled)
 
 
 @pytest.fixture(scope="module")
@@ -226,3 +237,17 @@ def test_batched_decode_gather_grows_with_max_model_len(embedded_arch) -> None: 
     assert long.lower_bound_bytes >= gather
     assert short.lower_bound_bytes < gather
     assert long.planned_peak_bytes > short.planned_peak_bytes + gather // 2
+
+
+def test_the_speculative_step_sizes_the_logits_of_every_draft_row(embedded_arch) -> None:  # type: ignore[no-untyped-def]
+    """Each draft row samples: 7 requests x 9 rows of fp32 logits are live at the
+    speculative step's peak, and that step outgrows every step without speculation."""
+    kw = {
+        "max_num_batched_tokens": 64, "max_num_seqs": 8, "max_model_len": 64, "max_layers": 1,
+        "model_factory": LlamaForCausalLM,
+    }  # fmt: skip
+    plain = plan_activations(embedded_arch, **kw)
+    spec = plan_activations(embedded_arch, **kw, speculative=(7, 8))
+    assert spec.step_name == "speculate"
+    assert spec.lower_bound_bytes >= 7 * 9 * embedded_arch.vocab_size * 4
+    assert spec.reserve_bytes > plain.reserve_bytes

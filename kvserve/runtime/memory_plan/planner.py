@@ -49,7 +49,12 @@ WORST_CASE_SAMPLING = SamplingParams(
 
 
 def worst_case_steps(
-    *, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int
+    *,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    block_size: int,
+    speculative: tuple[int, int] | None = None,
 ) -> dict[str, SchedulerOutput]:
     """The largest steps the scheduler may issue under these limits, by name.
 
@@ -60,7 +65,10 @@ def worst_case_steps(
       group). NOTE: the true worst case, not an over-reservation; what tightens it is a
       smaller ``max_model_len``, which ``memory_budget.max_sequence_tokens`` bounds by the
       pool's size when that is fixed;
-    - ``mixed``: decodes for all sequences but one, plus a chunk of the remaining budget.
+    - ``mixed``: decodes for all sequences but one, plus a chunk of the remaining budget;
+    - ``speculate`` (with ``speculative`` = (the most requests that speculate in one step,
+      draft tokens each)): that many decodes of ``1 + k`` tokens, every one a sampling row
+      (the logits and the sampler's copies of them grow with the rows, not the tokens).
     Every sequence samples. Block ids repeat freely: only shapes matter to the plan.
     """
     for name, value in (
@@ -73,7 +81,7 @@ def worst_case_steps(
             raise ValueError(f"{name} must be >= 1, got {value}")
     table = list(range(-(-max_model_len // block_size)))
 
-    def req(rid: str, num_tokens: int) -> ScheduledRequest:
+    def req(rid: str, num_tokens: int, num_drafts: int = 0) -> ScheduledRequest:
         return ScheduledRequest(
             request_id=rid,
             token_ids=[0] * num_tokens,
@@ -84,6 +92,7 @@ def worst_case_steps(
             prompt_token_ids=[0, 1, 2, 3],
             output_token_ids=[4],
             seed=0,
+            spec_token_ids=[0] * num_drafts,
         )
 
     chunk = min(max_num_batched_tokens, max_model_len)
@@ -96,6 +105,13 @@ def worst_case_steps(
     if max_num_seqs > 1 and rest > 1:
         decodes = [req(f"decode-{i}", 1) for i in range(max_num_seqs - 1)]
         steps["mixed"] = SchedulerOutput([*decodes, req("chunk", rest)])
+    if speculative is not None:
+        num_seqs, k = speculative
+        k = min(k, max_num_batched_tokens - 1, max_model_len - 1)
+        num_seqs = min(num_seqs, max_num_seqs, max_num_batched_tokens // (1 + k))
+        if k >= 1 and num_seqs >= 1:
+            drafting = [req(f"spec-{i}", 1 + k, k) for i in range(num_seqs)]
+            steps["speculate"] = SchedulerOutput(drafting)
     return steps
 
 
@@ -208,6 +224,7 @@ def plan_activations(
     num_threads: int | None = None,
     model_factory: Callable[..., torch.nn.Module],
     chunk_attention: ChunkAttention | None = None,
+    speculative: tuple[int, int] | None = None,
 ) -> ActivationPlan:
     """Trace the worst-case steps (see ``worst_case_steps``) and plan the most demanding one.
 
@@ -219,9 +236,10 @@ def plan_activations(
     candidates by name; ``num_threads`` sizes per-thread kernel scratch (None: torch's
     current count). ``chunk_attention``: the native backend's chunk choice, as the engine
     applies it (chunks through the decode kernel hold no gathered copy; chunks through
-    float32 SDPA hold float32 copies). Results are cached per argument set: in the process
-    (engines built with the same options trace once) and on disk (``disk_cache``: a warm start
-    traces nothing).
+    float32 SDPA hold float32 copies). ``speculative``: (requests that speculate in one
+    step at most, draft tokens each), as ``worst_case_steps`` takes it. Results are cached
+    per argument set: in the process (engines built with the same options trace once) and on
+    disk (``disk_cache``: a warm start traces nothing).
     """
     if max_layers is not None:
         if max_layers < 1:
@@ -241,6 +259,7 @@ def plan_activations(
         num_threads if num_threads is not None else torch.get_num_threads(),
         model_factory,
         chunk_attention,
+        speculative,
     )
     return cached_on_disk(plan_key(args), lambda: _plan_cached(*args))
 
@@ -260,6 +279,7 @@ def _plan_cached(
     num_threads: int,
     model_factory: Callable[..., torch.nn.Module],
     chunk_attention: ChunkAttention | None,
+    speculative: tuple[int, int] | None = None,
 ) -> ActivationPlan:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -268,6 +288,7 @@ def _plan_cached(
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
         block_size=block_size,
+        speculative=speculative,
     )
     if steps is not None:
         unknown = sorted(set(steps) - set(candidates))

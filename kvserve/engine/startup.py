@@ -231,17 +231,21 @@ def size_kv_pool(
     kernel_scratch_bytes: int | None,
     tracing_bytes: int = 0,
     kv_groups: tuple[KVGroupSpec, ...] | None = None,
+    extra_activation_bytes: int = 0,
 ) -> MemoryReport:
     """Phase 5: the budget left after weights, activations, scratch and headroom -> blocks
     (per block id of a hybrid KV cache's ``kv_groups``).
 
     The activations are the largest step's plus, where decode steps will be captured as CUDA
-    graphs (``captures_decode_graphs``), the graphs' own arena (``graph_reserve_bytes``).
+    graphs (``captures_decode_graphs``), the graphs' own arena (``graph_reserve_bytes``),
+    and ``extra_activation_bytes`` (a draft model's own arena, ``engine/draft_model.py``).
     """
     activation_bytes = None
     if activation_plan is not None:
-        activation_bytes = activation_plan.reserve_bytes + graph_reserve_bytes(
-            config, loaded, activation_plan
+        activation_bytes = (
+            activation_plan.reserve_bytes
+            + graph_reserve_bytes(config, loaded, activation_plan)
+            + extra_activation_bytes
         )
     return plan_kv_blocks(
         config,

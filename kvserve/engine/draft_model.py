@@ -151,7 +151,9 @@ def draft_token_cost(target: EngineModel, draft: EngineModel) -> float:
     return min(1.0, DEFAULT_DRAFT_TOKEN_COST + step(draft) / step(target))
 
 
-def with_draft_cost(config: EngineConfig, target: EngineModel, draft: EngineModel | None) -> EngineConfig:
+def with_draft_cost(
+    config: EngineConfig, target: EngineModel, draft: EngineModel | None
+) -> EngineConfig:
     """``config`` with the draft model's ``draft_token_cost`` set where the user left it out."""
     spec = config.speculative_config
     if draft is None or spec is None or spec.draft_token_cost is not None:

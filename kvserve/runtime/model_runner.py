@@ -12,13 +12,13 @@ from torch import nn
 from kvserve.config import ModelArchConfig
 from kvserve.core.kv.kv_groups import KVGroupSpec, group_size, kv_slot_of_layers
 from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput
-from kvserve.runtime.draft_runner import DraftRunner
 from kvserve.runtime.cuda_graphs import (
     DecodeGraphInputs,
     DecodeGraphs,
     graph_buckets,
     is_pure_decode,
 )
+from kvserve.runtime.draft_runner import DraftRunner
 from kvserve.runtime.guard import sample_guarded
 from kvserve.runtime.input_batch import InputBatch, build_input_batch
 from kvserve.runtime.kv_cache import KVCache
@@ -196,7 +196,9 @@ class ModelRunner:
                     fold_verified(out, batch.spec_requests)
                 if batch.spec_requests and self.draft is not None:
                     self.draft.catch_up(batch.spec_requests, out.spec_num_accepted)
-                    out.spec_token_ids = {r.request_id: r.spec_token_ids for r in batch.spec_requests}
+                    out.spec_token_ids = {
+                        r.request_id: r.spec_token_ids for r in batch.spec_requests
+                    }
             out.prompt_logprobs = compute_prompt_logprobs(self.model, hidden, batch)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -25,19 +25,19 @@ import os
 
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.memory_budget import MemoryReport, plan_step_activations
-from kvserve.engine.startup import EngineModel, choose_kernels, load_engine_model
+from kvserve.engine.startup import (
+    EngineModel,
+    choose_kernels,
+    load_engine_model,
+    warm_kernel_primitives,
+)
 from kvserve.models.loader import resolve_model
+from kvserve.models.quant_model import decode_weight_bytes, quantized_decode_bytes
 from kvserve.runtime.draft_runner import DraftRunner
 from kvserve.runtime.kv_cache import kv_bytes_per_token
 from kvserve.spec_config import DEFAULT_DRAFT_TOKEN_COST
 
 FIELD = "speculative_config.model"
-
-# NOTE: measured (docs/speculative.md, "Draft model"): a draft decode step costs about its
-# share of the weight bytes of a target decode step plus a fixed part per layer (kernel calls
-# and Python per layer), which dominates for small drafts. Expressed as the bytes one layer's
-# fixed cost is worth, it is added per layer of each model.
-LAYER_OVERHEAD_BYTES = 2 << 20
 
 
 def resolve_draft_source(config: EngineConfig) -> EngineConfig:
@@ -143,12 +143,17 @@ def draft_activation_bytes(
 def draft_token_cost(target: EngineModel, draft: EngineModel) -> float:
     """The cost model's price of one draft token (fraction of a target decode step at batch
     1): verifying it (``DEFAULT_DRAFT_TOKEN_COST``) plus one draft decode step, estimated as
-    the draft's share of (weight bytes + ``LAYER_OVERHEAD_BYTES`` per layer); at most 1."""
+    the ratio of the weight bytes a decode step of each reads; at most 1.
 
-    def step(m: EngineModel) -> float:
-        return m.weights_bytes + LAYER_OVERHEAD_BYTES * m.arch.num_hidden_layers
+    NOTE: measured (docs/speculative.md, "Draft model"): timed against one decode step of its
+    target, a draft step took about what this ratio says (the table there); a decode step at
+    batch 1 streams the weights, so their bytes set its time.
+    """
 
-    return min(1.0, DEFAULT_DRAFT_TOKEN_COST + step(draft) / step(target))
+    def step_bytes(m: EngineModel) -> int:
+        return decode_weight_bytes(m.model) + quantized_decode_bytes(m.model)
+
+    return min(1.0, DEFAULT_DRAFT_TOKEN_COST + step_bytes(draft) / max(1, step_bytes(target)))
 
 
 def with_draft_cost(
@@ -166,7 +171,7 @@ def attach_draft(
     runner: object, draft: EngineModel | None, config: EngineConfig, report: MemoryReport
 ) -> None:
     """Give ``runner`` (a ``ModelRunner``) its ``DraftRunner``: the draft model and its KV
-    cache over the same block ids (``report``'s device and host blocks)."""
+    cache over the same block ids (``report``'s device and host blocks), its kernels warm."""
     if draft is None:
         return
     runner.draft = DraftRunner(  # type: ignore[attr-defined]
@@ -179,3 +184,5 @@ def attach_draft(
         dtype=draft.dtype,
         kv_cache_dtype=config.kv_cache_dtype,
     )
+    # NOTE: its projections' row-bucket primitives too, so RSS stays flat while serving.
+    warm_kernel_primitives(config, runner.draft)  # type: ignore[attr-defined, arg-type]

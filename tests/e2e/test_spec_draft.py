@@ -86,13 +86,14 @@ def _run(llm: object, params: list[SamplingParams]) -> list[list[int]]:
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                done[out.request_id] = list(out.outputs[0].token_ids)
+                done[out.request_id] = [t for o in out.outputs for t in o.token_ids]
         engine.kv_cache_manager.check_integrity()
     assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
     return [done[f"r{i}"] for i in range(len(PROMPTS))]
 
 
 GREEDY = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * len(PROMPTS)
+GREEDY[1] = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, n=2)  # a fork
 
 
 SMALL = {**KW, "num_kv_blocks": 10, "max_num_seqs": 3}  # preempts; a later prefix hit
@@ -172,3 +173,8 @@ def test_bad_drafts_are_refused_naming_the_field(
     )
     with pytest.raises(ValueError, match=r"speculative_config\.model.*tokenizer eos_token_id"):
         make_llm(model=models["target"], speculative_config=_draft(str(other)), **KW)
+    from tests.tiny_models import make_tiny_model
+
+    gemma = make_tiny_model(tmp_path, "gemma2", num_hidden_layers=2)
+    with pytest.raises(ValueError, match=r"speculative_config\.model.*mix full and sliding"):
+        make_llm(model=models["target"], speculative_config=_draft(gemma), **KW)

@@ -178,3 +178,26 @@ def test_bad_drafts_are_refused_naming_the_field(
     gemma = make_tiny_model(tmp_path, "gemma2", num_hidden_layers=2)
     with pytest.raises(ValueError, match=r"speculative_config\.model.*mix full and sliding"):
         make_llm(model=models["target"], speculative_config=_draft(gemma), **KW)
+
+
+def test_a_step_run_in_halves_keeps_the_verification(
+    models: dict[str, str], plain: object, make_llm: Callable[..., object]
+) -> None:
+    """A step whose whole batch raises once is run again in halves (``step_guard``): each
+    half's accepted drafts must come back with its sampled tokens."""
+    spec = make_llm(model=models["target"], speculative_config=_draft(models["target"]), **KW)
+    engine = spec.engine  # type: ignore[attr-defined]
+    execute, raised = engine.runner.execute, []
+
+    def flaky(sched: object) -> object:
+        step = engine.num_steps
+        if step in (4, 7) and step not in raised and len(sched.scheduled) > 1:  # type: ignore[attr-defined]
+            raised.append(step)
+            raise RuntimeError("injected: the whole batch")
+        return execute(sched)
+
+    engine.runner.execute = flaky
+    assert _run(spec, GREEDY) == _run(plain, GREEDY)
+    assert raised == [4, 7]
+    stats = engine.stats()
+    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"] > 50

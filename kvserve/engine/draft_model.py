@@ -81,12 +81,16 @@ def check_draft_matches(
             f"{ta.vocab_size} (a draft model must share the target's vocabulary)"
         )
     tt, dt = target.tokenizer, draft.tokenizer
-    for name in ("vocab_size", "bos_token_id", "eos_token_id", "all_special_ids"):
-        if getattr(dt, name) != getattr(tt, name):
+    for name, get in (
+        ("vocab_size", lambda t: t.vocab_size),
+        ("bos_token_id", lambda t: t.bos_token_id),
+        ("eos_token_id", lambda t: t.eos_token_id),
+        ("all_special_ids", lambda t: sorted(t.all_special_ids)),
+    ):
+        if get(dt) != get(tt):
             raise ValueError(
-                f"{where}: the draft model's tokenizer {name} {getattr(dt, name)!r} differs "
-                f"from the target's {getattr(tt, name)!r} (a draft model must share the "
-                "target's tokenizer)"
+                f"{where}: the draft model's tokenizer {name} {get(dt)!r} differs from the "
+                f"target's {get(tt)!r} (a draft model must share the target's tokenizer)"
             )
     if dt.hf_tokenizer.get_vocab() != tt.hf_tokenizer.get_vocab():
         raise ValueError(

@@ -78,7 +78,6 @@ class DraftRunner:
             kv_cache_dtype=kv_cache_dtype,
         )
         self.workspace = Workspace()
-        self.num_forwards = 0  # draft forward passes run (figures, tests)
 
     def _forward(self, scheduled: list[ScheduledRequest]) -> dict[str, int]:
         """One draft forward over ``scheduled``; the argmax of each sampling request."""
@@ -97,7 +96,6 @@ class DraftRunner:
             batch.attn_meta,
             self.workspace,
         )  # [T, hidden]
-        self.num_forwards += 1
         if not batch.sample_requests:
             return {}
         logits = self.model.compute_logits(

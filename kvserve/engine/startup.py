@@ -460,5 +460,14 @@ def startup_line(engine: Any) -> str:  # LLMEngine
         f"{model_id(engine.model_path, quant)} | {engine.kernels.dtype_name}, {kernels}, "
         f"{how} | KV {rep.max_tokens_in_cache:,} tokens in {rep.num_kv_blocks:,} blocks, "
         f"{rep.max_concurrent_requests(typical):,} requests at {typical:,} tokens"
+        f"{_draft_part(engine.config.speculative_config)}"
         f" | ready in {engine.startup_seconds:.1f} s"
     )
+
+
+def _draft_part(spec: Any) -> str:
+    """The start-up line's speculative draft model (its KV is in the blocks counted)."""
+    if spec is None or spec.model is None:
+        return ""
+    name = spec.model.rstrip("/").rsplit("/", 1)[-1]
+    return f" | draft {name}, k {spec.num_speculative_tokens}, cost {spec.draft_token_cost}"

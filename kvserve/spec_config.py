@@ -42,7 +42,9 @@ class SpeculativeConfig:
     ``disable_by_batch_size``: no speculation in a step with at least this many running
     requests (vLLM's option; None: ``DEFAULT_DISABLE_BY_BATCH_SIZE``).
     ``draft_token_cost``: the cost model's price of one verified draft token, as a fraction
-    of a one-token decode step at batch 1 (kvserve's; see ``core/sched/speculate.py``).
+    of a one-token decode step at batch 1 (kvserve's; see ``core/sched/speculate.py``);
+    None: ``DEFAULT_DRAFT_TOKEN_COST`` for n-gram, derived from the two models for a draft
+    model (``engine/draft_model.py``).
     ``adaptive``: size each request's draft by its measured acceptance (kvserve's; False:
     always the longest draft the proposer finds, up to ``num_speculative_tokens``).
     """
@@ -53,7 +55,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     model: str | None = None
     disable_by_batch_size: int | None = None
-    draft_token_cost: float = DEFAULT_DRAFT_TOKEN_COST
+    draft_token_cost: float | None = None
     adaptive: bool = True
 
     def __post_init__(self) -> None:
@@ -98,7 +100,11 @@ class SpeculativeConfig:
                 f"speculative_config.disable_by_batch_size must be an int >= 1, got {b!r}"
             )
         c = self.draft_token_cost
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 <= c <= 1.0:
+        if c is None and self.method == "ngram":
+            object.__setattr__(self, "draft_token_cost", DEFAULT_DRAFT_TOKEN_COST)
+        elif c is None:
+            pass  # a draft model's: the engine sets it from the two models (engine/draft_model.py)
+        elif isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 <= c <= 1.0:
             raise ValueError(
                 f"speculative_config.draft_token_cost must be a number in [0, 1], got {c!r}"
             )

@@ -38,7 +38,7 @@ from kvserve.engine.config import DTYPE_CHOICES, KERNEL_SELECTION_MODES
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_model
 from kvserve.models.quant import QUANTIZATION_CHOICES
-from kvserve.models.quant_model import quantized_decode_bytes
+from kvserve.models.quant_model import decode_weight_bytes, quantized_decode_bytes
 from kvserve.models.quant_select import quantized_projections
 from kvserve.runtime.autotune import TuneSettings, choose_kernels
 from kvserve.runtime.linear import gather_into_huge_pages
@@ -60,20 +60,6 @@ def _req(rid: str, tokens: list[int], start: int, end: int, blocks: list[int]) -
         prompt_token_ids=tokens,
         output_token_ids=[],
     )
-
-
-def decode_weight_bytes(model: LlamaForCausalLM) -> int:
-    """Bytes of weights one decode step reads: every parameter once.
-
-    An untied input embedding is left out (a step reads only its T rows); a tied one is read
-    whole by the lm_head and counted once.
-    """
-    total = 0
-    for name, p in model.named_parameters():  # NOTE: yields a tied tensor once
-        if name == "embed_tokens" and model.lm_head is not model.embed_tokens:
-            continue
-        total += p.numel() * p.element_size()
-    return total + model.released_weight_bytes()  # held only as prepacked copies
 
 
 def read_bandwidth(

@@ -20,6 +20,7 @@ the model inventing a next turn, fresh text. ``fresh`` and ``sharegpt`` ignore E
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from typing import Any
@@ -57,6 +58,13 @@ def register(sub: argparse._SubParsersAction, engine_parser: Any) -> None:
     p = engine_parser(sub, "spec", "tokens/s with and without speculative decoding")
     g = p.add_argument_group("speculation")
     g.add_argument("--spec-config", default=DEFAULT_SPEC, help="the speculative engine's JSON")
+    g.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="PATH",
+        help="speculate with this draft model (same tokenizer) instead of n-gram lookup; "
+        "--spec-config's num_speculative_tokens and cost keys still apply",
+    )
     g.add_argument("--workloads", nargs="+", choices=["copy", "fresh", "sharegpt"], default=None)
     g.add_argument("--output-len", type=int, default=64, help="tokens per fresh request")
     g.add_argument(
@@ -116,12 +124,26 @@ def _workloads(engine: Any, args: argparse.Namespace) -> dict[str, tuple]:
     }
 
 
+def draft_spec_config(spec_config: str, draft_model: str | None) -> str:
+    """``--spec-config`` as given, or with ``--draft-model``: its keys other than the n-gram
+    ones, for a draft model at ``draft_model``."""
+    if draft_model is None:
+        return spec_config
+    keep = {
+        k: v
+        for k, v in json.loads(spec_config).items()
+        if k not in ("method", "prompt_lookup_max", "prompt_lookup_min")
+    }
+    return json.dumps({**keep, "model": draft_model})
+
+
 def cmd_spec(args: argparse.Namespace) -> int:
     """Run the three workloads on both engines; print tokens/s and the speed-ups."""
     from kvserve.engine.llm_engine import LLMEngine  # NOTE: lazy: torch
 
     config = EngineConfig.from_cli_args(args)
-    spec_config = config.replace(speculative_config=args.spec_config)
+    spec_json = draft_spec_config(args.spec_config, args.draft_model)
+    spec_config = config.replace(speculative_config=spec_json)
     engines = {"plain": LLMEngine(config.replace(speculative_config=None))}
     engines["spec"] = LLMEngine(spec_config)
     loads = _workloads(engines["plain"], args)
@@ -161,5 +183,5 @@ def cmd_spec(args: argparse.Namespace) -> int:
             f"same output: {r['same_output']}",
             flush=True,
         )
-    write_json(args.output_json, make_record("spec", results, spec_config=args.spec_config))
+    write_json(args.output_json, make_record("spec", results, spec_config=spec_json))
     return 0

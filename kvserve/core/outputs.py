@@ -14,6 +14,9 @@ from kvserve.sampling_params import SamplingParams
 # run. ``Scheduler.resolve_ahead`` replaces it by the sampled token before the step runs; the
 # runner never sees it.
 PLACEHOLDER_TOKEN_ID = -1
+# Speculative decoding with a draft model: a draft token the scheduler leaves to the runner,
+# which runs the draft model and reports what it proposed (``ModelRunnerOutput.spec_token_ids``).
+DRAFT_PLACEHOLDER_TOKEN_ID = -2
 
 
 @dataclass(slots=True)
@@ -123,3 +126,6 @@ class ModelRunnerOutput:
     # Speculative decoding: request id -> how many of its draft tokens were accepted (a
     # prefix of ``spec_token_ids``); ``sampled_token_ids`` holds the token sampled after them.
     spec_num_accepted: dict[str, int] = field(default_factory=dict)
+    # Draft-model speculation: request id -> the draft tokens the runner's draft model put in
+    # place of the scheduler's ``DRAFT_PLACEHOLDER_TOKEN_ID``s (the ones verified).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)

@@ -395,13 +395,6 @@ def _check_field_types(config: EngineConfig) -> None:
 
 def _check_speculation(config: EngineConfig) -> None:
     """ValueError for what speculative decoding does not combine with (yet)."""
-    spec = config.speculative_config
-    if spec is not None and spec.method == "draft_model":
-        # NOTE: docs/speculative.md, "Not done": no proposer runs a second model yet.
-        raise ValueError(
-            f"speculative_config.model={spec.model!r}: draft models are not supported yet; "
-            "use method 'ngram'"
-        )
     for name, off in (
         ("async_scheduling", not config.async_scheduling),
         ("tensor_parallel_size", config.tensor_parallel_size == 1),

@@ -26,6 +26,15 @@ from kvserve.core.sched.stop_checks import is_stop_token
 from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.distributed.spawn_check import refuse_tp_engine_while_importing_main
 from kvserve.engine.config import EngineConfig
+from kvserve.engine.draft_model import (
+    attach_draft,
+    draft_activation_bytes,
+    draft_kv_bytes_per_token,
+    load_draft,
+    resolve_draft_source,
+    with_draft_cost,
+    with_draft_weights,
+)
 from kvserve.engine.failures import RequestFailures, fail_group
 from kvserve.engine.inputs import check_constraints, tokenize_prompt
 from kvserve.engine.memory_budget import MemoryReport, measure_growth, plan_step_activations
@@ -84,7 +93,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         # Start-up phases (kvserve/engine/startup.py), in order; each takes what the earlier
         # ones produced.
-        self.config = config = resolve_model_source(config)
+        self.config = config = resolve_draft_source(resolve_model_source(config))
         self.kernels = choose_kernels(config)
         self.config = config = config.replace(dtype=self.kernels.dtype_name)
         loaded = load_engine_model(config, self.kernels)
@@ -99,6 +108,7 @@ class LLMEngine:
         self.tp = loaded.tp  # the tensor-parallel executor (kvserve/distributed) or None
         arch = loaded.arch
         self.max_model_len = resolve_max_model_len(config, arch)
+        draft = load_draft(config, loaded, self.max_model_len)  # speculative decoding's, or None
         kv_groups = kv_groups_of(config, arch)  # a hybrid KV cache's groups, else None
         # NOTE: exact, the per-token-per-head scales of int8/fp8 caches included; per block
         # id (one group's layers) with a hybrid KV cache.
@@ -108,7 +118,7 @@ class LLMEngine:
             head_dim=arch.head_dim,
             kv_cache_dtype=config.kv_cache_dtype,
             dtype=loaded.dtype,
-        )
+        ) + draft_kv_bytes_per_token(config, draft)  # NOTE: a block holds the draft's KV too
         chunk_attention = ChunkAttention.of(getattr(loaded.model, "attn_backend", None))
         activation_plan, tracing_bytes = measure_growth(
             config.device,
@@ -119,20 +129,23 @@ class LLMEngine:
         kernel_scratch = measure_gemm_scratch(config, activation_plan, loaded.model)
         self.memory_report: MemoryReport = size_kv_pool(
             config,
-            loaded,
+            with_draft_weights(loaded, draft),
             kv_bytes_per_token=self.kv_bytes_per_token,
             max_model_len=self.max_model_len,
             activation_plan=activation_plan,
             kernel_scratch_bytes=kernel_scratch,
             tracing_bytes=tracing_bytes,
             kv_groups=kv_groups,
+            extra_activation_bytes=draft_activation_bytes(config, draft, self.max_model_len),
         )
         # NOTE: under tensor parallelism the report becomes the per-rank one.
         self.runner, self.memory_report = build_runner(
             config, loaded, self.memory_report, self.max_model_len
         )
         rep = self.memory_report
-        del loaded  # NOTE: the runner holds the model; nothing else of the load stays alive
+        attach_draft(self.runner, draft, config, rep)
+        self.config = config = with_draft_cost(config, loaded, draft)
+        del loaded, draft  # NOTE: the runner holds the model; nothing else of the load stays alive
         self.kv_cache_manager = build_kv_cache_manager(config, rep, self.max_model_len)
         self.scheduler = build_scheduler(config, self.max_model_len, self.kv_cache_manager)
         self.latency = LatencyStats()

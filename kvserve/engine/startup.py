@@ -231,17 +231,21 @@ def size_kv_pool(
     kernel_scratch_bytes: int | None,
     tracing_bytes: int = 0,
     kv_groups: tuple[KVGroupSpec, ...] | None = None,
+    extra_activation_bytes: int = 0,
 ) -> MemoryReport:
     """Phase 5: the budget left after weights, activations, scratch and headroom -> blocks
     (per block id of a hybrid KV cache's ``kv_groups``).
 
     The activations are the largest step's plus, where decode steps will be captured as CUDA
-    graphs (``captures_decode_graphs``), the graphs' own arena (``graph_reserve_bytes``).
+    graphs (``captures_decode_graphs``), the graphs' own arena (``graph_reserve_bytes``),
+    and ``extra_activation_bytes`` (a draft model's own arena, ``engine/draft_model.py``).
     """
     activation_bytes = None
     if activation_plan is not None:
-        activation_bytes = activation_plan.reserve_bytes + graph_reserve_bytes(
-            config, loaded, activation_plan
+        activation_bytes = (
+            activation_plan.reserve_bytes
+            + graph_reserve_bytes(config, loaded, activation_plan)
+            + extra_activation_bytes
         )
     return plan_kv_blocks(
         config,
@@ -456,5 +460,14 @@ def startup_line(engine: Any) -> str:  # LLMEngine
         f"{model_id(engine.model_path, quant)} | {engine.kernels.dtype_name}, {kernels}, "
         f"{how} | KV {rep.max_tokens_in_cache:,} tokens in {rep.num_kv_blocks:,} blocks, "
         f"{rep.max_concurrent_requests(typical):,} requests at {typical:,} tokens"
+        f"{_draft_part(engine.config.speculative_config)}"
         f" | ready in {engine.startup_seconds:.1f} s"
     )
+
+
+def _draft_part(spec: Any) -> str:
+    """The start-up line's speculative draft model (its KV is in the blocks counted)."""
+    if spec is None or spec.model is None:
+        return ""
+    name = spec.model.rstrip("/").rsplit("/", 1)[-1]
+    return f" | draft {name}, k {spec.num_speculative_tokens}, cost {spec.draft_token_cost}"

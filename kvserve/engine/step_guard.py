@@ -102,6 +102,9 @@ def _bisect(execute: Execute, compute: SchedulerOutput, error: Exception) -> Mod
         out.logprobs.update(res.logprobs)
         out.failed.update(res.failed)
         out.prompt_logprobs.update(res.prompt_logprobs)
+        # NOTE: speculative decoding: a sampled token is the one after the accepted drafts.
+        out.spec_num_accepted.update(res.spec_num_accepted)
+        out.spec_token_ids.update(res.spec_token_ids)
         out.execute_time += res.execute_time
     if len(out.failed) == len(scheduled):
         raise StepFault(

@@ -84,6 +84,20 @@ def quantized_nbytes(model: Any) -> int:
     return sum(source.nbytes for source in quantized_sources(model))
 
 
+def decode_weight_bytes(model: Any) -> int:
+    """Bytes of weights one decode step reads: every parameter once.
+
+    An untied input embedding is left out (a step reads only its T rows); a tied one is read
+    whole by the lm_head and counted once.
+    """
+    total = 0
+    for name, p in model.named_parameters():  # NOTE: yields a tied tensor once
+        if name == "embed_tokens" and model.lm_head is not model.embed_tokens:
+            continue
+        total += p.numel() * p.element_size()
+    return total + model.released_weight_bytes()  # held only as prepacked copies
+
+
 def quantized_decode_bytes(model: Any) -> int:
     """Quantized bytes one decode step reads: all but an untied embedding (T rows of it)."""
     emb = model.quantized.get("embed_tokens")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -17,6 +18,7 @@ from kvserve.runtime.cuda_graphs import (
     graph_buckets,
     is_pure_decode,
 )
+from kvserve.runtime.draft_runner import DraftRunner
 from kvserve.runtime.guard import sample_guarded
 from kvserve.runtime.input_batch import InputBatch, build_input_batch
 from kvserve.runtime.kv_cache import KVCache
@@ -93,6 +95,8 @@ class ModelRunner:
         # the forward pass allocates nothing but its output (see kvserve.bench.hotpath).
         self.workspace = Workspace()
         self.graphs: DecodeGraphs | None = None  # captured decode steps (CUDA, triton)
+        # Speculative decoding's draft model (``runtime/draft_runner.py``), set by start-up.
+        self.draft: DraftRunner | None = None
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture pure-decode steps as CUDA graphs per batch-size bucket (``cuda_graphs``).
@@ -159,6 +163,13 @@ class ModelRunner:
         out.swap_out_time = self._timed_copy(self.kv_cache.swap_out, sched.blocks_to_swap_out)
         out.swap_in_time = self._timed_copy(self.kv_cache.swap_in, sched.blocks_to_swap_in)
         self.kv_cache.copy_blocks(sched.blocks_to_copy)
+        if self.draft is not None:  # NOTE: the draft's KV shares the target's block ids
+            d = self.draft.kv_cache
+            out.swap_out_time += self._timed_copy(d.swap_out, sched.blocks_to_swap_out)
+            out.swap_in_time += self._timed_copy(d.swap_in, sched.blocks_to_swap_in)
+            d.copy_blocks(sched.blocks_to_copy)
+        if sched.scheduled and self.draft is not None:  # the draft model proposes
+            sched = dataclasses.replace(sched, scheduled=self.draft.propose(sched.scheduled))
         if sched.scheduled:
             batch = self.prepare_inputs(sched)
             hidden = None
@@ -183,6 +194,11 @@ class ModelRunner:
                 )
                 if batch.spec_requests:  # speculative decoding: accept drafts
                     fold_verified(out, batch.spec_requests)
+                if batch.spec_requests and self.draft is not None:
+                    self.draft.catch_up(batch.spec_requests, out.spec_num_accepted)
+                    out.spec_token_ids = {
+                        r.request_id: r.spec_token_ids for r in batch.spec_requests
+                    }
             out.prompt_logprobs = compute_prompt_logprobs(self.model, hidden, batch)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

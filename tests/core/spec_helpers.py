@@ -5,13 +5,21 @@
 draft through the block table, samples the fake model after each of them and accepts drafts
 while they equal its samples. ``OracleSpeculator`` proposes drafts from the fake model itself
 (the first ``good`` right, the rest wrong), so tests choose how many are accepted.
+``DraftModelFakeRunner`` plays a draft model: it fills the scheduler's placeholders the same
+way, in the runner, as ``runtime/draft_runner.py`` does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
-from kvserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from kvserve.core.outputs import (
+    DRAFT_PLACEHOLDER_TOKEN_ID,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from kvserve.core.sched.speculate import Speculator
 from kvserve.request import Request
 from tests.core.fake_runner import FakeRunner, mix, next_token, prefix_state, sample_from
@@ -77,3 +85,39 @@ class OracleSpeculator(Speculator):
             tokens.append(token)
         self.proposed += 1
         return drafts
+
+
+class DraftModelFakeRunner(SpecFakeRunner):
+    """``SpecFakeRunner`` with a draft model: it replaces the scheduler's placeholders
+    (``DRAFT_PLACEHOLDER_TOKEN_ID``) by the fake model's next tokens, the first
+    ``good(request_id, output_len)`` right and the rest wrong, on copies of the scheduled
+    requests (the scheduler's stay as they were), and reports them in ``spec_token_ids``."""
+
+    def __init__(self, *args: object, good: Callable[[str, int], int], **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.good = good
+        self.filled = 0
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        scheduled = [self._fill(sr) for sr in sched.scheduled]
+        out = super().execute(dataclasses.replace(sched, scheduled=scheduled))
+        for sr in scheduled:
+            if sr.spec_token_ids:
+                out.spec_token_ids[sr.request_id] = sr.spec_token_ids
+        return out
+
+    def _fill(self, sr: ScheduledRequest) -> ScheduledRequest:
+        k = len(sr.spec_token_ids)
+        if not k:
+            return sr
+        assert sr.spec_token_ids == [DRAFT_PLACEHOLDER_TOKEN_ID] * k
+        tokens = sr.prompt_token_ids + sr.output_token_ids
+        num_good = self.good(sr.request_id, len(sr.output_token_ids))
+        drafts: list[int] = []
+        for i in range(k):
+            token = next_token(tokens, sr.seed, self.vocab_size)
+            token = token if i < num_good else (token + 1) % self.vocab_size
+            drafts.append(token)
+            tokens = tokens + [token]
+        self.filled += 1
+        return dataclasses.replace(sr, token_ids=sr.token_ids[:-k] + drafts, spec_token_ids=drafts)

@@ -25,7 +25,7 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.spec_config import SpeculativeConfig
 from tests.core.fake_runner import Driver, FakeClock, assert_pool_idle, make_request
 from tests.core.sched_helpers import VOCAB, assert_expected, prompt
-from tests.core.spec_helpers import OracleSpeculator, SpecFakeRunner
+from tests.core.spec_helpers import DraftModelFakeRunner, OracleSpeculator, SpecFakeRunner
 
 
 def make_spec_driver(
@@ -273,3 +273,32 @@ def test_config_as_vllm_takes_it() -> None:
     assert c is not None and (c.prompt_lookup_min, c.prompt_lookup_max) == (4, 4)
     d = SpeculativeConfig.parse({"model": "/x/draft.gguf", "num_speculative_tokens": 2})
     assert d is not None and d.method == "draft_model"
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_draft_model_placeholders_are_filled_by_the_runner(mode: str) -> None:
+    """A draft model: the scheduler drafts placeholders, the runner's drafts are verified."""
+    settings = dict(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=256)
+    kv = KVCacheManager(10, 4, num_host_blocks=16)
+    spec = SpeculativeConfig.parse(
+        {"model": "/x/draft", "num_speculative_tokens": 3, "adaptive": False}
+    )
+    assert spec is not None
+    assert spec.method == "draft_model" and spec.draft_token_cost is None
+    clock = FakeClock()
+    config = SchedulerConfig(
+        **settings, admission_headroom=0.0, resume_watermark=0.0, preemption_mode=mode
+    )
+    scheduler = Scheduler(config, kv, clock=clock, speculator=Speculator(spec, 256))
+    runner = DraftModelFakeRunner(10, 4, 16, VOCAB, good=lambda rid, n: n % 4)
+    d = Driver(scheduler, runner, clock)
+    reqs = [make_request(f"r{i}", prompt(7, base=i % 2), max_tokens=18) for i in range(3)]
+    for r in reqs:
+        scheduler.add_request(r)
+    d.run()
+    assert_expected(d, *reqs)  # the fake model's own tokens: no placeholder, no wrong draft
+    assert_pool_idle(kv)
+    stats = scheduler.stats()
+    assert runner.filled == stats["spec_decode_num_drafts"] > 0
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+    assert stats["preemptions"] > 0 and stats["prefix_cache_hits"] > 0

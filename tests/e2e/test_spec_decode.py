@@ -139,7 +139,7 @@ def test_speculation_refuses_async_scheduling() -> None:
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineConfig(speculative_config={"num_speculative_tokens": 0})
     with pytest.raises(ValueError, match="speculative_config.model"):
-        EngineConfig(speculative_config={"model": "/x/draft.gguf"})
+        EngineConfig(speculative_config={"method": "draft_model"})
     config = EngineConfig(
         speculative_config=str(EngineConfig(speculative_config=NGRAM).speculative_config)
     )

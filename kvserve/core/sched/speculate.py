@@ -6,7 +6,9 @@ samples the target model at each of them and accepts the drafts while they equal
 sampled (``runtime/spec_verify.py``), then the token sampled after the last accepted draft.
 
 - **Drafts** (``Speculator.draft``): the n-gram proposer (``propose_ngram``, vLLM's prompt
-  lookup) or, for a draft model, the ones the engine set on the request.
+  lookup) or, for a draft model, ``k`` placeholders: the runner runs the draft model over
+  the slots allocated here (``runtime/draft_runner.py``) and reports the drafts it put there
+  (``ModelRunnerOutput.spec_token_ids``), which ``verified`` reads.
 - **How many** (``Speculator.num_to_draft``): a cost model per request. With ``a`` the
   request's acceptance rate (each draft accepted given the ones before were), ``k`` drafts
   yield ``1 + a + ... + a^k`` tokens for a step that costs ``1 + c k`` decode steps, ``c`` =
@@ -35,9 +37,9 @@ from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvserve.core.outputs import ModelRunnerOutput, ScheduledRequest
+from kvserve.core.outputs import DRAFT_PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, ScheduledRequest
 from kvserve.request import Request
-from kvserve.spec_config import SpeculativeConfig
+from kvserve.spec_config import DEFAULT_DRAFT_TOKEN_COST, SpeculativeConfig
 
 if TYPE_CHECKING:
     from kvserve.core.kv.kv_cache_manager import KVCacheManager
@@ -128,6 +130,8 @@ class Speculator:
         if num_running >= limit:
             return None
         c = cfg.draft_token_cost
+        if c is None:  # NOTE: a draft model's cost the engine did not set (core tests)
+            c = DEFAULT_DRAFT_TOKEN_COST
         return c + (1.0 - c) * (num_running - 1) / max(1, limit - 1)
 
     def acceptance(self, request: Request) -> float:
@@ -166,8 +170,11 @@ class Speculator:
         return max(0, k)
 
     def propose(self, request: Request, k: int) -> list[int]:
-        """Up to ``k`` draft tokens for ``request`` (n-gram prompt lookup)."""
+        """Up to ``k`` draft tokens for ``request``: n-gram prompt lookup, or ``k``
+        placeholders the runner's draft model fills (``DRAFT_PLACEHOLDER_TOKEN_ID``)."""
         cfg = self.config
+        if cfg.method == "draft_model":
+            return [DRAFT_PLACEHOLDER_TOKEN_ID] * k
         lo, hi = cfg.prompt_lookup_min or 1, cfg.prompt_lookup_max or 1
         return propose_ngram(request.all_token_ids, lo, hi, k)
 
@@ -204,9 +211,12 @@ class Speculator:
         a = out.spec_num_accepted.get(sr.request_id, 0)
         if not 0 <= a <= k:
             raise ValueError(f"{sr.request_id!r}: {a} of {k} draft tokens accepted")
+        drafts = out.spec_token_ids.get(sr.request_id, sr.spec_token_ids)
+        if len(drafts) != k:
+            raise ValueError(f"{sr.request_id!r}: {len(drafts)} draft tokens reported for {k}")
         request.num_computed_tokens -= k - a
         kv.release_rejected(request, request.num_computed_tokens)
         self.stats.observe(k, a)
         request.spec_accepted = DECAY * request.spec_accepted + a
         request.spec_tested = DECAY * request.spec_tested + a + (a < k)
-        return sr.spec_token_ids[:a]
+        return drafts[:a]

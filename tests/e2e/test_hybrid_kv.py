@@ -38,19 +38,24 @@ def hybrid_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     )
 
 
-def test_hybrid_model_matches_transformers(hybrid_model: str) -> None:
-    from transformers import AutoModelForCausalLM
-
-    llm = LLM(
-        hybrid_model,
+def _llm(model: str, **engine: object) -> LLM:
+    """The dense fp32 engine of these checks: 4-token blocks, a 64-block pool."""
+    return LLM(
+        model,
         dtype="float32",
         quantization="none",
         kernel_selection="off",
         block_size=4,
         num_kv_blocks=64,
-        max_num_batched_tokens=16,
         max_model_len=128,
+        **engine,  # type: ignore[arg-type]
     )
+
+
+def test_hybrid_model_matches_transformers(hybrid_model: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    llm = _llm(hybrid_model, max_num_batched_tokens=16)
     engine = llm.engine
     assert engine.arch.layer_types == tuple(LAYER_TYPES)
     kv = engine.kv_cache_manager
@@ -181,15 +186,7 @@ def test_teacher_forced_accuracy_pass_reads_each_groups_table(hybrid_model: str)
 
     from kvserve.bench.accuracy import teacher_forced
 
-    llm = LLM(
-        hybrid_model,
-        dtype="float32",
-        quantization="none",
-        kernel_selection="off",
-        block_size=4,
-        num_kv_blocks=64,
-        max_model_len=128,
-    )
+    llm = _llm(hybrid_model)
     tokens = PREFIX + [40 + 5 * j for j in range(28)]  # 40 tokens: 10 blocks in each of 6 groups
     forced = teacher_forced(llm.engine.runner, tokens, 16, keep_logprobs=True)
     got = torch.cat(forced.logprobs or [])

@@ -77,9 +77,10 @@ _HELP: dict[str, str] = {
     "start-up measurement finds it faster (an HF model stays dense); none = dequantize at "
     "load; q8_0 / q4_0 / q4_1 = quantize the weights at load to that GGML format",
     "step_budget": "size each step's prefill chunks so the step's predicted time (a cost model "
-    "fitted online on the engine's own steps) stays within a target (off by default: on the "
-    "machine it was measured on it raised TTFT more than it cut the ITL tail, bench/README); "
-    "--max-step-ms or --target-itl-ms turn it on",
+    "fitted online on the engine's own steps) stays within a target; default (neither flag): "
+    "on while that fit predicts this machine's steps (its median relative error <= 25%%), "
+    "else the fair prefill share alone; --step-budget: always; --no-step-budget: never; "
+    "--max-step-ms or --target-itl-ms imply --step-budget",
     "max_step_ms": "step-time target in ms (default: --step-decode-multiple x the predicted "
     "pure-decode step at the current batch)",
     "target_itl_ms": "inter-token latency target in ms: the step-time target is this minus the "
@@ -170,7 +171,7 @@ class EngineConfig:
     quantization: str = "auto"
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
-    step_budget: bool = False
+    step_budget: bool | None = None  # None: the measured default (core/sched/measured_budget)
     max_step_ms: float | None = None
     target_itl_ms: float | None = None
     step_decode_multiple: float = 1.75

@@ -54,8 +54,8 @@ def parse_setting(
         key, _, value = item.partition("=")
         if key not in types:
             raise ValueError(f"unknown StepBudgetConfig field {key!r} in {spec!r}")
-        kw[key] = value if key == "prefill_policy" else (int if "int" in types[key] else float)(
-            value
+        kw[key] = (
+            value if key == "prefill_policy" else (int if "int" in types[key] else float)(value)
         )
     kind = MeasuredStepBudget if name == "auto" else StepTimeBudget
     return kind(StepBudgetConfig(**kw), cost)  # type: ignore[arg-type]

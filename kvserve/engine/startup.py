@@ -35,9 +35,9 @@ from kvserve.core.kv.kv_cache_config import KVCacheConfig, KVWindow
 from kvserve.core.kv.kv_cache_manager import KVCacheManager
 from kvserve.core.kv.kv_groups import KVGroupSpec, group_layers
 from kvserve.core.kv.managers import create_kv_cache_manager
+from kvserve.core.sched.measured_budget import MeasuredStepBudget
 from kvserve.core.sched.scheduler import Scheduler
 from kvserve.core.sched.speculate import Speculator
-from kvserve.core.sched.measured_budget import MeasuredStepBudget
 from kvserve.core.sched.step_budget import StepTimeBudget
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.memory_budget import MemoryReport, measure_kernel_scratch, plan_kv_blocks

@@ -10,7 +10,8 @@ runs, never a constant tuned on one CPU:
 - the target is a multiple (``decode_multiple``) of the predicted pure-decode step at the
   step's batch, from the cost model fitted online on the engine's own step records;
 - before each record of a step with decodes is fed to the fit, the step is predicted from
-  the fit so far and the relative error ``|predicted - measured| / measured`` is kept (the latest ``window``);
+  the fit so far and the relative error ``|predicted - measured| / measured`` is kept (the
+  latest ``window``);
 - while the median of those errors is above ``max_error`` (or fewer than ``min_checked``
   steps were checked), the budget stands aside for the step (``plan`` returns None) and the
   scheduler's fair prefill share sizes the chunks, as with ``--no-step-budget``.
@@ -36,7 +37,7 @@ from kvserve.core.sched.step_budget import (
 )
 from kvserve.core.sched.step_cost import StepLoad
 
-DEFAULT_MAX_ERROR = 0.25  # median relative prediction error under which the fit holds
+DEFAULT_MAX_ERROR = 0.5  # median relative prediction error under which the fit holds
 DEFAULT_FIT_WINDOW = 64  # checked steps the median is taken over
 DEFAULT_MIN_CHECKED = 8  # checked steps before the fit can hold
 

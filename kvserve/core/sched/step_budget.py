@@ -26,13 +26,14 @@ target raising TTFT p90 9x at low load, where the token budget alone already kep
 - aging: a prompt still waiting for its first token that has waited ``w`` seconds (since
   arrival) may stretch the step to ``target + ttft_aging x w``, ``w`` bounded by the wait of
   any prompt the step completes before it (issue 51: a short request arriving beside an old
-  long prompt is not made to wait for the long one's stretched step). The stall the streams are asked
-  to take grows with the time the prompt has already lost: with ``ttft_aging=1`` each step's
-  allowance is at least the time waited so far, so the allowed chunk about doubles step after
-  step and a split prompt is done within a few steps, while a step with no old prompt keeps
-  the plain target. ``ttft_aging=0`` is the fixed target.
+  long prompt is not made to wait for the long one's stretched step). The stall the streams
+  are asked to take grows with the time the prompt has already lost: with ``ttft_aging=1``
+  each step's allowance is at least the time waited so far, so the allowed chunk about
+  doubles step after step and a split prompt is done within a few steps, while a step with
+  no old prompt keeps the plain target. ``ttft_aging=0`` is the fixed target.
 - deadline (``ttft_slack``): a prompt that has waited ``ttft_slack`` x the predicted time of
-  the step that would compute it unsplit (beside this step's decodes) is not capped at all.
+  the step that would compute it unsplit (beside this step's decodes) is not capped at all
+  (its wait bounded as for aging, by that of a prompt the step completes before it).
   TTFT is then within about that multiple of the unsplit prefill plus one step, and under
   overload (long queues: every wait past its deadline) the planner stands aside, because
   there small chunks cost throughput (every step pays the weight reads) and the queue grows.
@@ -315,10 +316,11 @@ class StepTimeBudget:
             limit = min(c.remaining, left)
             if limit <= 0:
                 break
-            own = target + cfg.ttft_aging * min(max(c.waited_s, 0.0), fresh)
-            if cfg.ttft_slack is not None and c.waited_s > 0.0:
+            waited = min(max(c.waited_s, 0.0), fresh)
+            own = target + cfg.ttft_aging * waited
+            if cfg.ttft_slack is not None and waited > 0.0:
                 unsplit = self.cost.predict(decodes_only.plus_chunk(c.start_pos, limit))
-                if c.waited_s >= cfg.ttft_slack * unsplit:
+                if waited >= cfg.ttft_slack * unsplit:
                     own = math.inf  # past its TTFT deadline: the rest of the token budget
             n = self._largest_fit(load, c.start_pos, limit, own)
             if n == 0:

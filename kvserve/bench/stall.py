@@ -11,8 +11,9 @@ shared box's drift falls on all of them alike):
 
 A setting is ``off`` (no step-time budget), ``default`` (what the engine built by default),
 ``on`` (``--step-budget``) or ``auto`` (the measured default, ``MeasuredStepBudget``) with
-optional ``StepBudgetConfig`` fields, e.g. ``on:decode_multiple=2,ttft_aging=0``. Every
-budget setting shares one cost model (the engine's own fit when it has one).
+optional ``StepBudgetConfig`` fields, e.g. ``on:decode_multiple=2,ttft_aging=0``. Each
+budget has its own cost model (``default``: the engine's own) and is fed every step's
+record, whichever setting ran the step.
 
     kvserve bench stall --scenario long-prompt --settings off default --rounds 2
     kvserve bench stall --scenario arrivals --settings off default --rounds 2
@@ -35,9 +36,7 @@ from kvserve.percentile import percentile
 from kvserve.sim.workloads import generate_workload, resolve_prompt_token_ids
 
 
-def parse_setting(
-    spec: str, default: StepTimeBudget | None, cost: OnlineStepCostModel
-) -> StepTimeBudget | None:
+def parse_setting(spec: str, default: StepTimeBudget | None) -> StepTimeBudget | None:
     """The budget a setting names (module docstring); ValueError on an unknown one."""
     if spec == "off":
         return None
@@ -58,7 +57,7 @@ def parse_setting(
             value if key == "prefill_policy" else (int if "int" in types[key] else float)(value)
         )
     kind = MeasuredStepBudget if name == "auto" else StepTimeBudget
-    return kind(StepBudgetConfig(**kw), cost)  # type: ignore[arg-type]
+    return kind(StepBudgetConfig(**kw), OnlineStepCostModel())  # type: ignore[arg-type]
 
 
 def _arrivals(engine: LLMEngine, args: argparse.Namespace, salt: int) -> dict[str, float]:
@@ -106,11 +105,20 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     engine = LLMEngine(num_threads=args.num_threads, max_num_seqs=args.max_num_seqs)
     own = engine.scheduler.step_budget
-    cost = own.cost if own is not None else OnlineStepCostModel()
-    settings = {s: parse_setting(s, own, cost) for s in args.settings}  # type: ignore[arg-type]
+    settings = {s: parse_setting(s, own) for s in args.settings}
+    budgets = [b for b in {id(b): b for b in settings.values() if b is not None}.values()]
+
+    def observe(record: dict[str, float]) -> None:
+        # NOTE: every budget learns from every step, whichever setting runs it, as the
+        # engine's own budget would over a server's life (an "off" round included).
+        for b in budgets:
+            b.observe(record)
+
+    engine.scheduler.observe_step = observe  # type: ignore[method-assign]
     rng = random.Random(51)
     warm_up(engine)
     _ttft_idle(engine, rng)
+    _round(engine, rng, 1000)  # NOTE: warm-up: the fit sees decodes beside prefill chunks
     for r in range(args.rounds):
         for i, (name, budget) in enumerate(settings.items()):
             engine.scheduler.step_budget = budget
@@ -124,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                 res.update(fit_error=budget.fit_error, unheld_steps=budget.num_unheld_plans)
             figures = " ".join(f"{k}={v:.3f}" for k, v in res.items())
             print(f"round={r} setting={name} {figures}", flush=True)
-    if cost.ready:
-        print(" ".join(f"{k}={v:.4g}" for k, v in cost.describe().items()))
+    for name, b in settings.items():
+        if b is not None and isinstance(b.cost, OnlineStepCostModel) and b.cost.ready:
+            print(name, " ".join(f"{k}={v:.4g}" for k, v in b.cost.describe().items()))
     return 0

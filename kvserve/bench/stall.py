@@ -122,12 +122,15 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         for i, (name, budget) in enumerate(settings.items()):
             engine.scheduler.step_budget = budget
+            capped = budget.num_capped_steps if budget is not None else 0
             if args.scenario == "arrivals":
                 res = _arrivals(engine, args, salt=100 * r + i)
             else:
                 idle = statistics.median(_ttft_idle(engine, rng) for _ in range(3))
                 res = {"idle_ttft_s": idle, **_round(engine, rng, args.long_len)}
                 res["short_over_idle"] = res["short_ttft_s"] / idle
+            if budget is not None:
+                res["capped_steps"] = budget.num_capped_steps - capped
             if isinstance(budget, MeasuredStepBudget):
                 res.update(fit_error=budget.fit_error, unheld_steps=budget.num_unheld_plans)
             figures = " ".join(f"{k}={v:.3f}" for k, v in res.items())

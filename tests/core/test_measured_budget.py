@@ -6,6 +6,7 @@ budget as each executed step's record, so every figure here is counted, not time
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 
@@ -104,6 +105,10 @@ def test_the_engine_default_is_the_measured_budget_and_flags_override_it() -> No
     assert EngineConfig(max_step_ms=50.0).step_budget is True
     with pytest.raises(ValueError, match="step_budget"):
         EngineConfig(step_budget="yes")  # type: ignore[arg-type]
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    for argv, want in (([], None), (["--step-budget"], True), (["--no-step-budget"], False)):
+        assert EngineConfig.from_cli_args(parser.parse_args(argv)).step_budget is want
 
 
 def drive(budget: MeasuredStepBudget | None, *, noisy: bool = False, steps: int = 24):

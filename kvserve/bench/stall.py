@@ -26,7 +26,7 @@ import dataclasses
 import random
 import statistics
 
-from kvserve.bench.long_prompt import _round, _ttft_idle
+from kvserve.bench.long_prompt import long_prompt_round, ttft_idle
 from kvserve.bench.offline import run_offline, warm_up
 from kvserve.core.sched.measured_budget import MeasuredStepBudget
 from kvserve.core.sched.step_budget import StepBudgetConfig, StepTimeBudget
@@ -117,8 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     engine.scheduler.observe_step = observe  # type: ignore[method-assign]
     rng = random.Random(51)
     warm_up(engine)
-    _ttft_idle(engine, rng)
-    _round(engine, rng, 1000)  # NOTE: warm-up: the fit sees decodes beside prefill chunks
+    ttft_idle(engine, rng)
+    # NOTE: a warm-up round: the fit sees decodes beside prefill chunks.
+    long_prompt_round(engine, rng, 1000)
     for r in range(args.rounds):
         for i, (name, budget) in enumerate(settings.items()):
             engine.scheduler.step_budget = budget
@@ -126,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.scenario == "arrivals":
                 res = _arrivals(engine, args, salt=100 * r + i)
             else:
-                idle = statistics.median(_ttft_idle(engine, rng) for _ in range(3))
-                res = {"idle_ttft_s": idle, **_round(engine, rng, args.long_len)}
+                idle = statistics.median(ttft_idle(engine, rng) for _ in range(3))
+                res = {"idle_ttft_s": idle, **long_prompt_round(engine, rng, args.long_len)}
                 res["short_over_idle"] = res["short_ttft_s"] / idle
             if budget is not None:
                 res["capped_steps"] = budget.num_capped_steps - capped

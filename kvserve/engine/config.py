@@ -78,7 +78,7 @@ _HELP: dict[str, str] = {
     "load; q8_0 / q4_0 / q4_1 = quantize the weights at load to that GGML format",
     "step_budget": "size each step's prefill chunks so the step's predicted time (a cost model "
     "fitted online on the engine's own steps) stays within a target; default (neither flag): "
-    "on while that fit predicts this machine's steps (its median relative error <= 50%%), "
+    "on while that fit predicts this machine's steps (its median relative error at most 0.5), "
     "else the fair prefill share alone; --step-budget: always; --no-step-budget: never; "
     "--max-step-ms or --target-itl-ms imply --step-budget",
     "max_step_ms": "step-time target in ms (default: --step-decode-multiple x the predicted "

@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, (name, budget) in enumerate(settings.items()):
             engine.scheduler.step_budget = budget
             capped = budget.num_capped_steps if budget is not None else 0
+            unheld = budget.num_unheld_plans if isinstance(budget, MeasuredStepBudget) else 0
             if args.scenario == "arrivals":
                 res = _arrivals(engine, args, salt=100 * r + i)
             else:
@@ -133,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
             if budget is not None:
                 res["capped_steps"] = budget.num_capped_steps - capped
             if isinstance(budget, MeasuredStepBudget):
-                res.update(fit_error=budget.fit_error, unheld_steps=budget.num_unheld_plans)
+                res.update(
+                    fit_error=budget.fit_error, unheld_steps=budget.num_unheld_plans - unheld
+                )
             figures = " ".join(f"{k}={v:.3f}" for k, v in res.items())
             print(f"round={r} setting={name} {figures}", flush=True)
     for name, b in settings.items():

@@ -28,6 +28,7 @@ _EXTERNAL = (
     ("tp", "kvserve.bench.tp", "tensor parallel vs one process: logits, agreement, step time"),
     ("first-token", "kvserve.bench.first_token", "greedy answer and top log-probs per setting"),
     ("long-prompt", "kvserve.bench.long_prompt", "a short request's wait beside a long prefill"),
+    ("stall", "kvserve.bench.stall", "issue 51's stall targets, step-budget settings alternated"),
 )
 
 

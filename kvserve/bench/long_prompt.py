@@ -25,7 +25,8 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(1000, 40000) for _ in range(n)]
 
 
-def _ttft_idle(engine: LLMEngine, rng: random.Random) -> float:
+def ttft_idle(engine: LLMEngine, rng: random.Random) -> float:
+    """A 4-token request's TTFT on an otherwise idle engine (seconds)."""
     t0 = time.perf_counter()
     rid = engine.add_request(_tokens(rng, 4), SamplingParams(max_tokens=1, temperature=0.0))
     while True:
@@ -34,7 +35,7 @@ def _ttft_idle(engine: LLMEngine, rng: random.Random) -> float:
                 return time.perf_counter() - t0
 
 
-def _round(engine: LLMEngine, rng: random.Random, long_len: int) -> dict[str, float]:
+def long_prompt_round(engine: LLMEngine, rng: random.Random, long_len: int) -> dict[str, float]:
     """One trial (module docstring); leaves the engine empty."""
     one = SamplingParams(max_tokens=1, temperature=0.0)
     stream = engine.add_request(
@@ -84,12 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     engine = LLMEngine()
     rng = random.Random(51)
     base = engine.scheduler.config
-    _ttft_idle(engine, rng)  # warm-up
+    ttft_idle(engine, rng)  # warm-up
     for r in range(args.rounds):
         for share in args.shares:
             engine.scheduler.config = dataclasses.replace(base, prefill_share=share)
-            idle = _ttft_idle(engine, rng)
-            res = _round(engine, rng, args.long_len)
+            idle = ttft_idle(engine, rng)
+            res = long_prompt_round(engine, rng, args.long_len)
             figures = " ".join(f"{k}={v:.3f}" for k, v in res.items())
             print(f"round={r} share={share} idle_ttft_s={idle:.3f} {figures}", flush=True)
     return 0

@@ -77,9 +77,10 @@ _HELP: dict[str, str] = {
     "start-up measurement finds it faster (an HF model stays dense); none = dequantize at "
     "load; q8_0 / q4_0 / q4_1 = quantize the weights at load to that GGML format",
     "step_budget": "size each step's prefill chunks so the step's predicted time (a cost model "
-    "fitted online on the engine's own steps) stays within a target (off by default: on the "
-    "machine it was measured on it raised TTFT more than it cut the ITL tail, bench/README); "
-    "--max-step-ms or --target-itl-ms turn it on",
+    "fitted online on the engine's own steps) stays within a target; default (neither flag): "
+    "on while that fit predicts this machine's steps (its median relative error at most 0.5), "
+    "else the fair prefill share alone; --step-budget: always; --no-step-budget: never; "
+    "--max-step-ms or --target-itl-ms imply --step-budget",
     "max_step_ms": "step-time target in ms (default: --step-decode-multiple x the predicted "
     "pure-decode step at the current batch)",
     "target_itl_ms": "inter-token latency target in ms: the step-time target is this minus the "
@@ -87,9 +88,9 @@ _HELP: dict[str, str] = {
     "step_decode_multiple": "default step-time target, as a multiple of the predicted "
     "pure-decode step at the current batch",
     "ttft_aging": "step-budget TTFT guard: a prompt that has waited w seconds for its first "
-    "token may stretch a step to the target + this x w (0: a fixed target)",
+    "token may stretch a step to the target + this x w (0, the default: a fixed target)",
     "ttft_slack": "step-budget TTFT deadline: a prompt that has waited this multiple of its "
-    "predicted unsplit prefill step is not capped (default: none)",
+    "predicted unsplit prefill step is not capped (default 2)",
     "step_tail_fraction": "step budget: the ITL tail allowance, the share of decode tokens "
     "that may fall in steps left uncapped for a long prompt (e.g. 0.012 under a p99 "
     "objective; default: none, every step is capped)",
@@ -170,14 +171,17 @@ class EngineConfig:
     quantization: str = "auto"
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
-    step_budget: bool = False
+    step_budget: bool | None = None  # None: the measured default (core/sched/measured_budget)
     max_step_ms: float | None = None
     target_itl_ms: float | None = None
     step_decode_multiple: float = 1.75
     prefill_policy: str = "shortest"
-    ttft_aging: float = 1.0
+    # NOTE: issue 51: the engine's defaults are a fixed target with a TTFT deadline (an
+    # aging prompt stretched every later step, stalling streams for seconds on the long-
+    # prompt probe); StepBudgetConfig keeps issue 21's defaults for the library.
+    ttft_aging: float = 0.0
     step_min_decodes: int = 1
-    ttft_slack: float | None = None
+    ttft_slack: float | None = 2.0
     step_tail_fraction: float | None = None
     step_tail_min_tokens: int = 64
     prefill_share: float = 0.5

@@ -35,6 +35,7 @@ from kvserve.core.kv.kv_cache_config import KVCacheConfig, KVWindow
 from kvserve.core.kv.kv_cache_manager import KVCacheManager
 from kvserve.core.kv.kv_groups import KVGroupSpec, group_layers
 from kvserve.core.kv.managers import create_kv_cache_manager
+from kvserve.core.sched.measured_budget import MeasuredStepBudget
 from kvserve.core.sched.scheduler import Scheduler
 from kvserve.core.sched.speculate import Speculator
 from kvserve.core.sched.step_budget import StepTimeBudget
@@ -411,7 +412,11 @@ def build_scheduler(
     config: EngineConfig, max_model_len: int, kv_cache_manager: KVCacheManager
 ) -> Scheduler:
     """Phase 8: the scheduler over the manager (with the step-time budget unless it is off)."""
-    step_budget = StepTimeBudget(config.step_budget_config()) if config.step_budget else None
+    step_budget: StepTimeBudget | None = None
+    if config.step_budget is None:  # neither flag: the budget where its own fit holds
+        step_budget = MeasuredStepBudget(config.step_budget_config())
+    elif config.step_budget:
+        step_budget = StepTimeBudget(config.step_budget_config())
     spec = config.speculative_config
     return Scheduler(
         config.scheduler_config(max_model_len),

@@ -35,7 +35,9 @@ class FakeCost:
         self.observed.append((load, seconds))
 
 
-def make(policy: str = "shortest", *, budget: int = 64, **cfg: object) -> Driver:
+def make(
+    policy: str = "shortest", *, budget: int = 64, prefill_share: float = 0.5, **cfg: object
+) -> Driver:
     cfg.setdefault("max_step_ms", 30.0)
     cfg.setdefault("ttft_aging", 0.0)  # the fixed target (the TTFT guard: test_step_budget_guard)
     step_budget = StepTimeBudget(
@@ -49,6 +51,7 @@ def make(policy: str = "shortest", *, budget: int = 64, **cfg: object) -> Driver
         max_model_len=512,
         admission_headroom=0.0,
         resume_watermark=0.0,
+        prefill_share=prefill_share,
     )
     clock = FakeClock()
     scheduler = Scheduler(config, kv, clock=clock, step_budget=step_budget)
@@ -155,9 +158,11 @@ def test_never_exceeds_the_target_and_never_starves_decodes() -> None:
 
 def test_lone_prefill_takes_the_whole_token_budget() -> None:
     d = make("shortest", budget=64, max_step_ms=12.0)
-    steps = run_script(d, {0: [("A", 150, 2), ("B", 20, 2)]}, 3)
-    # No decodes run: the chunks are token-budget sized, far above 12 ms.
-    assert steps == [[("A", 64)], [("A", 64)], [("A", 22), ("B", 20)]]
+    steps = run_script(d, {0: [("A", 150, 2), ("B", 20, 2)]}, 4)
+    # No decodes run: the chunks are token-budget sized, far above 12 ms, and the budget
+    # leaves the step to the fair prefill share (half of 64 first, then the rest).
+    # B's decode in step 1 leaves 1 ms of the 12: A gets 1 token; then A is alone again.
+    assert steps == [[("A", 44), ("B", 20)], [("B", 1), ("A", 1)], [("A", 64)], [("A", 41)]]
     b = StepTimeBudget(StepBudgetConfig(max_step_ms=1.0), FakeCost())
     assert b.plan([], [PrefillCandidate("A", 0, 500)], 64) is None
 

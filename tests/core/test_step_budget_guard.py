@@ -138,3 +138,20 @@ def test_bad_guard_values_name_the_flag(field: str, value: float, flag: str) -> 
 def test_engine_config_passes_the_guard_through() -> None:
     cfg = EngineConfig(ttft_aging=0.5, step_min_decodes=3, ttft_slack=2.0).step_budget_config()
     assert (cfg.ttft_aging, cfg.min_decodes, cfg.ttft_slack) == (0.5, 3, 2.0)
+
+
+def test_a_prompt_the_step_completes_bounds_the_stretch_for_an_older_one() -> None:
+    # Issue 51: a 4-token request arriving beside a long prompt that has waited 0.5 s.
+    short = PrefillCandidate("S", 0, 4, True, 0.001)
+    old = PrefillCandidate("L", 0, 200, False, 0.5)
+    # Alone, L's aging lets it take the rest of the token budget (63 beside the decode).
+    assert budget(ttft_aging=1.0).plan([5], [old], 63) == {"L": 63}
+    # With S (shortest first, done in this step): L stretches the step by S's 1 ms only:
+    # 31 ms - 10 - 1 decode - 4 = 16 tokens.
+    assert budget(ttft_aging=1.0).plan([5], [old, short], 63) == {"L": 16, "S": 4}
+    # The deadline likewise: L is past it (0.5 s >= 1 x 74 ms), S is not: the plain target.
+    assert budget(ttft_aging=0.0, ttft_slack=1.0).plan([5], [old], 63) == {"L": 63}
+    assert budget(ttft_aging=0.0, ttft_slack=1.0).plan([5], [old, short], 63) == {"L": 15, "S": 4}
+    # A prompt the step only chunks gets no first token now: it bounds nothing.
+    part = PrefillCandidate("P", 0, 100, True, 0.001)
+    assert budget(ttft_aging=1.0).plan([5], [old, part], 63)["L"] > 16

@@ -80,7 +80,9 @@ def test_without_a_fraction_nothing_is_uncapped() -> None:
 
 def test_in_the_scheduler_a_long_prompt_goes_unsplit_while_the_allowance_lasts() -> None:
     # Room for one uncapped step beside one decode, earned by 100 executed decodes.
-    d = make(budget=64, tail_fraction=0.01, tail_window=100)
+    # NOTE: prefill_share 1: the uncapped step is the greedy token budget's (the fair share
+    # would split it between A and B; that rule: test_scheduler_fair_prefill.py).
+    d = make(budget=64, tail_fraction=0.01, tail_window=100, prefill_share=1.0)
     assert d.scheduler.step_budget is not None
     earned(d.scheduler.step_budget, 100)
     d.scheduler.add_request(make_request("D", prompt(8, 1), max_tokens=40))

@@ -10,6 +10,8 @@ that M bucket and how the prompt was chunked, and these tests allowed a near-tie
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvserve.runtime.autotune.candidates import native_bf16
@@ -198,6 +200,26 @@ def test_step_time_budget_is_identical(make_llm, reference, dtype, policy: str) 
     stats = llm.stats()
     assert stats["step_budget_min_chunk_steps"] > 0
     assert stats["kv_usage"] == 0
+
+
+def test_default_measured_step_budget_is_identical(make_llm, reference, dtype) -> None:
+    """Issue 51: the default engine builds the measured step budget; its caps (here its fit
+    check made to hold from the first step, and a target below any step: every step with
+    decodes gets a minimum chunk) change no token; nor does ``--no-step-budget``."""
+    from kvserve.core.sched.measured_budget import MeasuredStepBudget
+
+    prompts, expected = reference
+    llm = make_llm(num_kv_blocks=512, enable_prefix_caching=False, max_num_batched_tokens=64)
+    default = llm.engine.scheduler.step_budget
+    assert isinstance(default, MeasuredStepBudget)
+    cfg = dataclasses.replace(default.config, max_step_ms=1e-3, min_records=1, skip_first=0)
+    budget = MeasuredStepBudget(cfg, max_error=1e9, min_checked=1)
+    llm.engine.scheduler.step_budget = budget
+    assert_same(_staggered_tokens(llm, prompts), expected, dtype)
+    assert budget.holds and llm.stats()["step_budget_min_chunk_steps"] > 0
+    off = make_llm(num_kv_blocks=512, max_num_batched_tokens=64, step_budget=False)
+    assert off.engine.scheduler.step_budget is None
+    assert_same(_staggered_tokens(off, prompts), expected, dtype)
 
 
 def test_step_budget_learns_from_every_step(make_llm, reference, dtype) -> None:

@@ -16,9 +16,8 @@ this order:
    only: if the head cannot be admitted, nobody behind it is. No admission while any
    request is swapped out. Steps 3 and 4 are skipped in a step that preempted.
 
-Steps 2-4 respect per-request prefill chunk caps planned after step 1: the fair prefill
-share's (``fair_prefill.py``), or with a step-time budget (``step_budget.StepTimeBudget``,
-fed by ``observe_step``) its caps, so the step's predicted time stays within its target.
+Steps 2-4 respect per-request prefill chunk caps planned after step 1: a step-time budget's
+(``step_budget``, fed by ``observe_step``), else the fair prefill share's (``fair_prefill``).
 Rules: ``admission.py`` (seats, headroom, hysteresis, no deadlock: steps 3 and 4),
 ``preemption.py``, ``stop_checks``, ``speculate`` (a decode's drafts); ``step_plan`` the
 step's budget and output; this file the order.
@@ -228,7 +227,7 @@ class Scheduler:
                 self._emit(request, num_new + len(drafts), step, drafts)
 
     def _plan_prefill(self, step: StepPlan) -> dict[str, int] | None:
-        """Prefill chunk caps after the decodes: the step-time budget's, else the fair share's."""
+        """Prefill chunk caps after the decodes: the step-time budget's, or the fair share's."""
         if not self.config.enable_chunked_prefill:
             return None
         admit = not self.swapped and (not self.running or not self.admission_closed)
@@ -239,10 +238,11 @@ class Scheduler:
             self.config.max_running - self._num_seats(),
             self.clock(),
         )
-        if self.step_budget is None:
-            return plan_fair_prefill(self.config, candidates, self.requests, self.kv, step.budget)
-        decode_contexts = [sr.start_pos + 1 for sr in step.out.scheduled]
-        return self.step_budget.plan(decode_contexts, candidates, step.budget)
+        if self.step_budget is not None:  # NOTE: no time caps this step: the fair share's
+            contexts = [sr.start_pos + 1 for sr in step.out.scheduled]
+            if (caps := self.step_budget.plan(contexts, candidates, step.budget)) is not None:
+                return caps
+        return plan_fair_prefill(self.config, candidates, self.requests, self.kv, step.budget)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, step: StepPlan) -> bool:
         """Allocate ``num_new`` slots, preempting victims until it works; False if ``request``

@@ -24,13 +24,16 @@ target raising TTFT p90 9x at low load, where the token budget alone already kep
 - few streams: with fewer than ``min_decodes`` decodes in the step, nothing is capped (the
   stall falls on one or two streams, the cost of splitting on every waiting prompt).
 - aging: a prompt still waiting for its first token that has waited ``w`` seconds (since
-  arrival) may stretch the step to ``target + ttft_aging x w``. The stall the streams are asked
-  to take grows with the time the prompt has already lost: with ``ttft_aging=1`` each step's
-  allowance is at least the time waited so far, so the allowed chunk about doubles step after
-  step and a split prompt is done within a few steps, while a step with no old prompt keeps
-  the plain target. ``ttft_aging=0`` is the fixed target.
+  arrival) may stretch the step to ``target + ttft_aging x w``, ``w`` bounded by the wait of
+  any prompt the step completes before it (issue 51: a short request arriving beside an old
+  long prompt is not made to wait for the long one's stretched step). The stall the streams
+  are asked to take grows with the time the prompt has already lost: with ``ttft_aging=1``
+  each step's allowance is at least the time waited so far, so the allowed chunk about
+  doubles step after step and a split prompt is done within a few steps, while a step with
+  no old prompt keeps the plain target. ``ttft_aging=0`` is the fixed target.
 - deadline (``ttft_slack``): a prompt that has waited ``ttft_slack`` x the predicted time of
-  the step that would compute it unsplit (beside this step's decodes) is not capped at all.
+  the step that would compute it unsplit (beside this step's decodes) is not capped at all
+  (its wait bounded as for aging, by that of a prompt the step completes before it).
   TTFT is then within about that multiple of the unsplit prefill plus one step, and under
   overload (long queues: every wait past its deadline) the planner stands aside, because
   there small chunks cost throughput (every step pays the weight reads) and the queue grows.
@@ -308,20 +311,25 @@ class StepTimeBudget:
         left = token_budget
         granted = 0
         aged = False
+        fresh = math.inf  # least wait of a prompt this step completes (bounds the aging)
         for c in order:
             limit = min(c.remaining, left)
             if limit <= 0:
                 break
-            own = target + cfg.ttft_aging * max(c.waited_s, 0.0)
-            if cfg.ttft_slack is not None and c.waited_s > 0.0:
+            waited = min(max(c.waited_s, 0.0), fresh)
+            own = target + cfg.ttft_aging * waited
+            if cfg.ttft_slack is not None and waited > 0.0:
                 unsplit = self.cost.predict(decodes_only.plus_chunk(c.start_pos, limit))
-                if c.waited_s >= cfg.ttft_slack * unsplit:
+                if waited >= cfg.ttft_slack * unsplit:
                     own = math.inf  # past its TTFT deadline: the rest of the token budget
             n = self._largest_fit(load, c.start_pos, limit, own)
             if n == 0:
                 continue
             aged = aged or self.cost.predict(load.plus_chunk(c.start_pos, n)) > target
             caps[c.request_id] = n
+            if n == c.remaining and (c.waiting or c.waited_s > 0.0):
+                # NOTE: its first token ends this step: stretch it no more than it waited.
+                fresh = min(fresh, max(c.waited_s, 0.0))
             load = load.plus_chunk(c.start_pos, n)
             left -= n
             granted += n
@@ -330,9 +338,13 @@ class StepTimeBudget:
         if capped and self._spend_tail(len(decode_contexts), candidates, caps):
             return None
         if granted == 0:
-            # NOTE: a running prefill first: a waiting head may not be admitted this step.
-            first = next((c for c in order if not c.waiting), order[0])
-            caps[first.request_id] = min(cfg.min_prefill_chunk, first.remaining, token_budget)
+            # NOTE: the policy's first gets a minimum chunk (a short prompt is not held behind a
+            # long one), and so does a running prefill: a waiting head may not be admitted.
+            running = next((c for c in order if not c.waiting), order[0])
+            left = token_budget
+            for c in {order[0].request_id: order[0], running.request_id: running}.values():
+                caps[c.request_id] = n = min(cfg.min_prefill_chunk, c.remaining, left)
+                left -= n
             self.num_min_chunk_steps += 1
             if decode_s >= target:
                 self.num_over_target_steps += 1

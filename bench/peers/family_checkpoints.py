@@ -13,9 +13,10 @@ family (``--list`` names them) it writes, under ``DIR/<key>/`` (default
   vocabulary size (``fit_vocab``: extra ids are plain unreachable tokens ``<x12345>``, so
   every id a random model emits decodes; a smaller vocabulary cuts the ids above it and
   their merges). No weights are downloaded.
-- ``model-<type>.gguf`` for each ``--gguf-types``: llama.cpp's own ``convert_hf_to_gguf.py``
-  (the vendored copy the llama.cpp peer was built from) on that directory. ``q8_0`` is
-  convert's built-in 8-bit quantization (llama-quantize is not built here, so no Q4_K).
+- ``model-<type>.gguf`` for each ``--gguf-types`` (default ``q8_0``): llama.cpp's own
+  ``convert_hf_to_gguf.py`` (the vendored copy the llama.cpp peer was built from) on that
+  directory. ``q8_0`` is convert's built-in 8-bit quantization (llama-quantize is not built
+  here, so no Q4_K); ``f16`` (the weights unquantized) doubles the disk a family needs.
 - ``manifest.json``: the shape, the parameter count, each file's bytes, and the seconds and
   peak RSS (MiB) each step took.
 
@@ -328,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--families", nargs="+", default=[f.key for f in FAMILIES])
     ap.add_argument("--out", type=Path, default=PEERS_HOME / "families")
-    ap.add_argument("--gguf-types", nargs="*", default=["f16", "q8_0"], choices=GGUF_TYPES)
+    ap.add_argument("--gguf-types", nargs="*", default=["q8_0"], choices=GGUF_TYPES)
     ap.add_argument("--list", action="store_true", help="print the families and exit")
     ap.add_argument("--build-hf", nargs=2, metavar=("KEY", "ROOT"), help=argparse.SUPPRESS)
     ap.add_argument("--convert", nargs=3, metavar=("HF", "OUT", "TYPE"), help=argparse.SUPPRESS)

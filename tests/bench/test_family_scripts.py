@@ -101,6 +101,7 @@ def test_family_figures_and_table_rows(tmp_path) -> None:
     _write_run(tmp_path, "kvserve_before", 1, 2.0)  # 32 tok/s
     _write_run(tmp_path, "kvserve_after", 1, 1.0)  # 64 tok/s
     _write_run(tmp_path, "vllm-fp32", 1, 4.0)  # 16 tok/s
+    assert (tmp_path / "offline_vllm_fp32_b1.json").is_file()  # as vllm_offline.py names it
     _write_run(tmp_path, "kvserve_before", 8, 8.0)  # 64 tok/s, its "after" run failed
     figures = fs.family_figures(tmp_path, [1, 8], ["vllm-fp32", "llama.cpp-q8_0"])
     assert figures == {

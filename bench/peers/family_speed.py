@@ -31,6 +31,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -167,7 +168,7 @@ class Sitting:
 
     def run(self, cmd: list[str], log: Path, env: dict[str, str] | None = None) -> bool:
         """Run ``cmd`` with its output to ``log``; False (and a note) when it fails."""
-        text = " ".join(map(str, cmd))
+        text = shlex.join(map(str, cmd))
         if text not in self.commands:
             self.commands.append(text)
         t0 = time.perf_counter()
@@ -182,8 +183,7 @@ class Sitting:
             except subprocess.TimeoutExpired:
                 rc = "timeout"
         took = time.perf_counter() - t0
-        print(f"  {Path(str(cmd[1 if cmd[0] == sys.executable else 0])).name} ... "
-              f"rc={rc} {took:.0f} s (log {log.name})", flush=True)  # fmt: skip
+        print(f"  rc={rc} {took:.0f} s (log {log.name})", flush=True)
         return rc == 0
 
     def kvserve(self, model: Path, workload: Path, folder: Path, tag: str, bs: list[int]) -> None:

@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--version", default="unknown")
     ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--system", default="llama.cpp", help="the records' system name")
+    ap.add_argument("--weights", default="Q4_1 (GGUF)", help="the records' dtype field")
     args = ap.parse_args(argv)
     cmd = [
         args.bin,
@@ -71,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         b = int(row["B"])
         rec = peer_record.throughput_record(
-            "llama.cpp",
+            args.system,
             args.version,
             b,
             b * args.npp,
@@ -80,9 +82,9 @@ def main(argv: list[str] | None = None) -> int:
             b,
             prefill_tokens_per_s=row["S_PP t/s"],
             decode_tokens_per_s=row["S_TG t/s"],
-            dtype="Q4_1 (GGUF)",
+            dtype=args.weights,
         )
-        peer_record.write(rec, args.out_dir, f"offline_llama.cpp_b{b}")
+        peer_record.write(rec, args.out_dir, f"offline_{args.system}_b{b}")
     return 0
 
 

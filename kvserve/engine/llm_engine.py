@@ -21,7 +21,7 @@ from kvserve.core.kv.kv_groups import group_size
 from kvserve.core.kv.metrics import HostTransferStats
 from kvserve.core.outputs import LogprobsEntry, ModelRunnerOutput
 from kvserve.core.sched.ahead import can_schedule_ahead, resolve_ahead
-from kvserve.core.sched.step_cost import chunk_pairs
+from kvserve.core.sched.step_cost import step_record
 from kvserve.core.sched.stop_checks import is_stop_token
 from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.distributed.spawn_check import refuse_tp_engine_while_importing_main
@@ -389,19 +389,9 @@ class LLMEngine:
             if all(s.request.is_finished for s in group.samples):
                 self._finish_group(group)
         self.num_steps += 1
-        prefills = [r for r in sched.scheduled if len(r.token_ids) > 1]
-        num_prefill = sum(len(r.token_ids) for r in prefills)
         self.step_records.append(
             {
-                "num_prefill_tokens": num_prefill,
-                "num_decode_tokens": sched.total_num_scheduled_tokens - num_prefill,
-                "num_context_tokens": sum(r.start_pos + len(r.token_ids) for r in sched.scheduled),
-                "num_attention_pairs": sum(
-                    chunk_pairs(r.start_pos, len(r.token_ids)) for r in sched.scheduled
-                ),
-                "num_prefill_chunks": len(prefills),
-                "num_seqs": len(sched.scheduled),
-                "seconds": time.perf_counter() - t0,
+                **step_record(sched, time.perf_counter() - t0),
                 # NOTE: seconds - schedule_seconds - execute_seconds is the engine's own
                 # per-step cost (token bookkeeping, stop checks, detokenization, outputs).
                 "schedule_seconds": planned.schedule_seconds,

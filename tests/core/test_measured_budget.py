@@ -18,7 +18,7 @@ from kvserve.core.outputs import SchedulerOutput
 from kvserve.core.sched.measured_budget import MeasuredStepBudget
 from kvserve.core.sched.scheduler import Scheduler
 from kvserve.core.sched.step_budget import PrefillCandidate, StepBudgetConfig
-from kvserve.core.sched.step_cost import chunk_pairs
+from kvserve.core.sched.step_cost import step_record
 from kvserve.engine.config import EngineConfig
 from tests.core.fake_runner import Driver, FakeClock, FakeRunner, expected_output, make_request
 from tests.core.test_step_budget import VOCAB, FakeCost, layout, prompt, step_seconds
@@ -28,19 +28,7 @@ LONG = PrefillCandidate("L", 0, 500)
 
 def record(sched: SchedulerOutput, seconds: float) -> dict[str, float]:
     """The step record ``LLMEngine.step`` would write for ``sched`` (its ``seconds`` given)."""
-    prefills = [r for r in sched.scheduled if len(r.token_ids) > 1]
-    num_prefill = sum(len(r.token_ids) for r in prefills)
-    return {
-        "num_prefill_tokens": num_prefill,
-        "num_decode_tokens": sched.total_num_scheduled_tokens - num_prefill,
-        "num_context_tokens": sum(r.start_pos + len(r.token_ids) for r in sched.scheduled),
-        "num_attention_pairs": sum(
-            chunk_pairs(r.start_pos, len(r.token_ids)) for r in sched.scheduled
-        ),
-        "num_prefill_chunks": len(prefills),
-        "num_seqs": len(sched.scheduled),
-        "seconds": seconds,
-    }
+    return step_record(sched, seconds)
 
 
 def decode_record(num_decodes: int, seconds: float) -> dict[str, float]:

@@ -31,6 +31,10 @@ import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvserve.core.outputs import SchedulerOutput
 
 NUM_FEATURES = 6
 # NOTE: scales bring each feature near 1 for this engine's steps so the normal equations are
@@ -95,6 +99,24 @@ class StepLoad:
 def chunk_pairs(start_pos: int, num_tokens: int) -> int:
     """Attention (query, key) pairs of ``num_tokens`` new tokens after ``start_pos`` cached."""
     return num_tokens * start_pos + num_tokens * (num_tokens + 1) // 2
+
+
+def step_record(sched: SchedulerOutput, seconds: float) -> dict[str, float]:
+    """The load figures of one step ``sched`` that took ``seconds``: the record the engine
+    keeps per step (``LLMEngine.step_records``) and the cost model is fed."""
+    prefills = [r for r in sched.scheduled if len(r.token_ids) > 1]
+    num_prefill = sum(len(r.token_ids) for r in prefills)
+    return {
+        "num_prefill_tokens": num_prefill,
+        "num_decode_tokens": sched.total_num_scheduled_tokens - num_prefill,
+        "num_context_tokens": sum(r.start_pos + len(r.token_ids) for r in sched.scheduled),
+        "num_attention_pairs": sum(
+            chunk_pairs(r.start_pos, len(r.token_ids)) for r in sched.scheduled
+        ),
+        "num_prefill_chunks": len(prefills),
+        "num_seqs": len(sched.scheduled),
+        "seconds": seconds,
+    }
 
 
 class OnlineStepCostModel:

@@ -85,8 +85,7 @@ def load_generation_defaults(option: str, model_path: str) -> GenerationDefaults
         path = os.path.join(os.path.expanduser(option), GENERATION_CONFIG_FILE)
         if not os.path.isfile(path):
             raise ModelFileNotFoundError(f"--generation-config {option}: no {path}")
-        data = _read_hf_file(path)
-        return replace(_checked(_from_hf(data), path), eos_token_ids=_eos_ids(data, path))
+        return _hf_defaults(path, sampling=True)
     if not os.path.isdir(model_path):
         return (
             GenerationDefaults()
@@ -96,8 +95,14 @@ def load_generation_defaults(option: str, model_path: str) -> GenerationDefaults
     path = os.path.join(model_path, GENERATION_CONFIG_FILE)
     if not os.path.isfile(path):
         return GenerationDefaults()
+    return _hf_defaults(path, sampling=option != "vllm")
+
+
+def _hf_defaults(path: str, *, sampling: bool) -> GenerationDefaults:
+    """generation_config.json at ``path``: its end-of-turn ids, and its sampling defaults
+    unless ``sampling`` is False (``--generation-config vllm``)."""
     data = _read_hf_file(path)
-    defaults = GenerationDefaults() if option == "vllm" else _checked(_from_hf(data), path)
+    defaults = _checked(_from_hf(data), path) if sampling else GenerationDefaults()
     return replace(defaults, eos_token_ids=_eos_ids(data, path))
 
 

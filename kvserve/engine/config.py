@@ -90,7 +90,11 @@ _HELP: dict[str, str] = {
     "ttft_aging": "step-budget TTFT guard: a prompt that has waited w seconds for its first "
     "token may stretch a step to the target + this x w (0, the default: a fixed target)",
     "ttft_slack": "step-budget TTFT deadline: a prompt that has waited this multiple of its "
-    "predicted unsplit prefill step is not capped (default 2)",
+    "predicted unsplit prefill step takes a longer step (--step-deadline-multiple; default 2; "
+    "none: no deadline)",
+    "step_deadline_multiple": "step budget: a prompt past its TTFT deadline (--ttft-slack) "
+    "may stretch the step to this multiple of the predicted pure-decode step (default 2.5; "
+    "none: it is not capped at all)",
     "step_tail_fraction": "step budget: the ITL tail allowance, the share of decode tokens "
     "that may fall in steps left uncapped for a long prompt (e.g. 0.012 under a p99 "
     "objective; default: none, every step is capped)",
@@ -182,6 +186,7 @@ class EngineConfig:
     ttft_aging: float = 0.0
     step_min_decodes: int = 1
     ttft_slack: float | None = 2.0
+    step_deadline_multiple: float | None = 2.5
     step_tail_fraction: float | None = None
     step_tail_min_tokens: int = 64
     prefill_share: float = 0.5
@@ -296,6 +301,7 @@ class EngineConfig:
             ttft_aging=self.ttft_aging,
             min_decodes=self.step_min_decodes,
             ttft_slack=self.ttft_slack,
+            deadline_multiple=self.step_deadline_multiple,
             tail_fraction=self.step_tail_fraction,
             tail_min_tokens=self.step_tail_min_tokens,
         )
@@ -350,6 +356,8 @@ class EngineConfig:
             if f.name in ("kv_cache_memory", "memory_budget", "swap_space"):
                 kwargs["type"] = parse_bytes
                 kwargs["help"] += " (bytes; suffixes K, M, G, KiB, MiB, GiB accepted)"
+            elif kind is float and "None" in str(f.type):
+                kwargs["type"] = float_or_none  # "none" gives None (e.g. --ttft-slack none)
             else:
                 kwargs["type"] = kind
             if f.name == "preemption_mode":
@@ -419,6 +427,10 @@ def _speculative_config_arg(text: str) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def float_or_none(text: str) -> float | None:
+    return None if text.strip().lower() == "none" else float(text)
 
 
 def _field_type(annotation: object) -> type:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from kvserve.config import SchedulerConfig
@@ -54,6 +56,30 @@ def test_a_prompt_past_its_ttft_deadline_is_not_capped() -> None:
     # Two prompts: only the late one passes the target, on top of what the other took.
     late, fresh = PrefillCandidate("L", 0, 40, True, 0.2), PrefillCandidate("S", 0, 10, True)
     assert budget(ttft_aging=0.0, ttft_slack=1.0).plan([5], [late, fresh], 64) == {"L": 40, "S": 0}
+
+
+def test_deadline_multiple_bounds_the_step_of_a_late_prompt() -> None:
+    # Issue 51: past its deadline a prompt may take the step to 3 x the 11 ms decode step
+    # (33 ms: 22 tokens), not the whole token budget; before it, the plain 30 ms target.
+    b = budget(ttft_aging=0.0, ttft_slack=1.0, deadline_multiple=3.0)
+    assert b.plan([5], [PrefillCandidate("A", 0, 100, True, 0.070)], 64) == {"A": 19}
+    assert b.plan([5], [PrefillCandidate("A", 0, 100, True, 0.075)], 64) == {"A": 22}
+    # A multiple whose step is under the target never shrinks the target's chunk.
+    low = budget(ttft_aging=0.0, ttft_slack=1.0, deadline_multiple=2.0)
+    assert low.plan([5], [PrefillCandidate("A", 0, 100, True, 0.075)], 64) == {"A": 19}
+    # Three decodes (13 ms) and a late prompt: 39 ms - 13 ms = 26 tokens.
+    assert b.plan([5, 5, 5], [PrefillCandidate("A", 0, 100, True, 1.0)], 64) == {"A": 26}
+
+
+def test_engine_default_bounds_a_late_prompt_and_none_lifts_it() -> None:
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    default = EngineConfig.from_cli_args(parser.parse_args([]))
+    assert default.step_budget_config().deadline_multiple == 2.5
+    off = EngineConfig.from_cli_args(parser.parse_args(["--step-deadline-multiple", "none"]))
+    assert off.step_budget_config().deadline_multiple is None
+    no_deadline = EngineConfig.from_cli_args(parser.parse_args(["--ttft-slack", "None"]))
+    assert no_deadline.ttft_slack is None
 
 
 def test_few_decodes_leave_the_step_uncapped() -> None:
@@ -128,6 +154,7 @@ def test_a_waiting_prompt_gets_a_growing_chunk_and_a_bounded_ttft() -> None:
         ("ttft_aging", float("inf"), "--ttft-aging"),
         ("step_min_decodes", 0, "--step-min-decodes"),
         ("ttft_slack", -0.5, "--ttft-slack"),
+        ("step_deadline_multiple", 0.5, "--step-deadline-multiple"),
     ],
 )
 def test_bad_guard_values_name_the_flag(field: str, value: float, flag: str) -> None:

@@ -37,6 +37,10 @@ target raising TTFT p90 9x at low load, where the token budget alone already kep
   TTFT is then within about that multiple of the unsplit prefill plus one step, and under
   overload (long queues: every wait past its deadline) the planner stands aside, because
   there small chunks cost throughput (every step pays the weight reads) and the queue grows.
+  With ``deadline_multiple`` a prompt past its deadline is not uncapped but may stretch the
+  step to that multiple of the pure-decode step: bigger chunks than the target's, and no
+  stream gap longer than that multiple (issue 51: the uncapped late prompts were the p99 ITL
+  of the arrivals trace).
 
 The ITL tail allowance (``tail_fraction``) spends the percentile an ITL objective leaves:
 a p99 objective lets 1 % of a stream's gaps be slow, and splitting a prompt always delays
@@ -112,6 +116,7 @@ class StepBudgetConfig:
     tail_fraction: float | None = None  # ITL tail allowance: share of decodes a step may stall
     tail_window: int = 2000  # decode tokens the allowance is counted over (bucket size / share)
     tail_min_tokens: int = 64  # remaining prompt tokens that may spend the allowance
+    deadline_multiple: float | None = None  # past the deadline: cap x decode step (None: none)
 
     def __post_init__(self) -> None:
         _positive_ms("max_step_ms", self.max_step_ms)
@@ -143,6 +148,13 @@ class StepBudgetConfig:
             isinstance(sl, bool) or not isinstance(sl, (int, float)) or not 0.0 <= sl < math.inf
         ):
             raise ValueError(f"ttft_slack (--ttft-slack) must be a number >= 0, got {sl!r}")
+        dm = self.deadline_multiple
+        if dm is not None and (
+            isinstance(dm, bool) or not isinstance(dm, (int, float)) or not 1.0 <= dm < math.inf
+        ):
+            raise ValueError(
+                f"deadline_multiple (--step-deadline-multiple) must be a number >= 1, got {dm!r}"
+            )
         tf = self.tail_fraction
         if tf is not None and (
             isinstance(tf, bool) or not isinstance(tf, (int, float)) or not 0.0 < tf < 1.0
@@ -320,8 +332,9 @@ class StepTimeBudget:
             own = target + cfg.ttft_aging * waited
             if cfg.ttft_slack is not None and waited > 0.0:
                 unsplit = self.cost.predict(decodes_only.plus_chunk(c.start_pos, limit))
-                if waited >= cfg.ttft_slack * unsplit:
-                    own = math.inf  # past its TTFT deadline: the rest of the token budget
+                if waited >= cfg.ttft_slack * unsplit:  # past its TTFT deadline
+                    dm = cfg.deadline_multiple
+                    own = math.inf if dm is None else max(own, dm * decode_s)
             n = self._largest_fit(load, c.start_pos, limit, own)
             if n == 0:
                 continue

@@ -124,6 +124,18 @@ def _workloads(engine: Any, args: argparse.Namespace) -> dict[str, tuple]:
     }
 
 
+def step_ms_by_rows(records: list[dict[str, float]], max_rows: int = 9) -> dict[int, float]:
+    """Median model time (ms, ``execute_seconds``) of the one-request steps in ``records``
+    (``LLMEngine.step_records``) by the positions they computed, up to ``max_rows``: a plain
+    decode is 1, a verification of ``k`` drafts ``1 + k`` (issue 52: what a draft costs)."""
+    by: dict[int, list[float]] = {}
+    for r in records:
+        rows = int(r["num_prefill_tokens"] + r["num_decode_tokens"])
+        if r["num_seqs"] == 1 and rows <= max_rows:
+            by.setdefault(rows, []).append(1e3 * r["execute_seconds"])
+    return {n: round(statistics.median(v), 2) for n, v in sorted(by.items())}
+
+
 def draft_spec_config(spec_config: str, draft_model: str | None) -> str:
     """``--spec-config`` as given, or with ``--draft-model``: its keys other than the n-gram
     ones, for a draft model at ``draft_model``."""
@@ -155,12 +167,14 @@ def cmd_spec(args: argparse.Namespace) -> int:
             _run(engine, prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), False)
         rates: dict[str, list[float]] = {"plain": [], "spec": []}
         outs: dict[str, list] = {}
+        first = {kind: len(engine.step_records) for kind, engine in engines.items()}
         for _ in range(args.repeats):
             for kind, engine in engines.items():
                 before = engine.stats()
                 tokens, seconds, outs[kind] = _run(engine, prompts, params, at_once)
                 rates[kind].append(tokens / seconds)
                 after = engine.stats()
+        by_rows = {k: step_ms_by_rows(e.step_records[first[k] :]) for k, e in engines.items()}
         spec_stats = {
             k: after[k] - before.get(k, 0)
             for k in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
@@ -172,6 +186,7 @@ def cmd_spec(args: argparse.Namespace) -> int:
             "speedup": spec_rate / plain_rate,
             "runs": rates,
             "same_output": outs["plain"] == outs["spec"],
+            "step_ms_by_rows": by_rows,
             **spec_stats,
         }
         r = results[name]
@@ -183,5 +198,7 @@ def cmd_spec(args: argparse.Namespace) -> int:
             f"same output: {r['same_output']}",
             flush=True,
         )
+        if not at_once:
+            print(f"          model ms a step by positions computed: {by_rows}", flush=True)
     write_json(args.output_json, make_record("spec", results, spec_config=spec_json))
     return 0

@@ -357,7 +357,7 @@ class EngineConfig:
                 kwargs["type"] = parse_bytes
                 kwargs["help"] += " (bytes; suffixes K, M, G, KiB, MiB, GiB accepted)"
             elif kind is float and "None" in str(f.type):
-                kwargs["type"] = float_or_none  # "none" gives None (e.g. --ttft-slack none)
+                kwargs["type"] = _float_or_none
             else:
                 kwargs["type"] = kind
             if f.name == "preemption_mode":
@@ -429,8 +429,14 @@ def _speculative_config_arg(text: str) -> SpeculativeConfig | None:
         raise argparse.ArgumentTypeError(str(e)) from e
 
 
-def float_or_none(text: str) -> float | None:
-    return None if text.strip().lower() == "none" else float(text)
+def _float_or_none(text: str) -> float | None:
+    """An optional number flag's value: ``none`` is None (e.g. ``--ttft-slack none``)."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or none, got {text!r}") from None
 
 
 def _field_type(annotation: object) -> type:

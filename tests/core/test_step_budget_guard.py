@@ -80,6 +80,8 @@ def test_engine_default_bounds_a_late_prompt_and_none_lifts_it() -> None:
     assert off.step_budget_config().deadline_multiple is None
     no_deadline = EngineConfig.from_cli_args(parser.parse_args(["--ttft-slack", "None"]))
     assert no_deadline.ttft_slack is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--step-deadline-multiple", "lots"])
 
 
 def test_few_decodes_leave_the_step_uncapped() -> None:

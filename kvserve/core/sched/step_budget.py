@@ -37,10 +37,8 @@ target raising TTFT p90 9x at low load, where the token budget alone already kep
   TTFT is then within about that multiple of the unsplit prefill plus one step, and under
   overload (long queues: every wait past its deadline) the planner stands aside, because
   there small chunks cost throughput (every step pays the weight reads) and the queue grows.
-  With ``deadline_multiple`` a prompt past its deadline is not uncapped but may stretch the
-  step to that multiple of the pure-decode step: bigger chunks than the target's, and no
-  stream gap longer than that multiple (issue 51: the uncapped late prompts were the p99 ITL
-  of the arrivals trace).
+  With ``deadline_multiple``, past the deadline the step may stretch to that multiple of the
+  pure-decode step instead (issue 51: uncapped late prompts were the arrivals' p99 ITL).
 
 The ITL tail allowance (``tail_fraction``) spends the percentile an ITL objective leaves:
 a p99 objective lets 1 % of a stream's gaps be slow, and splitting a prompt always delays
@@ -152,9 +150,7 @@ class StepBudgetConfig:
         if dm is not None and (
             isinstance(dm, bool) or not isinstance(dm, (int, float)) or not 1.0 <= dm < math.inf
         ):
-            raise ValueError(
-                f"deadline_multiple (--step-deadline-multiple) must be a number >= 1, got {dm!r}"
-            )
+            raise ValueError(f"deadline_multiple (--step-deadline-multiple) must be >= 1: {dm!r}")
         tf = self.tail_fraction
         if tf is not None and (
             isinstance(tf, bool) or not isinstance(tf, (int, float)) or not 0.0 < tf < 1.0

@@ -14,7 +14,6 @@ import pytest
 
 from kvserve.config import SchedulerConfig
 from kvserve.core.kv.kv_cache_manager import KVCacheManager
-from kvserve.core.outputs import SchedulerOutput
 from kvserve.core.sched.measured_budget import MeasuredStepBudget
 from kvserve.core.sched.scheduler import Scheduler
 from kvserve.core.sched.step_budget import PrefillCandidate, StepBudgetConfig
@@ -24,11 +23,6 @@ from tests.core.fake_runner import Driver, FakeClock, FakeRunner, expected_outpu
 from tests.core.test_step_budget import VOCAB, FakeCost, layout, prompt, step_seconds
 
 LONG = PrefillCandidate("L", 0, 500)
-
-
-def record(sched: SchedulerOutput, seconds: float) -> dict[str, float]:
-    """The step record ``LLMEngine.step`` would write for ``sched`` (its ``seconds`` given)."""
-    return step_record(sched, seconds)
 
 
 def decode_record(num_decodes: int, seconds: float) -> dict[str, float]:
@@ -130,7 +124,7 @@ def drive(budget: MeasuredStepBudget | None, *, noisy: bool = False, steps: int 
         seconds = step_seconds(sched) * ((0.25 if i % 2 else 4.0) if noisy else 1.0)
         # NOTE: the clock follows the steps' time (Driver adds 1 s a step), for the aging.
         clock.now += seconds - 1.0
-        scheduler.observe_step(record(sched, seconds))
+        scheduler.observe_step(step_record(sched, seconds))
         if i >= 10:
             layouts.append(layout(sched))
     return d, layouts

@@ -156,7 +156,17 @@ class OneDnnPrepackedMethod(LinearMethod):
         return self.packed.to_dense()
 
     def apply(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if x.shape[0] == 1:
+            # NOTE: one row goes through oneDNN's gemv kernel, whose sums run in another
+            # order than its GEMM's at some shapes (AMD EPYC Zen 4, fp32 576x1536: a row's bits
+            # differed from the same row in any 2..320-row call), so a decode step's logits
+            # depended on its batch. Two rows take the GEMM path; at one row the second costs
+            # 1-4 % (2 threads). decode_layers.cpp pads its oneDNN parts the same way.
+            y = torch.ops.mkldnn._linear_pointwise(
+                x.expand(2, -1).contiguous(), self.packed, self.bias, "none", [], ""
+            )[:1]
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if out is None:
             return y
         return out.copy_(y)

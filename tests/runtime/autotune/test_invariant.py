@@ -44,6 +44,44 @@ def test_probe_tells_row_invariant_kernels_from_size_dependent_ones() -> None:
     assert rows_invariant(SizeDependentMethod(w, "sized"), torch.float32, CPU, max_rows=8)
 
 
+class GemvSometimesMethod(FakeMethod):
+    """A one-row call sums in float64 for rows whose first element is positive (about half),
+    as a gemv kernel differs on some rows only: torch.mm in bf16 on a Zen 4 EPYC differed in
+    5-10 % of single rows, and a probe of rows 0 and 159 alone passed it."""
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if x.shape[0] == 1 and x[0, 0] > 0:
+            y = (x.double() @ self.weight.double().t()).float()
+        else:
+            y = torch.stack([torch.mv(self.weight, row) for row in x])
+        return y if out is None else out.copy_(y)
+
+
+def test_probe_checks_many_single_rows() -> None:
+    w = torch.randn(24, 40, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(320, 40, generator=torch.Generator().manual_seed(0))
+    assert x[0, 0] <= 0 and x[159, 0] <= 0  # the rows the probe used to take alone
+    assert not rows_invariant(GemvSometimesMethod(w, "gemv"), torch.float32, CPU)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onednn_one_row_equals_its_rows_in_a_batch(dtype: torch.dtype) -> None:
+    """oneDNN's one-row (gemv) kernel summed in another order than its GEMM (Zen 4 EPYC,
+    fp32 576x1536): OneDnnPrepackedMethod runs one row as two."""
+    from kvserve.runtime.autotune.candidates import onednn_supports
+    from kvserve.runtime.linear import OneDnnPrepackedMethod
+
+    if not onednn_supports(dtype):
+        pytest.skip(f"oneDNN has no {dtype} linear on this CPU")
+    gen = torch.Generator().manual_seed(0)
+    method = OneDnnPrepackedMethod((torch.randn(576, 1536, generator=gen) * 0.05).to(dtype))
+    method.bias = None
+    x = torch.randn(64, 1536, generator=gen).to(dtype)
+    full = method.apply(x)
+    for i in range(x.shape[0]):
+        assert torch.equal(method.apply(x[i : i + 1].clone()), full[i : i + 1]), i
+
+
 @pytest.mark.skipif(not quant_ops.load(), reason="quantized kernels unavailable")
 def test_the_int8_dot_kernel_is_row_invariant() -> None:
     from kvserve.models.quant import quantize_dense

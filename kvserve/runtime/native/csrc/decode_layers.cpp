@@ -67,10 +67,14 @@ void project(const Tensor& out, const Tensor& x, at::TensorList weights, at::Int
       // a boxed call costs ~1 us against the matmul's tens.
       static const auto onednn = c10::Dispatcher::singleton().findSchemaOrThrow(
           "mkldnn::_linear_pointwise", "");
-      std::vector<c10::IValue> stack{x, weights[p], c10::IValue(), std::string("none"),
+      // NOTE: one row padded to two, as OneDnnPrepackedMethod.apply does: oneDNN's one-row
+      // (gemv) kernel sums in another order than its GEMM at some shapes.
+      const bool one = x.size(0) == 1;
+      std::vector<c10::IValue> stack{one ? x.expand({2, x.size(1)}).contiguous() : x,
+                                     weights[p], c10::IValue(), std::string("none"),
                                      c10::List<std::optional<at::Scalar>>(), std::string("")};
       onednn.callBoxed(&stack);
-      dst.copy_(stack[0].toTensor());
+      dst.copy_(one ? stack[0].toTensor().narrow(0, 0, 1) : stack[0].toTensor());
     } else {
       TORCH_CHECK(info[0] == kPartInt8Dot, "decode_layers: unknown part kind ", info[0]);
       static const auto linear = c10::Dispatcher::singleton()

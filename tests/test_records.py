@@ -58,9 +58,10 @@ def test_record(path: Path):
     assert path.parent.parent == RECORDS and path.parent.name == record["cpu_kind"]
     datetime.date.fromisoformat(record["date"])
     assert re.fullmatch(r"[0-9a-f]{7,12}", record["commit"])
-    # NOTE: a per-family speed sitting (bench/peers/family_speed.py) files its own record.
+    # NOTE: a per-family speed sitting (bench/peers/family_speed.py) and a speculative
+    # decoding sitting (`kvserve bench spec`) file their own records.
     stem = f"{record['date']}_{record['commit']}"
-    assert path.name in (f"{stem}.json", f"{stem}_families.json")
+    assert path.name in (f"{stem}.json", f"{stem}_families.json", f"{stem}_spec.json")
     lscpu = record["lscpu"]
     assert isinstance(lscpu.get("model"), str) and lscpu["model"]
     assert isinstance(lscpu.get("flags"), list) and all(isinstance(f, str) for f in lscpu["flags"])

@@ -135,7 +135,11 @@ def test_ray_cluster_runs_two_replicas_and_the_router(monkeypatch: pytest.Monkey
     monkeypatch.setenv("PYTHONPATH", checkout_env()["PYTHONPATH"])  # actors import this checkout
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        config = EngineConfig(num_kv_blocks=128, num_threads=1)
+        # NOTE: no kernel selection and no dtype decision: each actor would time the kernels
+        # (cold, ~25 s of this test's ~40 s on a 2-vCPU host); routing is what is checked.
+        config = EngineConfig(
+            num_kv_blocks=128, num_threads=1, kernel_selection="off", dtype="float32"
+        )
         actors, urls = ray_replicas(config, 2, {})
         assert len(set(urls)) == 2
         pids = ray.get([a.pid.remote() for a in actors])

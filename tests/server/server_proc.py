@@ -71,6 +71,10 @@ def server_process(
         "--num-kv-blocks", "512",
         "--num-threads", "1",
         "--quiet",
+        # NOTE: no kernel timing at start-up (a cold one took ~35 s of a 49 s first start on
+        # a 2-vCPU host): these tests check the HTTP server; tests/e2e checks the kernels.
+        "--kernel-selection", "off",
+        "--dtype", "float32",
         *extra_args,
     ]  # fmt: skip
     if api_key is not None:

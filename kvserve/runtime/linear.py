@@ -160,8 +160,9 @@ class OneDnnPrepackedMethod(LinearMethod):
             # NOTE: one row goes through oneDNN's gemv kernel, whose sums run in another
             # order than its GEMM's at some shapes (AMD EPYC Zen 4, fp32 576x1536: a row's bits
             # differed from the same row in any 2..320-row call), so a decode step's logits
-            # depended on its batch. Two rows take the GEMM path; at one row the second costs
-            # 1-4 % (2 threads). decode_layers.cpp pads its oneDNN parts the same way.
+            # depended on its batch. Two rows take the GEMM path; the second row cost 1-4 % at
+            # 2 threads (16 % on the 49152x576 lm_head at 1 thread). decode_layers.cpp pads
+            # its oneDNN parts the same way.
             y = torch.ops.mkldnn._linear_pointwise(
                 x.expand(2, -1).contiguous(), self.packed, self.bias, "none", [], ""
             )[:1]

@@ -21,9 +21,10 @@ from typing import Any
 SPEC_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 
-# NOTE: measured on the embedded model (2-vCPU AMD EPYC Zen 3, docs/speculative.md): one
-# more token in a request's verification chunk costs this fraction of a one-token decode
-# step at batch 1 ...
+# NOTE: the price of one more token in a request's verification chunk, as a fraction of a
+# one-token decode step at batch 1, before the engine has measured it on this machine
+# (core/sched/draft_price.py: 0.27 on a Zen 3 EPYC, about 0.07 on a Zen 4; docs/speculative.md)
+# and a draft model's verification part (engine/draft_model.py) ...
 DEFAULT_DRAFT_TOKEN_COST = 0.15
 # ... and at this many running requests a step's extra tokens cost as much as decodes of
 # their own (the step is compute-bound), so speculation cannot pay (vLLM's
@@ -43,8 +44,9 @@ class SpeculativeConfig:
     requests (vLLM's option; None: ``DEFAULT_DISABLE_BY_BATCH_SIZE``).
     ``draft_token_cost``: the cost model's price of one verified draft token, as a fraction
     of a one-token decode step at batch 1 (kvserve's; see ``core/sched/speculate.py``);
-    None: ``DEFAULT_DRAFT_TOKEN_COST`` for n-gram, derived from the two models for a draft
-    model (``engine/draft_model.py``).
+    None: for n-gram, measured from the engine's one-request steps
+    (``core/sched/draft_price.py``, ``DEFAULT_DRAFT_TOKEN_COST`` until measured); for a draft
+    model, derived from the two models (``engine/draft_model.py``).
     ``adaptive``: size each request's draft by its measured acceptance (kvserve's; False:
     always the longest draft the proposer finds, up to ``num_speculative_tokens``).
     """
@@ -100,10 +102,8 @@ class SpeculativeConfig:
                 f"speculative_config.disable_by_batch_size must be an int >= 1, got {b!r}"
             )
         c = self.draft_token_cost
-        if c is None and self.method == "ngram":
-            object.__setattr__(self, "draft_token_cost", DEFAULT_DRAFT_TOKEN_COST)
-        elif c is None:
-            pass  # a draft model's: the engine sets it from the two models (engine/draft_model.py)
+        if c is None:
+            pass  # measured (n-gram), or set by the engine from the two models (a draft model)
         elif isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 <= c <= 1.0:
             raise ValueError(
                 f"speculative_config.draft_token_cost must be a number in [0, 1], got {c!r}"

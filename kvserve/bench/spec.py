@@ -200,5 +200,10 @@ def cmd_spec(args: argparse.Namespace) -> int:
         )
         if not at_once:
             print(f"          model ms a step by positions computed: {by_rows}", flush=True)
-    write_json(args.output_json, make_record("spec", results, spec_config=spec_json))
+    price = engines["spec"].scheduler.spec.price  # None where the config sets the price
+    cost = None if price is None else {"value": price.cost(), "measured": price.measured}
+    if cost is not None:
+        print(f"draft token cost: {cost['value']:.3f} (measured: {cost['measured']})", flush=True)
+    record = make_record("spec", results, spec_config=spec_json, draft_token_cost=cost)
+    write_json(args.output_json, record)
     return 0

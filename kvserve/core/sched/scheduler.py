@@ -19,8 +19,7 @@ this order:
 Steps 2-4 respect per-request prefill chunk caps planned after step 1: a step-time budget's
 (``step_budget``, fed by ``observe_step``), else the fair prefill share's (``fair_prefill``).
 Rules: ``admission.py`` (seats, headroom, hysteresis, no deadlock: steps 3 and 4),
-``preemption.py``, ``stop_checks``, ``speculate`` (a decode's drafts); ``step_plan`` the
-step's budget and output; this file the order.
+``preemption.py``, ``stop_checks``, ``speculate`` (drafts), ``step_plan``; this file the order.
 
 ``update_from_output`` advances the counters, forks pending n > 1 children once the parent's
 prompt is computed, appends sampled tokens, applies stop checks and frees finished requests'
@@ -152,9 +151,10 @@ class Scheduler:
         return d
 
     def observe_step(self, record: dict[str, float]) -> None:
-        """Feed one executed step's record (``LLMEngine.step_records``) to the step budget."""
-        if self.step_budget is not None:
-            self.step_budget.observe(record)
+        """Feed one step's record (``LLMEngine.step_records``) to the budget and speculator."""
+        for sink in (self.step_budget, self.spec):
+            if sink is not None:
+                sink.observe(record)
 
     def _enqueue_waiting(self, request: Request) -> None:
         bisect.insort(self.waiting, request, key=waiting_key)

@@ -12,7 +12,8 @@ sampled (``runtime/spec_verify.py``), then the token sampled after the last acce
 - **How many** (``Speculator.num_to_draft``): a cost model per request. With ``a`` the
   request's acceptance rate (each draft accepted given the ones before were), ``k`` drafts
   yield ``1 + a + ... + a^k`` tokens for a step that costs ``1 + c k`` decode steps, ``c`` =
-  ``SpeculativeConfig.draft_token_cost`` (measured at batch 1). ``c`` grows linearly with
+  ``SpeculativeConfig.draft_token_cost`` where set, else (n-gram) the price measured on this
+  machine from one-request steps (``draft_price.MeasuredDraftPrice``). ``c`` grows linearly with
   the running requests up to 1 at ``disable_by_batch_size`` (a compute-bound step: an extra
   token costs a decode of its own, so no ``k`` pays), where speculation stops. ``k``
   maximizes yield / cost; 0 when no ``k`` beats plain decoding (``a`` below ~``c``).
@@ -34,10 +35,12 @@ tokens per draft position; acceptance rate and mean acceptance length derive fro
 from __future__ import annotations
 
 from array import array
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvserve.core.outputs import DRAFT_PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, ScheduledRequest
+from kvserve.core.sched.draft_price import MeasuredDraftPrice
 from kvserve.request import Request
 from kvserve.spec_config import DEFAULT_DRAFT_TOKEN_COST, SpeculativeConfig
 
@@ -121,6 +124,18 @@ class Speculator:
         self.config = config
         self.max_model_len = max_model_len
         self.stats = SpecDecodeStats()
+        # NOTE: None where the price is set: by the user, or for a draft model by the engine
+        # (its verification steps also run the draft, which this measure would not tell).
+        self.price = (
+            MeasuredDraftPrice(DEFAULT_DRAFT_TOKEN_COST)
+            if (config.draft_token_cost is None and config.method == "ngram")
+            else None
+        )
+
+    def observe(self, record: Mapping[str, float]) -> None:
+        """Feed one executed step's record (``LLMEngine.step_records``) to the measured price."""
+        if self.price is not None:
+            self.price.observe(record)
 
     def draft_token_cost(self, num_running: int) -> float | None:
         """The cost model's price of one draft token at ``num_running`` requests (module
@@ -130,7 +145,9 @@ class Speculator:
         if num_running >= limit:
             return None
         c = cfg.draft_token_cost
-        if c is None:  # NOTE: a draft model's cost the engine did not set (core tests)
+        if self.price is not None:
+            c = self.price.cost()
+        elif c is None:  # NOTE: a draft model's cost the engine did not set (core tests)
             c = DEFAULT_DRAFT_TOKEN_COST
         return c + (1.0 - c) * (num_running - 1) / max(1, limit - 1)
 

@@ -114,6 +114,9 @@ def step_record(sched: SchedulerOutput, seconds: float) -> dict[str, float]:
             chunk_pairs(r.start_pos, len(r.token_ids)) for r in sched.scheduled
         ),
         "num_prefill_chunks": len(prefills),
+        # NOTE: a verification's drafts are in num_prefill_tokens (1 + k positions of one
+        # request); core/sched/draft_price.py tells them apart by this count.
+        "num_spec_tokens": sum(len(r.spec_token_ids) for r in sched.scheduled),
         "num_seqs": len(sched.scheduled),
         "seconds": seconds,
     }

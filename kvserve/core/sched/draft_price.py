@@ -3,9 +3,10 @@
 The speculation cost model (``speculate.py``) prices one draft token at ``c`` decode steps
 at batch 1: a verification of ``k`` drafts costs ``1 + c k`` decode steps. ``c`` is what one
 more row costs in the step's kernels, and that depends on the CPU: on the embedded model a
-verified position cost 0.27 of a decode step on a Zen 3 EPYC (AVX2 int8-dot tiles of two
-tokens) and about 0.07 on a Zen 4 EPYC (AVX-512 VNNI tiles of four; docs/speculative.md). A
-constant tuned on one of them would over- or under-speculate on the other.
+verified position cost 0.27 of a decode step on a Zen 3 EPYC (AVX2: the int8-dot rows are
+arithmetic-bound) and about 0.07 on a Zen 4 EPYC (AVX-512 VNNI: flat up to 4 rows while the
+weights stream; docs/speculative.md). A constant tuned on one of them would over- or
+under-speculate on the other.
 
 So, unless the user sets ``draft_token_cost``, the n-gram speculator measures it from the
 engine's step records (``step_cost.step_record``), one-request steps only:

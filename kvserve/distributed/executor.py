@@ -28,6 +28,7 @@ import torch
 from kvserve.config import ModelArchConfig
 from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvserve.distributed.comm import TPCollectiveError, TPGroup, tp_timeout_s
+from kvserve.distributed.ray_actors import actor_env
 from kvserve.distributed.sharding import ShardSpec, validate_tp
 from kvserve.distributed.spawn_check import wait_workers_started
 from kvserve.distributed.worker import (
@@ -95,12 +96,11 @@ class TensorParallelExecutor:
                 ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False)
             host = ray.util.get_node_ip_address()
             init_method = f"tcp://{host}:{_free_port()}"
-            env = {k: os.environ[k] for k in ("PYTHONPATH", "OMP_WAIT_POLICY") if k in os.environ}
             from kvserve.distributed.worker import RayTPWorker
 
-            actor_cls = ray.remote(num_cpus=rank_threads(config), runtime_env={"env_vars": env})(
-                RayTPWorker
-            )
+            actor_cls = ray.remote(
+                num_cpus=rank_threads(config), runtime_env={"env_vars": actor_env()}
+            )(RayTPWorker)
             actors = [actor_cls.remote() for _ in range(1, n)]
             for rank, actor in enumerate(actors, start=1):
                 actor.run.remote(rank, n, init_method, config, timeout)

@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from kvserve.distributed.ray_actors import actor_env
 from kvserve.engine.config import EngineConfig
 from kvserve.router.replicas import api_headers
 from kvserve.server.limits import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_KEEP_ALIVE_TIMEOUT_S
@@ -334,8 +335,7 @@ def ray_replicas(
         ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False)
     threads = config.num_threads or 1
     cfg = config.replace(num_threads=threads)
-    env = {k: os.environ[k] for k in ("PYTHONPATH", "OMP_WAIT_POLICY") if k in os.environ}
-    actor_cls = ray.remote(num_cpus=threads, runtime_env={"env_vars": env})(ReplicaServer)
+    actor_cls = ray.remote(num_cpus=threads, runtime_env={"env_vars": actor_env()})(ReplicaServer)
     actors = [actor_cls.remote(cfg, server_kwargs, http_timeouts) for _ in range(num_replicas)]
     urls = ray.get([a.get_url.remote() for a in actors], timeout=STARTUP_TIMEOUT_S)
     return actors, list(urls)

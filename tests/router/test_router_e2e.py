@@ -19,13 +19,11 @@ import pytest
 from kvserve.router.cli import build_validated_app
 from kvserve.router.data_parallel import free_port, wait_healthy
 from tests.router.fake_replica import serve_in_thread
-from tests.server.server_proc import REPO_ROOT, checkout_env, metric_value
+from tests.server.server_proc import NO_KERNEL_TIMING, REPO_ROOT, checkout_env, metric_value
 
-# NOTE: no kernel timing at start-up (cold: ~35 s of the replicas' start on 2 vCPUs); the
-# router is what is checked.
 REPLICA_FLAGS = [
     "--num-threads", "1", "--num-kv-blocks", "256", "--max-num-seqs", "1", "--quiet",
-    "--kernel-selection", "off", "--dtype", "float32",
+    *NO_KERNEL_TIMING,
 ]  # fmt: skip
 
 

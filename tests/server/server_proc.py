@@ -27,6 +27,10 @@ STARTUP_TIMEOUT_S = 180.0
 FRESH_A = {"cache_salt": "streaming-check-a"}
 FRESH_B = {"cache_salt": "streaming-check-b"}
 
+# NOTE: no kernel timing at start-up (a cold one took ~35 s of a 49 s first start on a 2-vCPU
+# host): the server and router tests check HTTP and routing; tests/e2e checks the kernels.
+NO_KERNEL_TIMING = ("--kernel-selection", "off", "--dtype", "float32")
+
 
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now."""
@@ -71,10 +75,7 @@ def server_process(
         "--num-kv-blocks", "512",
         "--num-threads", "1",
         "--quiet",
-        # NOTE: no kernel timing at start-up (a cold one took ~35 s of a 49 s first start on
-        # a 2-vCPU host): these tests check the HTTP server; tests/e2e checks the kernels.
-        "--kernel-selection", "off",
-        "--dtype", "float32",
+        *NO_KERNEL_TIMING,
         *extra_args,
     ]  # fmt: skip
     if api_key is not None:

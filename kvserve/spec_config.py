@@ -101,10 +101,11 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config.disable_by_batch_size must be an int >= 1, got {b!r}"
             )
+        # NOTE: None stays None: measured (n-gram), or set by the engine (a draft model).
         c = self.draft_token_cost
-        if c is None:
-            pass  # measured (n-gram), or set by the engine from the two models (a draft model)
-        elif isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 <= c <= 1.0:
+        if c is not None and (
+            isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 <= c <= 1.0
+        ):
             raise ValueError(
                 f"speculative_config.draft_token_cost must be a number in [0, 1], got {c!r}"
             )
